@@ -1,0 +1,61 @@
+"""Shared fixtures: real tar files written by independent tools, and the peer shards."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+from typing import Iterable, Optional, Sequence, Tuple
+
+import pytest
+
+#: Shards written by another implementation (webdataset); present in CI, maybe absent elsewhere.
+PEER_DIR = Path(__file__).resolve().parents[2] / "shared" / "peer-testdata"
+
+
+@pytest.fixture
+def peer_dir() -> Path:
+    """The folder of peer-written shards; skips the test when it is not there."""
+    if not PEER_DIR.is_dir():
+        pytest.skip(f"peer test data not found at {PEER_DIR}")
+    return PEER_DIR
+
+
+def write_tar(
+    path: os.PathLike | str,
+    members: Iterable[Tuple[str, bytes]],
+    *,
+    format: int = tarfile.USTAR_FORMAT,
+    compress: Optional[str] = None,
+) -> Path:
+    """Write ``members`` (name, data) with Python's ``tarfile``: an independent writer."""
+    mode = "w" if compress is None else f"w:{compress}"
+    with tarfile.open(str(path), mode, format=format) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 1_600_000_000
+            tf.addfile(info, io.BytesIO(data))
+    return Path(path)
+
+
+def sample_members(n: int, exts: Sequence[str] = ("txt", "cls"), prefix: str = "") -> list:
+    """Members for ``n`` samples keyed ``{prefix}{i:06d}``, with one field per extension."""
+    out = []
+    for i in range(n):
+        key = f"{prefix}{i:06d}"
+        for ext in exts:
+            data = str(i).encode() if ext == "cls" else f"sample {key} {ext}".encode()
+            out.append((f"{key}.{ext}", data))
+    return out
+
+
+@pytest.fixture
+def tar_factory(tmp_path: Path):
+    """``tar_factory(name, members, **kw)`` writes a tar with Python's tarfile under tmp_path."""
+
+    def make(name: str, members: Iterable[Tuple[str, bytes]], **kw) -> Path:
+        return write_tar(tmp_path / name, members, **kw)
+
+    return make

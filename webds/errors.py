@@ -1,0 +1,100 @@
+"""The webds exception hierarchy.
+
+Every error webds raises on purpose derives from :class:`WebdsError` and carries the context a
+user needs to act on it: the shard ``url``, the tar ``member`` (or sample ``key``) and the byte
+``offset`` in the shard where that is known. Each class also derives from the builtin exception a
+caller would naturally catch (``IOError`` for I/O, ``ValueError`` for bad data or arguments), so
+``except ValueError`` keeps working for code written against webdataset.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = [
+    "WebdsError",
+    "ArgumentError",
+    "OpenError",
+    "ShardReadError",
+    "SampleError",
+    "DecodeError",
+    "EncodeError",
+    "WriteError",
+]
+
+
+class WebdsError(Exception):
+    """Root of all webds errors.
+
+    ``message`` says what went wrong and what to do; ``url``, ``member``, ``key`` and ``offset``
+    (all optional) say where. ``str(exc)`` renders all of them.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: Optional[str] = None,
+        member: Optional[str] = None,
+        key: Optional[str] = None,
+        offset: Optional[int] = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.url = url
+        self.member = member
+        self.key = key
+        self.offset = offset
+
+    def __str__(self) -> str:
+        where = []
+        if self.url is not None:
+            where.append(f"shard {self.url!r}")
+        if self.member is not None:
+            where.append(f"member {self.member!r}")
+        elif self.key is not None:
+            where.append(f"sample {self.key!r}")
+        if self.offset is not None:
+            where.append(f"byte offset {self.offset}")
+        if not where:
+            return self.message
+        return f"{self.message} [{', '.join(where)}]"
+
+    def __reduce__(self) -> Any:
+        # Exceptions cross DataLoader worker boundaries by pickling; keep the keyword context.
+        return (
+            _rebuild,
+            (type(self), self.message, self.url, self.member, self.key, self.offset),
+        )
+
+
+def _rebuild(cls: type, message: str, url: Any, member: Any, key: Any, offset: Any) -> Any:
+    return cls(message, url=url, member=member, key=key, offset=offset)
+
+
+class ArgumentError(WebdsError, ValueError):
+    """A webds function was called with an argument it cannot use."""
+
+
+class OpenError(WebdsError, IOError):
+    """A URL could not be opened, or a ``pipe:`` command failed (its exit status is in the message)."""
+
+
+class ShardReadError(WebdsError, IOError):
+    """A shard is truncated, corrupt, empty or not a tar archive."""
+
+
+class SampleError(WebdsError, ValueError):
+    """A sample is malformed: a duplicate member, a missing field, a bad key."""
+
+
+class DecodeError(WebdsError, ValueError):
+    """A field of a sample could not be decoded."""
+
+
+class EncodeError(WebdsError, ValueError):
+    """A field of a sample could not be encoded for writing."""
+
+
+class WriteError(WebdsError, IOError):
+    """A shard could not be written or committed."""
