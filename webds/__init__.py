@@ -1,3 +1,169 @@
-"""webds: stream deep-learning training data from POSIX tar shards into PyTorch."""
+"""webds: stream deep-learning training data from POSIX tar shards into PyTorch.
+
+``webds.WebDataset(url).shuffle(1000).decode("pil").to_tuple("jpg", "cls").batched(64)``
+"""
+
+from . import tenbin
+from .decode import (
+    IMAGE_EXTENSIONS,
+    Continue,
+    Decoder,
+    DecodingError,
+    decode,
+    gzfilter,
+    handle_extension,
+    imagehandler,
+    imagespecs,
+    torch_audio,
+    torch_loads,
+    torch_video,
+)
+from .errors import (
+    ArgumentError,
+    DecodeError,
+    EncodeError,
+    OpenError,
+    SampleError,
+    ShardReadError,
+    WebdsError,
+    WriteError,
+)
+from .filters import (
+    associate,
+    batched,
+    default_collation_fn,
+    detshuffle,
+    extract_keys,
+    getfirst,
+    info,
+    listed,
+    map,
+    map_dict,
+    map_tuple,
+    rename,
+    rename_keys,
+    rsample,
+    select,
+    shuffle,
+    slice,
+    to_tuple,
+    transform_with,
+    unbatched,
+    unlisted,
+)
+from .fluent import FluentMixin, FluidInterface, FluidWrapper, WebDataset
+from .handlers import (
+    ignore_and_continue,
+    ignore_and_stop,
+    reraise_exception,
+    warn_and_continue,
+    warn_and_stop,
+)
+from .loader import WebLoader
+from .pipeline import DataPipeline, Stage, pipelinefilter, stage
+from .samples import (
+    base_plus_ext,
+    group_by_keys,
+    tar_file_expander,
+    tarfile_samples,
+    tarfile_to_samples,
+    url_opener,
+)
+from .shards import (
+    ResampledShards,
+    SimpleShardList,
+    expand_urls,
+    single_node_only,
+    split_by_node,
+    split_by_worker,
+    worker_info,
+)
+from .urls import open_url
+from .writer import ShardWriter, TarWriter, numpy_dumps, torch_dumps
 
 __version__ = "0.1.0"
+
+__all__ = [
+    # errors
+    "WebdsError",
+    "ArgumentError",
+    "OpenError",
+    "ShardReadError",
+    "SampleError",
+    "DecodeError",
+    "DecodingError",
+    "EncodeError",
+    "WriteError",
+    # handlers
+    "reraise_exception",
+    "ignore_and_continue",
+    "warn_and_continue",
+    "ignore_and_stop",
+    "warn_and_stop",
+    # engine
+    "stage",
+    "pipelinefilter",
+    "Stage",
+    "DataPipeline",
+    # sources
+    "open_url",
+    "expand_urls",
+    "SimpleShardList",
+    "ResampledShards",
+    "split_by_node",
+    "split_by_worker",
+    "single_node_only",
+    "worker_info",
+    "url_opener",
+    "tar_file_expander",
+    "group_by_keys",
+    "base_plus_ext",
+    "tarfile_samples",
+    "tarfile_to_samples",
+    # stages
+    "shuffle",
+    "detshuffle",
+    "select",
+    "rsample",
+    "slice",
+    "map",
+    "map_dict",
+    "map_tuple",
+    "rename",
+    "rename_keys",
+    "extract_keys",
+    "to_tuple",
+    "associate",
+    "info",
+    "batched",
+    "unbatched",
+    "listed",
+    "unlisted",
+    "default_collation_fn",
+    "getfirst",
+    "transform_with",
+    # decoding
+    "decode",
+    "Decoder",
+    "Continue",
+    "gzfilter",
+    "handle_extension",
+    "imagehandler",
+    "imagespecs",
+    "IMAGE_EXTENSIONS",
+    "torch_loads",
+    "torch_video",
+    "torch_audio",
+    "tenbin",
+    # faces
+    "FluentMixin",
+    "FluidInterface",
+    "FluidWrapper",
+    "WebDataset",
+    "WebLoader",
+    # writing
+    "TarWriter",
+    "ShardWriter",
+    "numpy_dumps",
+    "torch_dumps",
+]

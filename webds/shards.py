@@ -90,9 +90,9 @@ def expand_urls(urls: URLs) -> List[str]:
     if isinstance(urls, (str, os.PathLike)):
         specs = os.fspath(urls).split("::")
     elif isinstance(urls, Iterable):
-        specs = [os.fspath(u) for u in urls]
+        specs = [os.fspath(u) if isinstance(u, os.PathLike) else u for u in urls]
         if not all(isinstance(s, str) for s in specs):
-            raise ArgumentError(f"shard URLs must be strings, got {urls!r}")
+            raise ArgumentError(f"shard URLs must be strings or paths, got {urls!r}")
     else:
         raise ArgumentError(f"expected a URL string or a list of URLs, got {type(urls).__name__}")
     result: List[str] = []

@@ -1,0 +1,185 @@
+"""Benchmark: webds's tar reader against Python's tarfile, on small and on image-sized members.
+
+Builds two shards in a temporary folder (random bytes, so nothing compresses or caches
+unfairly), then measures in the same run, several times each, and reports the median:
+
+- ``tarfile``: the stdlib in streaming mode (``mode="r|*"``), reading every member (what
+  webdataset does);
+- ``bare loop``: a minimal 512-byte-header loop over the whole file in memory, with no checks:
+  roughly the ceiling for pure Python;
+- ``webds.read_members``: our reader, from the open file;
+- samples/s: ``tarfile`` plus webdataset's grouping regex, against ``webds.tarfile_to_samples``.
+
+Usage: ``python benchmarks/bench_tario.py [--reps 5] [--out benchmarks/results/tario.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from webds.samples import tarfile_to_samples  # noqa: E402
+from webds.tario import END_OF_ARCHIVE, write_member  # noqa: E402
+
+
+def build_shard(path: Path, nmembers: int, min_size: int, max_size: int, exts: List[str]) -> int:
+    """Write ``nmembers`` members of random bytes, ``len(exts)`` members per sample."""
+    rng = random.Random(0)
+    blob = os.urandom(max_size * 4)
+    total = 0
+    with open(path, "wb") as f:
+        for i in range(nmembers):
+            size = rng.randint(min_size, max_size)
+            start = rng.randint(0, len(blob) - size)
+            name = f"{i // len(exts):07d}.{exts[i % len(exts)]}"
+            total += write_member(f, name, blob[start : start + size], mtime=1_700_000_000)
+        f.write(END_OF_ARCHIVE)
+    return total
+
+
+def run_tarfile(path: Path) -> int:
+    n = 0
+    with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tf:
+        for m in tf:
+            if m.isreg():
+                tf.extractfile(m).read()
+                n += 1
+            tf.members = []  # as webdataset does, so memory stays flat
+    return n
+
+
+def run_bare(path: Path) -> int:
+    with open(path, "rb") as f:
+        buf = f.read()
+    pos, n, end = 0, 0, len(buf) - 512
+    while pos <= end:
+        hdr = buf[pos : pos + 512]
+        if hdr[0] == 0:
+            break
+        size = int(hdr[124:136].rstrip(b" \0"), 8)
+        _name = hdr[:100].partition(b"\0")[0].decode()
+        _data = buf[pos + 512 : pos + 512 + size]
+        pos += 512 + ((size + 511) & -512)
+        n += 1
+    return n
+
+
+def run_read_members(path: Path) -> int:
+    from webds.tario import read_members
+
+    n = 0
+    with open(path, "rb") as f:
+        for _ in read_members(f, str(path)):
+            n += 1
+    return n
+
+
+_WDS_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+
+
+def run_tarfile_samples(path: Path) -> int:
+    """tarfile plus webdataset's grouping rule: the baseline for samples/s."""
+    n = 0
+    cur: Dict[str, object] = {}
+    with open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tf:
+        for m in tf:
+            if m.isreg():
+                data = tf.extractfile(m).read()
+                match = _WDS_KEY.match(m.name)
+                if match:
+                    key, ext = match.group(1), match.group(2).lower()
+                    if cur.get("__key__") != key:
+                        if cur:
+                            n += 1
+                        cur = {"__key__": key, "__url__": str(path)}
+                    cur[ext] = data
+            tf.members = []
+    return n + (1 if cur else 0)
+
+
+def run_webds_samples(path: Path) -> int:
+    return sum(1 for _ in tarfile_to_samples()(iter([{"url": str(path)}])))
+
+
+def measure(fn: Callable[[Path], int], path: Path, reps: int) -> Dict[str, float]:
+    fn(path)  # warm the page cache and imports
+    times = []
+    count = 0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        count = fn(path)
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    return {"count": count, "median_s": median, "per_s": count / median, "times_s": times}
+
+
+def main(argv: List[str] | None = None) -> Dict[str, object]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per measurement (median)")
+    ap.add_argument("--small-members", type=int, default=20_000)
+    ap.add_argument("--image-members", type=int, default=2_000)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tario.json"))
+    args = ap.parse_args(argv)
+
+    shards = {
+        "small (1-2 KB)": (args.small_members, 1024, 2048, ["txt", "cls"]),
+        "image (~100 KB)": (args.image_members, 90 * 1024, 110 * 1024, ["jpg", "seg.png"]),
+    }
+    results: Dict[str, object] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "reps": args.reps,
+        "shards": {},
+    }
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="webds-bench-") as tmp:
+        for label, (n, lo, hi, exts) in shards.items():
+            path = Path(tmp) / f"shard-{n}.tar"
+            nbytes = build_shard(path, n, lo, hi, exts)
+            member_runs = {
+                "tarfile r|*": measure(run_tarfile, path, args.reps),
+                "bare header loop": measure(run_bare, path, args.reps),
+                "webds.read_members": measure(run_read_members, path, args.reps),
+            }
+            sample_runs = {
+                "tarfile + grouping": measure(run_tarfile_samples, path, args.reps),
+                "webds.tarfile_to_samples": measure(run_webds_samples, path, args.reps),
+            }
+            base_m = member_runs["tarfile r|*"]["per_s"]
+            base_s = sample_runs["tarfile + grouping"]["per_s"]
+            entry = {"members": n, "bytes": nbytes, "members_per_s": {}, "samples_per_s": {}}
+            for name, r in member_runs.items():
+                entry["members_per_s"][name] = {**r, "ratio_vs_tarfile": r["per_s"] / base_m}
+                rows.append((label, name, "members/s", r, r["per_s"] / base_m, nbytes))
+            for name, r in sample_runs.items():
+                entry["samples_per_s"][name] = {**r, "ratio_vs_tarfile": r["per_s"] / base_s}
+                rows.append((label, name, "samples/s", r, r["per_s"] / base_s, nbytes))
+            results["shards"][label] = entry  # type: ignore[index]
+
+    print(f"{'shard':<16} {'reader':<26} {'unit':<10} {'rate':>12} {'MB/s':>8} {'vs tarfile':>10}")
+    for label, name, unit, r, ratio, nbytes in rows:
+        mbps = nbytes / r["median_s"] / 1e6
+        print(f"{label:<16} {name:<26} {unit:<10} {r['per_s']:>12,.0f} {mbps:>8.0f} {ratio:>9.1f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""Property tests: the tar reader on valid shards, and on shards damaged in every way.
+
+Valid shards (written by our writer or by Python's tarfile, plain or gzipped) must round-trip
+exactly. Damaged ones (bytes flipped, headers scribbled on, truncated, spliced, padded with
+junk) may only yield well-formed members or raise a WebdsError: never another exception, never a
+hang, never unbounded memory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import tarfile
+import tracemalloc
+from typing import List, Tuple
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from webds.errors import WebdsError
+from webds.samples import tarfile_to_samples
+from webds.tario import END_OF_ARCHIVE, member_bytes, read_members
+
+FUZZ = settings(
+    max_examples=300,
+    derandomize=True,  # the same examples on every run: CI is reproducible
+    database=None,
+    deadline=2000,  # a hang or a pathological slowdown fails the example
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+name_part = st.text(alphabet=st.sampled_from("abcXYZ019_-.ü日 "), min_size=1, max_size=12).filter(
+    lambda s: s.strip(".")
+)
+names = st.builds(
+    lambda parts, ext, long: "/".join(parts) + ("x" * long) + "." + ext,
+    st.lists(name_part, min_size=1, max_size=3),
+    st.sampled_from(["jpg", "cls", "seg.png", "TXT", "json"]),
+    st.sampled_from([0, 0, 0, 90, 250]),  # some names need the ustar prefix, GNU 'L' or pax
+)
+member = st.tuples(names, st.binary(max_size=1500) | st.sampled_from([b"", b"x" * 512, b"y" * 513]))
+members = st.lists(member, max_size=8)
+# Damage is more telling in a shard of several members (past the first header).
+several_members = st.lists(member, min_size=3, max_size=8)
+formats = st.sampled_from(["webds", "ustar", "gnu", "pax"])
+
+
+def build(items: List[Tuple[str, bytes]], fmt: str, gz: bool) -> bytes:
+    if fmt == "webds":
+        raw = b"".join(member_bytes(n, d, mtime=1_600_000_000) for n, d in items) + END_OF_ARCHIVE
+    else:
+        fmt_id = {
+            "ustar": tarfile.USTAR_FORMAT,
+            "gnu": tarfile.GNU_FORMAT,
+            "pax": tarfile.PAX_FORMAT,
+        }
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt_id[fmt]) as tf:
+            for n, d in items:
+                info = tarfile.TarInfo(n)
+                info.size = len(d)
+                tf.addfile(info, io.BytesIO(d))
+        # Drop tarfile's padding to a 10 KiB record, so that damage lands on real content.
+        raw = buf.getvalue().rstrip(b"\0")
+        raw += b"\0" * (-len(raw) % 512) + END_OF_ARCHIVE
+    return gzip.compress(raw, mtime=0) if gz else raw
+
+
+def usable(items: List[Tuple[str, bytes]], fmt: str) -> str:
+    """``fmt``, or "pax" where Python's tarfile can't write these names as ustar."""
+    if fmt == "ustar":
+        try:
+            build(items, fmt, False)
+        except ValueError:
+            return "pax"
+    return fmt
+
+
+def check_read(data: bytes) -> List[Tuple[str, bytes]]:
+    """Read ``data`` fully; assert the contract; return what came out before any error."""
+    out = []
+    try:
+        for item in read_members(io.BytesIO(data), "fuzz.tar"):
+            name, blob, offset = item
+            assert isinstance(name, str) and name
+            assert isinstance(blob, bytes)
+            assert isinstance(offset, int) and offset >= 0 and offset % 512 == 0
+            out.append((name, blob))
+    except WebdsError as exn:
+        assert exn.url == "fuzz.tar"
+        assert str(exn)
+    return out
+
+
+def check_samples(data: bytes) -> None:
+    shard = {"url": "fuzz.tar", "stream": io.BytesIO(data)}
+    try:
+        for sample in tarfile_to_samples()(iter([shard])):
+            assert isinstance(sample["__key__"], str)
+            assert all(isinstance(v, bytes) for k, v in sample.items() if not k.startswith("__"))
+    except WebdsError:
+        pass
+    assert shard["stream"].closed
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(items=members, fmt=formats, gz=st.booleans())
+def test_valid_shards_round_trip(items, fmt, gz) -> None:
+    data = build(items, usable(items, fmt), gz)
+    assert list((n, d) for n, d, _ in read_members(io.BytesIO(data), "fuzz.tar")) == items
+
+
+# Positions: anywhere, or on a block boundary (where headers start). Hypothesis favours small
+# integers; scatter them so that damage doesn't pile up on the first header.
+spread = st.integers(0, 2**20).map(lambda i: ((i + 1) * 2654435761) % 2**20)
+position = spread | spread.map(lambda i: i // 512 * 512)
+mutation = st.one_of(
+    st.tuples(
+        st.just("flip"),
+        st.lists(st.tuples(spread, st.integers(1, 255)), min_size=1, max_size=4),
+    ),
+    st.tuples(
+        st.just("header"),  # scribble inside one header's fields
+        st.tuples(spread, st.integers(0, 511), st.binary(min_size=1, max_size=16)),
+    ),
+    st.tuples(st.just("truncate"), position),
+    st.tuples(st.just("splice"), st.tuples(position, position)),
+    st.tuples(st.just("junk"), st.tuples(position, st.binary(max_size=700))),
+    st.tuples(
+        st.just("size"),  # a huge or malformed size field
+        st.tuples(
+            spread,
+            st.sampled_from(
+                [b"77777777777\0", b"\x80" + (10**15).to_bytes(11, "big"), b"\xff" * 12, b"9x"]
+            ),
+        ),
+    ),
+)
+
+
+def mutate(data: bytes, other: bytes, op) -> bytes:
+    kind, arg = op
+    buf = bytearray(data)
+    if not buf:
+        return bytes(buf)
+    if kind == "flip":
+        for pos, bits in arg:
+            buf[pos % len(buf)] ^= bits
+    elif kind == "header":
+        block, off, blob = arg
+        start = (block * 512) % len(buf) // 512 * 512 + off
+        buf[start : start + len(blob)] = blob
+    elif kind == "truncate":
+        del buf[arg % (len(buf) + 1) :]
+    elif kind == "splice":
+        a, b = arg
+        return bytes(buf[: a % (len(buf) + 1)]) + other[b % (len(other) + 1) :]
+    elif kind == "junk":
+        pos, blob = arg
+        pos %= len(buf) + 1
+        buf[pos:pos] = blob
+    elif kind == "size":
+        block, field = arg
+        start = (block * 512) % len(buf) // 512 * 512 + 124
+        buf[start : start + len(field)] = field
+        # Keep the checksum valid half of the time, so the size itself gets parsed.
+        if block % 2 == 0 and start - 124 + 512 <= len(buf):
+            hdr = buf[start - 124 : start - 124 + 512]
+            hdr[148:156] = b" " * 8
+            buf[start - 124 + 148 : start - 124 + 156] = b"%06o\0 " % sum(hdr)
+    return bytes(buf)
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(
+    items=several_members,
+    other_items=several_members,
+    fmt=formats,
+    gz=st.booleans(),
+    ops=st.lists(mutation, min_size=1, max_size=3),
+)
+def test_damaged_shards_fail_cleanly(items, other_items, fmt, gz, ops) -> None:
+    data = build(items, usable(items, fmt), False)
+    other = build(other_items, usable(other_items, fmt), False)
+    for op in ops:
+        data = mutate(data, other, op)
+    if gz:
+        data = gzip.compress(data, mtime=0)
+        if ops[0][0] == "flip":  # damage the compressed stream itself, too
+            data = mutate(data, other, ops[0])
+    tracemalloc.start()
+    try:
+        check_read(data)
+        check_samples(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # The shards are tiny; a reader that believed a corrupt size would allocate far more.
+    assert peak < 16 * 1024 * 1024

@@ -1,0 +1,82 @@
+"""WebLoader with real DataLoader worker processes."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from conftest import sample_members, write_tar
+from webds.errors import ShardReadError
+from webds.fluent import WebDataset
+from webds.loader import WebLoader
+
+N_SHARDS, PER_SHARD = 6, 25
+
+
+@pytest.fixture
+def shards(tmp_path):
+    for s in range(N_SHARDS):
+        write_tar(tmp_path / f"d-{s}.tar", sample_members(PER_SHARD, prefix=f"s{s}-"))
+    return str(tmp_path / f"d-{{0..{N_SHARDS - 1}}}.tar")
+
+
+ALL_KEYS = sorted(f"s{s}-{i:06d}" for s in range(N_SHARDS) for i in range(PER_SHARD))
+
+
+def loader_keys(loader):
+    out = []
+    for batch in loader:
+        out.extend(batch[0] if isinstance(batch, (tuple, list)) else [batch["__key__"]])
+    return out
+
+
+def test_two_workers_every_sample_once_per_epoch(shards):
+    ds = WebDataset(shards, shardshuffle=True, seed=1).to_tuple("__key__", "cls").batched(7)
+    loader = WebLoader(ds, batch_size=None, num_workers=2)
+    epochs = [loader_keys(loader) for _ in range(2)]
+    for keys in epochs:
+        assert sorted(keys) == ALL_KEYS
+        assert not [k for k, c in collections.Counter(keys).items() if c > 1]
+    assert epochs[0] != epochs[1], "shard order should change between epochs"
+
+
+def test_persistent_workers_still_reshuffle(shards):
+    ds = WebDataset(shards, shardshuffle=True, seed=1).to_tuple("__key__", "cls").batched(5)
+    loader = WebLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    epochs = [loader_keys(loader) for _ in range(3)]
+    assert all(sorted(k) == ALL_KEYS for k in epochs)
+    assert len({tuple(k) for k in epochs}) > 1
+
+
+def test_rebatching_after_workers(shards):
+    ds = WebDataset(shards).to_tuple("__key__", "cls").batched(4)
+    loader = WebLoader(ds, batch_size=None, num_workers=2).unbatched().shuffle(50, seed=0).batched(16)
+    batches = list(loader)
+    sizes = [len(b[0]) for b in batches]
+    assert sizes == [16] * (len(ALL_KEYS) // 16) + [len(ALL_KEYS) % 16]
+    assert sorted(k for b in batches for k in b[0]) == ALL_KEYS
+
+
+def test_with_epoch_and_length(shards):
+    ds = WebDataset(shards, resampled=True, seed=0).to_tuple("__key__", "cls").batched(5)
+    loader = WebLoader(ds, batch_size=None, num_workers=2).with_epoch(9).with_length(9)
+    assert len(loader) == 9
+    assert len(list(loader)) == 9
+    assert len(list(loader)) == 9
+
+
+def test_fewer_shards_than_workers(tmp_path):
+    write_tar(tmp_path / "one.tar", sample_members(10))
+    ds = WebDataset(str(tmp_path / "one.tar")).to_tuple("__key__", "cls")
+    keys = [k for k, _ in WebLoader(ds, batch_size=None, num_workers=2)]
+    assert sorted(keys) == [f"{i:06d}" for i in range(10)]
+
+
+def test_worker_error_reaches_main_process_typed(tmp_path):
+    path = write_tar(tmp_path / "bad.tar", sample_members(10))
+    path.write_bytes(path.read_bytes()[:1500])
+    loader = WebLoader(WebDataset(str(path)), batch_size=None, num_workers=1)
+    with pytest.raises(ShardReadError) as info:
+        list(loader)
+    assert "bad.tar" in str(info.value)

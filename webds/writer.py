@@ -1,0 +1,527 @@
+"""Writing shards: :class:`TarWriter` (one tar) and :class:`ShardWriter` (a numbered series).
+
+Samples are dicts with a ``__key__`` and one value per extension; each field is encoded by
+:mod:`webds.encode` and written as the tar member ``f"{key}.{ext}"``, fields in sorted order.
+Output is deterministic by default (mtime 0, uid/gid 0, gzip without timestamp or name), so the
+same samples always give byte-identical shards. A shard written to a local path appears under its
+final name only once it is complete: an exception while writing discards it.
+
+    with ShardWriter("out/train-%06d.tar", maxcount=10000) as sink:
+        for i, (image, label) in enumerate(data):
+            sink.write({"__key__": f"{i:08d}", "jpg": image, "cls": label})
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import tarfile
+from typing import Any, BinaryIO, Callable, List, Mapping, Optional, Union
+
+from .encode import EncoderSpec, make_encoder, numpy_dumps, torch_dumps
+from .errors import ArgumentError, EncodeError, WriteError
+from .tario import END_OF_ARCHIVE, member_bytes
+from .urls import open_url
+
+# numpy_dumps and torch_dumps are re-exported because webdataset's writer module has them.
+__all__ = ["TarWriter", "ShardWriter", "check_key", "numpy_dumps", "torch_dumps"]
+
+log = logging.getLogger("webds")
+
+_FORMATS = (
+    None,
+    "ustar",
+    "gnu",
+    "pax",
+    "USTAR_FORMAT",
+    "GNU_FORMAT",
+    "PAX_FORMAT",
+    tarfile.USTAR_FORMAT,
+    tarfile.GNU_FORMAT,
+    tarfile.PAX_FORMAT,
+)
+
+
+def check_key(key: Any) -> str:
+    """Return ``key`` if it is safe to use as a sample key in a tar, else raise EncodeError.
+
+    Refused: non-str, empty, absolute paths, backslashes, NUL, ``..`` or empty path components,
+    and dots in the last component (a reader would split the key there).
+    """
+    if not isinstance(key, str):
+        raise EncodeError(f"__key__ must be a str, got {type(key).__name__} {key!r}")
+    problem = None
+    if key == "":
+        problem = "it is empty"
+    elif "\0" in key:
+        problem = "it contains a NUL character"
+    elif "\\" in key:
+        problem = "it contains a backslash; use '/' to separate folders"
+    elif key.startswith("/"):
+        problem = "it is an absolute path; use a relative key such as 'folder/000001'"
+    else:
+        parts = key.split("/")
+        if ".." in parts:
+            problem = "it has a '..' path component, which would escape the extraction folder"
+        elif "" in parts:
+            problem = "it has an empty path component (a doubled or trailing '/')"
+        elif "." in parts[-1]:
+            problem = (
+                "its last component contains a dot, so readers would split the key there "
+                "('a.b' + '.jpg' reads back as key 'a', field 'b.jpg'); replace the dot, "
+                "e.g. with '_'"
+            )
+    if problem is not None:
+        raise EncodeError(f"refusing sample key {key!r}: {problem}", key=key)
+    return key
+
+
+def _check_field(key: str, field: str) -> None:
+    if field == "" or "/" in field or "\\" in field or "\0" in field:
+        raise EncodeError(
+            f"refusing field name {field!r}: extensions must be non-empty and contain no "
+            "'/', '\\' or NUL",
+            key=key,
+        )
+
+
+def _compression(compress: Any, name: Optional[str]) -> bool:
+    """True for gzip, False for none; anything else is an ArgumentError."""
+    if compress is None:
+        return name is not None and name.lower().endswith((".gz", ".tgz"))
+    if compress is True or (isinstance(compress, str) and compress.lower() in ("gz", "gzip")):
+        return True
+    if compress is False or compress == "":
+        return False
+    raise ArgumentError(
+        f"compress={compress!r} is not supported; use None (from the file name), True or "
+        "'gz' for gzip, or False"
+    )
+
+
+class TarWriter:
+    """Write samples to one tar archive (a path or URL, or an open binary file object).
+
+    ``write(sample)`` encodes the sample (``encoder``: see :func:`webds.encode.make_encoder`),
+    writes one member per field as ``f"{key}.{ext}"`` and returns the payload byte count. Fields
+    starting with ``_`` are skipped unless ``keep_meta``. A str destination is opened with
+    :func:`webds.urls.open_url` (so ``pipe:``, ``s3://`` ... work) and committed by ``close()``;
+    a file object is written to and left open. ``compress=None`` gzips when the name ends in
+    ``.gz``/``.tgz``. ``format`` is accepted for webdataset compatibility: webds always writes
+    ustar, with a pax header in front of a member only when its name or size does not fit.
+    """
+
+    def __init__(
+        self,
+        fileobj: Union[str, "os.PathLike[str]", BinaryIO],
+        user: str = "bigdata",
+        group: str = "bigdata",
+        mode: int = 0o0644,
+        compress: Any = None,
+        encoder: EncoderSpec = True,
+        keep_meta: bool = False,
+        mtime: Optional[float] = None,
+        format: Any = None,
+        progress: bool = False,
+    ) -> None:
+        if format not in _FORMATS:
+            raise ArgumentError(
+                f"format={format!r} is not a tar format; use None, 'ustar', 'gnu', 'pax' or a "
+                "tarfile *_FORMAT constant"
+            )
+        if not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise ArgumentError(f"mode must be a permission int such as 0o644, got {mode!r}")
+        if mtime is not None and (not isinstance(mtime, (int, float)) or mtime < 0):
+            raise ArgumentError(f"mtime must be None or a non-negative timestamp, got {mtime!r}")
+        self.encoder = make_encoder(encoder)
+        self.keep_meta = bool(keep_meta)
+        self._header = dict(
+            mtime=0 if mtime is None else int(mtime),
+            mode=mode,
+            uid=0,
+            gid=0,
+            uname=str(user),
+            gname=str(group),
+        )
+        self.url: Optional[str] = None
+        if isinstance(fileobj, (str, os.PathLike)):
+            self.url = os.fspath(fileobj)
+            gz = _compression(compress, self.url)
+            self._stream: Any = open_url(self.url, "wb")
+            self._own_stream = True
+        elif hasattr(fileobj, "write"):
+            name = getattr(fileobj, "name", None)
+            gz = _compression(compress, name if isinstance(name, str) else None)
+            self._stream = fileobj
+            self._own_stream = False
+        else:
+            raise ArgumentError(
+                "TarWriter needs a path, a URL or a binary file object, "
+                f"got {type(fileobj).__name__}"
+            )
+        self._raw = self._stream
+        if gz:
+            # No file name and mtime 0 in the gzip header: same samples, same bytes.
+            self._stream = gzip.GzipFile(
+                filename="", mode="wb", fileobj=self._raw, compresslevel=6, mtime=0
+            )
+        self.compress = gz
+        self.count = 0
+        self.nbytes = 0
+        self.closed = False
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(desc=self.url or "tar", unit=" samples")
+
+    def write(self, obj: Mapping[str, Any]) -> int:
+        """Encode and write one sample; return the number of payload bytes written."""
+        if self.closed:
+            raise WriteError("write() on a closed TarWriter", url=self.url)
+        if not isinstance(obj, Mapping):
+            raise EncodeError(f"samples must be dicts, got {type(obj).__name__}", url=self.url)
+        if "__key__" not in obj:
+            raise EncodeError(
+                f"sample has no '__key__' (fields: {sorted(obj)}); give every sample a unique key",
+                url=self.url,
+            )
+        try:
+            key = check_key(obj["__key__"])
+            encoded = self.encoder(obj)
+        except EncodeError as exn:
+            if exn.url is not None:
+                raise
+            raise EncodeError(exn.message, url=self.url, member=exn.member, key=exn.key) from exn
+        members = []
+        total = 0
+        for field in sorted(encoded):
+            if field == "__key__" or (field.startswith("_") and not self.keep_meta):
+                continue
+            _check_field(key, field)
+            value = encoded[field]
+            if isinstance(value, str):
+                value = value.encode("utf-8")
+            elif not isinstance(value, (bytes, bytearray, memoryview)):
+                raise EncodeError(
+                    f"field {field!r} is {type(value).__name__} after encoding, not bytes",
+                    url=self.url,
+                    key=key,
+                )
+            members.append(member_bytes(f"{key}.{field}", value, **self._header))
+            total += memoryview(value).nbytes
+        if not members:
+            raise EncodeError(
+                "sample has no fields to write (only metadata); add at least one field",
+                url=self.url,
+                key=key,
+            )
+        try:
+            # One write per sample: a failure can't leave half a member behind unnoticed.
+            self._stream.write(b"".join(members))
+        except Exception as exn:
+            self.discard()
+            raise WriteError(
+                f"writing sample failed ({type(exn).__name__}: {exn}); the shard was discarded",
+                url=self.url,
+                key=key,
+            ) from exn
+        self.count += 1
+        self.nbytes += total
+        if self._bar is not None:
+            self._bar.update(1)
+        return total
+
+    def close(self) -> None:
+        """Finish the archive; a destination opened from a path or URL is committed and closed."""
+        if self.closed:
+            return
+        try:
+            self._stream.write(END_OF_ARCHIVE)
+            if self.compress:
+                self._stream.close()  # flushes the gzip trailer; leaves the raw stream open
+            if self._own_stream:
+                self._raw.close()
+            else:
+                self._raw.flush()
+        except Exception as exn:
+            self.discard()
+            raise WriteError(f"finishing the shard failed: {exn}", url=self.url) from exn
+        finally:
+            self._finish()
+
+    def discard(self) -> None:
+        """Abandon the archive: a destination we opened is deleted (or closed, if it can't be)."""
+        if self.closed:
+            return
+        try:
+            if self.compress:
+                try:
+                    self._stream.close()
+                except Exception:
+                    pass
+            if self._own_stream:
+                if hasattr(self._raw, "discard"):
+                    self._raw.discard()
+                else:
+                    try:
+                        self._raw.close()
+                    except Exception:
+                        pass
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.closed = True
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "TarWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.discard()
+        else:
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<TarWriter {self.url or self._raw!r} {state}, {self.count} samples>"
+
+
+class ShardWriter:
+    """Write samples to a series of shards named ``pattern % shard_number``.
+
+    A new shard is started before a write when the current one holds ``maxcount`` samples or
+    ``maxsize`` payload bytes (a single sample larger than ``maxsize`` gets a shard of its own).
+    No shard is created if nothing is written. ``post(fname)`` runs after each shard is committed;
+    ``opener(fname)`` may return the stream to write to (it is closed, or ``discard()``-ed on
+    error, by the writer). Other keywords go to :class:`TarWriter`. Attributes: ``fname`` (current
+    or last shard), ``shard`` (the next shard number), ``count``/``size`` (samples and bytes in
+    the current shard), ``total`` (all samples), ``shards`` (completed shard names).
+    """
+
+    def __init__(
+        self,
+        pattern: str,
+        maxcount: int = 100000,
+        maxsize: float = 3e9,
+        post: Optional[Callable[[str], Any]] = None,
+        start_shard: int = 0,
+        verbose: int = 0,
+        opener: Optional[Callable[[str], BinaryIO]] = None,
+        progress: bool = False,
+        **kw: Any,
+    ) -> None:
+        pattern = os.fspath(pattern)
+        if not isinstance(pattern, str) or not pattern:
+            raise ArgumentError(
+                f"ShardWriter needs a file name pattern such as 'out-%06d.tar', got {pattern!r}"
+            )
+        if isinstance(maxcount, bool) or not isinstance(maxcount, int) or maxcount <= 0:
+            raise ArgumentError(f"maxcount must be a positive int, got {maxcount!r}")
+        if isinstance(maxsize, bool) or not isinstance(maxsize, (int, float)) or not maxsize > 0:
+            raise ArgumentError(f"maxsize must be a positive number of bytes, got {maxsize!r}")
+        if isinstance(start_shard, bool) or not isinstance(start_shard, int) or start_shard < 0:
+            raise ArgumentError(f"start_shard must be a non-negative int, got {start_shard!r}")
+        if post is not None and not callable(post):
+            raise ArgumentError(f"post must be a function post(fname), got {post!r}")
+        if opener is not None and not callable(opener):
+            raise ArgumentError(
+                f"opener must be a function opener(fname) -> stream, got {opener!r}"
+            )
+        self._single: Optional[str] = None
+        try:
+            numbered = pattern % start_shard != pattern % (start_shard + 1)
+        except (TypeError, ValueError):
+            numbered = False
+        if not numbered:
+            # No %-field for the shard number: fine as long as one shard is enough.
+            try:
+                self._single = pattern % () if "%" in pattern else pattern
+            except (TypeError, ValueError) as exn:
+                raise ArgumentError(
+                    f"bad shard name pattern {pattern!r} ({exn}); use one %-field for the shard "
+                    "number, e.g. 'out-%06d.tar'"
+                ) from None
+        self.pattern = pattern
+        self.start_shard = start_shard
+        self.maxcount = maxcount
+        self.maxsize = maxsize
+        self.post = post
+        self.opener = opener
+        self.verbose = verbose
+        self.kw = kw
+        # Fail now on bad TarWriter options rather than at the first write.
+        self._check_writer_kw()
+        self.shard = start_shard
+        self.fname: Optional[str] = None
+        self.count = 0
+        self.size = 0
+        self.total = 0
+        self.shards: List[str] = []
+        self.closed = False
+        self.tarstream: Optional[TarWriter] = None
+        self._stream: Optional[BinaryIO] = None
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(desc=pattern, unit=" samples")
+
+    def _check_writer_kw(self) -> None:
+        allowed = {"user", "group", "mode", "compress", "encoder", "keep_meta", "mtime", "format"}
+        unknown = set(self.kw) - allowed
+        if unknown:
+            raise ArgumentError(
+                f"ShardWriter: unknown keyword(s) {sorted(unknown)}; "
+                f"TarWriter takes {sorted(allowed)}"
+            )
+        if "compress" in self.kw:
+            _compression(self.kw["compress"], None)
+        if self.kw.get("format") not in _FORMATS:
+            raise ArgumentError(f"format={self.kw['format']!r} is not a tar format")
+        make_encoder(self.kw.get("encoder", True))
+
+    def _next_name(self) -> str:
+        if self._single is None:
+            return self.pattern % self.shard
+        if self.shard != self.start_shard:
+            raise ArgumentError(
+                f"ShardWriter pattern {self.pattern!r} has no %-field (such as %06d) for the "
+                f"shard number, but more than one shard is needed (maxcount={self.maxcount}, "
+                f"maxsize={self.maxsize:g}); add one, e.g. 'out-%06d.tar'"
+            )
+        return self._single
+
+    def _open(self) -> None:
+        fname = self._next_name()
+        if self.verbose:
+            log.info("webds: writing %s", fname)
+        if self.opener is not None:
+            stream = self.opener(fname)
+            self._stream = stream
+            kw = dict(self.kw)
+            # The opener's stream has no useful name; take gzip-or-not from the shard name.
+            kw.setdefault("compress", _compression(None, fname))
+            try:
+                self.tarstream = TarWriter(stream, **kw)
+            except BaseException:
+                _discard_stream(stream)
+                raise
+        else:
+            self._stream = None
+            self.tarstream = TarWriter(fname, **self.kw)
+        self.fname = fname
+        self.shard += 1
+        self.count = 0
+        self.size = 0
+
+    def _commit(self) -> None:
+        tarstream, stream = self.tarstream, self._stream
+        self.tarstream, self._stream = None, None
+        if tarstream is None:
+            return
+        try:
+            tarstream.close()
+            if stream is not None:
+                stream.close()
+        except BaseException:
+            if stream is not None:
+                _discard_stream(stream)
+            self.closed = True  # the shard's samples are lost; don't carry on silently
+            raise
+        assert self.fname is not None
+        self.shards.append(self.fname)
+        if self.verbose:
+            log.info("webds: wrote %s (%d samples, %d bytes)", self.fname, self.count, self.size)
+        if self.post is not None:
+            self.post(self.fname)
+
+    def _discard(self) -> None:
+        tarstream, stream = self.tarstream, self._stream
+        self.tarstream, self._stream = None, None
+        if tarstream is not None:
+            tarstream.discard()
+        if stream is not None:
+            _discard_stream(stream)
+
+    def write(self, obj: Mapping[str, Any]) -> int:
+        """Write one sample, starting a new shard first if the current one is full."""
+        if self.closed:
+            raise WriteError("write() on a closed ShardWriter", url=self.fname)
+        if self.tarstream is not None and (
+            self.count >= self.maxcount or self.size >= self.maxsize
+        ):
+            self._next_name()  # raises if the pattern can't number a second shard
+            self._commit()
+        if self.tarstream is None:
+            self._open()
+        assert self.tarstream is not None
+        try:
+            n = self.tarstream.write(obj)
+        except WriteError:
+            # The shard and the samples already in it are gone: stop rather than carry on.
+            self._discard()
+            self.closed = True
+            raise
+        self.count += 1
+        self.size += n
+        self.total += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        return n
+
+    def finish(self) -> None:
+        """Commit the current shard (if any); the next write starts a new one."""
+        if self.tarstream is not None:
+            self._commit()
+
+    def close(self) -> None:
+        """Commit the current shard and stop; calling it again does nothing."""
+        if self.closed:
+            return
+        try:
+            self.finish()
+        finally:
+            self.closed = True
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    def discard(self) -> None:
+        """Abandon the shard in progress (committed shards stay) and stop."""
+        if self.closed:
+            return
+        try:
+            self._discard()
+        finally:
+            self.closed = True
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.discard()
+        else:
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"<ShardWriter {self.pattern!r}: {len(self.shards)} shards, {self.total} samples>"
+
+
+def _discard_stream(stream: Any) -> None:
+    try:
+        if hasattr(stream, "discard"):
+            stream.discard()
+        else:
+            stream.close()
+    except Exception:
+        pass
