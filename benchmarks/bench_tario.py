@@ -31,6 +31,7 @@ from typing import Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from webds.fluent import WebDataset  # noqa: E402
 from webds.samples import tarfile_to_samples  # noqa: E402
 from webds.tario import END_OF_ARCHIVE, write_member  # noqa: E402
 
@@ -114,6 +115,11 @@ def run_webds_samples(path: Path) -> int:
     return sum(1 for _ in tarfile_to_samples()(iter([{"url": str(path)}])))
 
 
+def run_webdataset_facade(path: Path) -> int:
+    # The whole fluent pipeline (shard list, splitters, empty check), no decoding.
+    return sum(1 for _ in WebDataset(str(path)))
+
+
 def measure(fn: Callable[[Path], int], path: Path, reps: int) -> Dict[str, float]:
     fn(path)  # warm the page cache and imports
     times = []
@@ -158,6 +164,7 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
             sample_runs = {
                 "tarfile + grouping": measure(run_tarfile_samples, path, args.reps),
                 "webds.tarfile_to_samples": measure(run_webds_samples, path, args.reps),
+                "webds.WebDataset": measure(run_webdataset_facade, path, args.reps),
             }
             base_m = member_runs["tarfile r|*"]["per_s"]
             base_s = sample_runs["tarfile + grouping"]["per_s"]

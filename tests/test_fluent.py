@@ -10,9 +10,9 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from conftest import sample_members, write_tar
 from PIL import Image
 
-from conftest import sample_members, write_tar
 from webds import filters
 from webds.decode import decode as decode_stage
 from webds.errors import OpenError, ShardReadError, WebdsError

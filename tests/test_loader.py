@@ -5,8 +5,8 @@ from __future__ import annotations
 import collections
 
 import pytest
-
 from conftest import sample_members, write_tar
+
 from webds.errors import ShardReadError
 from webds.fluent import WebDataset
 from webds.loader import WebLoader
@@ -51,7 +51,8 @@ def test_persistent_workers_still_reshuffle(shards):
 
 def test_rebatching_after_workers(shards):
     ds = WebDataset(shards).to_tuple("__key__", "cls").batched(4)
-    loader = WebLoader(ds, batch_size=None, num_workers=2).unbatched().shuffle(50, seed=0).batched(16)
+    loader = WebLoader(ds, batch_size=None, num_workers=2)
+    loader = loader.unbatched().shuffle(50, seed=0).batched(16)
     batches = list(loader)
     sizes = [len(b[0]) for b in batches]
     assert sizes == [16] * (len(ALL_KEYS) // 16) + [len(ALL_KEYS) % 16]

@@ -26,7 +26,12 @@ def urls_of(src):
 
 def test_expand_braces_and_joins():
     assert expand_urls("a-{000..002}.tar") == ["a-000.tar", "a-001.tar", "a-002.tar"]
-    assert expand_urls("d{1,2}/s-{0..1}.tar") == ["d1/s-0.tar", "d1/s-1.tar", "d2/s-0.tar", "d2/s-1.tar"]
+    assert expand_urls("d{1,2}/s-{0..1}.tar") == [
+        "d1/s-0.tar",
+        "d1/s-1.tar",
+        "d2/s-0.tar",
+        "d2/s-1.tar",
+    ]
     assert expand_urls("a-{0..1}.tar::b.tar") == ["a-0.tar", "a-1.tar", "b.tar"]
     assert expand_urls(["x-{0..1}.tar", "y.tar"]) == ["x-0.tar", "x-1.tar", "y.tar"]
     assert expand_urls("s3://bucket/p-{08..10}.tar") == [

@@ -209,7 +209,7 @@ def test_unknown_scheme():
 def test_missing_backend_says_what_to_install():
     from fsspec.registry import known_implementations
 
-    for scheme, spec in known_implementations.items():
+    for scheme, spec in known_implementations.items():  # noqa: B007 (used after the loop)
         module = spec["class"].split(".")[0]
         if "err" in spec and importlib.util.find_spec(module) is None:
             break

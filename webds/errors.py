@@ -77,7 +77,7 @@ class ArgumentError(WebdsError, ValueError):
 
 
 class OpenError(WebdsError, IOError):
-    """A URL could not be opened, or a ``pipe:`` command failed (its exit status is in the message)."""
+    """A URL could not be opened, or a ``pipe:`` command failed (the message has its status)."""
 
 
 class ShardReadError(WebdsError, IOError):

@@ -18,9 +18,9 @@ from .handlers import Handler, reraise_exception
 from .pipeline import DataPipeline, StageFactory, stage
 from .samples import tarfile_to_samples
 from .shards import (
-    URLs,
     ResampledShards,
     SimpleShardList,
+    URLs,
     split_by_node,
     split_by_worker,
     worker_info,

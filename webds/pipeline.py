@@ -45,7 +45,9 @@ class StageFactory:
         sig = inspect.signature(fn)
         params = list(sig.parameters.values())
         if not params:
-            raise ArgumentError(f"stage function {fn.__qualname__} must take the source iterator first")
+            raise ArgumentError(
+                f"stage function {fn.__qualname__} must take the source iterator first"
+            )
         self.wants_epoch = "epoch" in sig.parameters
         # The public signature is the function's without the source and the injected epoch.
         self.__signature__ = sig.replace(parameters=[p for p in params[1:] if p.name != "epoch"])
@@ -110,7 +112,9 @@ def _as_iterator(source: Any) -> Iterator[Any]:
         return iter(source)
     if callable(source):
         return iter(source())
-    raise ArgumentError(f"the first stage of a pipeline must be iterable or callable, got {source!r}")
+    raise ArgumentError(
+        f"the first stage of a pipeline must be iterable or callable, got {source!r}"
+    )
 
 
 class DataPipeline(IterableDataset):
@@ -178,7 +182,7 @@ class DataPipeline(IterableDataset):
         return self
 
     def repeat(self, nepochs: int = -1, nbatches: int = -1) -> "DataPipeline":
-        """Repeat the data ``nepochs`` times per ``iter()`` (forever if -1), at most ``nbatches`` items."""
+        """Repeat the data ``nepochs`` times per ``iter()`` (-1: forever), at most ``nbatches``."""
         self.repetitions = sys.maxsize if nepochs < 0 else nepochs
         self.nsamples = None if nbatches < 0 else nbatches
         return self

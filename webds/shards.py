@@ -39,7 +39,7 @@ URLs = Union[str, Sequence[str]]
 
 
 class WorkerInfo(NamedTuple):
-    """Where this process sits: node ``rank`` of ``world_size``, DataLoader ``worker`` of ``num_workers``."""
+    """This process's node ``rank`` in ``world_size``, DataLoader ``worker`` in ``num_workers``."""
 
     rank: int
     world_size: int

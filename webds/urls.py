@@ -91,7 +91,8 @@ def _open_local(url: str, path: str, mode: str) -> BinaryIO:
         ) from None
     except IsADirectoryError:
         raise OpenError(
-            f"{path!r} is a directory; give shard files or a brace pattern like 'dir/a-{{000..009}}.tar'",
+            f"{path!r} is a directory; give shard files or a brace pattern like "
+            "'dir/a-{000..009}.tar'",
             url=url,
         ) from None
     except PermissionError as exn:
@@ -170,7 +171,8 @@ class AtomicFile(io.BufferedWriter):
     def __init__(self, path: str) -> None:
         self.final_path = path
         directory, name = os.path.split(os.path.abspath(path))
-        self.temp_path = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        unique = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.temp_path = os.path.join(directory, f".{name}.tmp-{unique}")
         self._done = True  # nothing to clean up until the temporary file exists
         super().__init__(io.FileIO(self.temp_path, "wb"), buffer_size=1 << 20)
         self._done = False
@@ -265,7 +267,9 @@ class PipeStream(io.RawIOBase):
             self._pipe.write(b)
         except BrokenPipeError:
             self._check(self.proc.wait())
-            raise OpenError("command stopped reading its input", url=f"pipe:{self.command}") from None
+            raise OpenError(
+                "command stopped reading its input", url=f"pipe:{self.command}"
+            ) from None
         return len(b)
 
     def _stderr_tail(self) -> str:
