@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -64,9 +65,12 @@ def test_augment_flips_and_shifts_within_the_frame():
 @pytest.mark.slow
 def test_demo_trains_on_streamed_shards(tmp_path):
     out = tmp_path / "shards"
+    # The checkout's webds, whether or not it is installed in this interpreter.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, str(DEMO), "--limit", "2000", "--workers", "2", "--out", str(out)],
         cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": pythonpath},
         capture_output=True,
         text=True,
         timeout=240,
