@@ -208,3 +208,55 @@ def test_webdataset_is_a_pipeline(text_shards):
     ds = WebDataset(text_shards)
     assert isinstance(ds, DataPipeline)
     assert isinstance(ds, torch.utils.data.IterableDataset)
+
+
+def _group_gone(pgid: int, timeout: float = 10.0) -> bool:
+    import os
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_pipe_processes_end_when_iteration_stops_early(tmp_path):
+    # 2000 samples: far more than the pipe buffer, so `cat` is still running when we stop.
+    write_tar(tmp_path / "big.tar", sample_members(2000))
+    pidfile = tmp_path / "pid"
+    ds = WebDataset(f"pipe:echo $$ > {pidfile}; cat {tmp_path / 'big.tar'} | cat")
+    it = iter(ds)
+    assert next(it)["__key__"] == "000000"
+    it.close()
+    assert _group_gone(int(pidfile.read_text())), "the pipe's processes outlived the iteration"
+
+
+def test_pipe_processes_reaped_after_full_read(tmp_path):
+    write_tar(tmp_path / "s.tar", sample_members(50))
+    pidfile = tmp_path / "pid"
+    ds = WebDataset(f"pipe:echo $$ > {pidfile}; cat {tmp_path / 's.tar'}")
+    assert len(list(ds)) == 50
+    assert _group_gone(int(pidfile.read_text()))
+
+
+def test_failing_pipe_command_is_a_typed_error(tmp_path):
+    with pytest.raises(OpenError, match="status 3") as info:
+        list(WebDataset("pipe:echo 'no such bucket' >&2; exit 3"))
+    assert "no such bucket" in str(info.value)
+
+
+def test_stdin_shard(tmp_path):
+    import subprocess
+    import sys
+
+    path = write_tar(tmp_path / "s.tar", sample_members(7))
+    code = "import webds; print(sum(1 for _ in webds.WebDataset('-')))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], stdin=path.open("rb"), capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "7"
