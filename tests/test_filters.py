@@ -14,15 +14,15 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 from conftest import sample_members, write_tar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
+from webds import batching as B
 from webds import filters as F
+from webds.decode import decode
 from webds.errors import ArgumentError, SampleError
 from webds.handlers import ignore_and_continue, ignore_and_stop, warn_and_continue
 from webds.pipeline import DataPipeline
@@ -92,10 +92,6 @@ def fail_on_three(x):
 
 def lookup_extra(key, suffix=""):
     return {"extra": key + suffix}
-
-
-def collate_first(batch):
-    return batch[0]
 
 
 @pytest.fixture
@@ -394,6 +390,26 @@ def test_map_dict_and_map_tuple():
         run(F.map_tuple(None, 5), [(1, 2)])
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: F.map("nope"),
+        lambda: F.map_dict(x=3),
+        lambda: F.map_tuple(square, 5),
+        lambda: F.rename(image=3),
+        lambda: F.to_tuple(),
+        lambda: decode(42),
+    ],
+    ids=["map", "map_dict", "map_tuple", "rename", "to_tuple", "decode"],
+)
+def test_argument_errors_come_no_later_than_the_first_item(make):
+    stage = make()  # building the stage only binds the arguments
+    src = Tracked(10)
+    with pytest.raises(ArgumentError):
+        next(iter(stage(src)))
+    assert src.pulled == 0
+
+
 # -- rename, to_tuple, extract_keys, rename_keys, associate ----------------------------------------
 
 
@@ -423,6 +439,11 @@ def test_to_tuple(tar_samples):
     assert run(F.to_tuple("png;jpg cls"), tar_samples) == out
     assert run(F.to_tuple("cls"), tar_samples)[0] == (b"0",)
     assert run(F.to_tuple("cls", "txt", missing_is_error=False), tar_samples)[0] == (b"0", None)
+    # A missing field is None even when None values are errors; a present None is not.
+    strict_none = F.to_tuple("cls", "txt", missing_is_error=False, none_is_error=True)
+    assert run(strict_none, tar_samples)[0] == (b"0", None)
+    with pytest.raises(SampleError, match="'cls' is None"):
+        run(strict_none, [{"__key__": "a", "cls": None}])
     with pytest.raises(SampleError) as info:
         run(F.to_tuple("png;gif", "cls"), tar_samples)
     msg = str(info.value)
@@ -514,137 +535,7 @@ def test_info_and_log_keys(tmp_path, capsys):
     assert run(F.log_keys(), samples) == samples
 
 
-# -- batching --------------------------------------------------------------------------------------
-
-
-def tuple_samples(n):
-    return [
-        (torch.full((2, 3), float(i)), np.arange(4) + i, i, float(i) / 2, f"s{i}", b"b", True)
-        for i in range(n)
-    ]
-
-
-def assert_same(a, b):
-    assert type(a) is type(b) or (isinstance(a, (int, float)) and isinstance(b, np.generic))
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (tuple, list)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
-
-
-def test_batched_tuples_collate_by_column_and_round_trip():
-    samples = tuple_samples(10)
-    batches = run(F.batched(4), samples)
-    assert [len(b[2]) for b in batches] == [4, 4, 2]
-    first = batches[0]
-    assert isinstance(first, tuple)
-    assert isinstance(first[0], torch.Tensor) and first[0].shape == (4, 2, 3)
-    assert isinstance(first[1], np.ndarray) and first[1].shape == (4, 4)
-    assert isinstance(first[2], np.ndarray) and first[2].tolist() == [0, 1, 2, 3]
-    assert first[3].dtype == np.float64 and first[6].dtype == np.bool_
-    assert first[4] == ["s0", "s1", "s2", "s3"] and first[5] == [b"b"] * 4
-    back = run(F.unbatched(), batches)
-    assert len(back) == 10
-    for a, b in zip(samples, back):
-        assert_same(a, b)
-    assert [len(b[2]) for b in run(F.batched(4, partial=False), samples)] == [4, 4]
-
-
-def test_batched_dicts_with_nested_dicts_round_trip():
-    samples = [
-        {
-            "__key__": f"k{i}",
-            "img": torch.rand(3, 4),
-            "meta": {"size": i, "tags": {"t": np.ones(2) * i}, "name": f"n{i}"},
-        }
-        for i in range(5)
-    ]
-    batches = run(F.batched(3), samples)
-    assert batches[0]["__key__"] == ["k0", "k1", "k2"]
-    assert batches[0]["img"].shape == (3, 3, 4)
-    assert batches[0]["meta"]["size"].tolist() == [0, 1, 2]
-    assert batches[0]["meta"]["tags"]["t"].shape == (3, 2)
-    assert batches[1]["meta"]["name"] == ["n3", "n4"]
-    back = run(F.unbatched(), batches)
-    assert len(back) == 5
-    for a, b in zip(samples, back):
-        assert_same(a, b)
-
-
-def test_batched_lists_options_and_errors():
-    assert run(F.batched(2, collation_fn=None), range(5)) == [[0, 1], [2, 3], [4]]
-    assert run(F.batched(2, collate_first), range(5)) == [0, 2, 4]
-    assert run(F.batched(2), [[1, "a"], [2, "b"]]) == [
-        [pytest.approx(np.array([1, 2])), ["a", "b"]]
-    ]
-    out = F.default_collation_fn([(torch.zeros(2), 1), (torch.ones(2), 2)], False, False)
-    assert isinstance(out[0], list) and out[1] == [1, 2]
-    single = F.default_collation_fn([torch.zeros(2), torch.ones(2)])
-    assert single.shape == (2, 2)
-    with pytest.raises(ArgumentError, match="batchsize must be at least 1"):
-        run(F.batched(0), range(3))
-    with pytest.raises(ArgumentError, match="at least one sample"):
-        F.default_collation_fn([])
-
-
-def test_batched_shape_mismatch_names_shapes_and_suggests_a_fix():
-    samples = [
-        {"__key__": "a", "__url__": "s.tar", "img": torch.zeros(3, 32, 32)},
-        {"__key__": "b", "__url__": "s.tar", "img": torch.zeros(3, 32, 31)},
-    ]
-    with pytest.raises(SampleError) as info:
-        run(F.batched(2), samples)
-    msg = str(info.value)
-    assert "(3, 32, 32)" in msg and "(3, 32, 31)" in msg and "'img'" in msg
-    assert "'b'" in msg and "collation_fn" in msg and "pad" in msg
-    with pytest.raises(SampleError, match=r"\(2,\).*\(3,\)"):
-        F.default_collation_fn([(np.zeros(2),), (np.zeros(3),)])
-
-
-def test_batched_dicts_with_different_keys_name_them():
-    samples = [{"__key__": "a", "jpg": 1, "cls": 2}, {"__key__": "b", "png": 1, "cls": 2}]
-    with pytest.raises(SampleError) as info:
-        F.default_collation_fn(samples)
-    msg = str(info.value)
-    assert "extra ['png']" in msg and "lacks ['jpg']" in msg and "'b'" in msg
-    with pytest.raises(SampleError, match="different lengths"):
-        F.default_collation_fn([(1, 2), (1,)])
-
-
-def test_unbatched_errors_and_copies():
-    with pytest.raises(SampleError, match="different lengths"):
-        run(F.unbatched(), [{"a": torch.zeros(3), "b": [1, 2]}])
-    with pytest.raises(SampleError, match="different lengths"):
-        run(F.unbatched(), [{"a": [1, 2], "m": {"x": [1, 2], "y": [1]}}])
-    with pytest.raises(SampleError, match="0-d tensor"):
-        run(F.unbatched(), [(torch.tensor(1.0),)])
-    with pytest.raises(SampleError, match="not a batch column"):
-        run(F.unbatched(), [{"a": [1, 2], "n": 5}])
-    with pytest.raises(SampleError, match="tuple, list or dict"):
-        run(F.unbatched(), [5])
-    big = torch.zeros(64, 1000)
-    item = run(F.unbatched(), [(big,)])[0][0]
-    # Each sample owns its memory, so one buffered sample does not pin the whole batch.
-    assert item.untyped_storage().nbytes() == 1000 * 4
-    assert run(F.unbatched(), [([], [])]) == []
-
-
-def test_listed_and_unlisted():
-    assert run(F.listed(3), range(7)) == [[0, 1, 2], [3, 4, 5], [6]]
-    assert run(F.listed(3, partial=False), range(7)) == [[0, 1, 2], [3, 4, 5]]
-    assert run(F.unlisted(), run(F.listed(3), range(7))) == list(range(7))
-    with pytest.raises(SampleError, match="unlisted expects lists"):
-        run(F.unlisted(), [(1, 2)])
+# -- a whole pipeline ------------------------------------------------------------------------------
 
 
 def test_a_real_shard_through_a_pipeline(tmp_path):
@@ -654,8 +545,8 @@ def test_a_real_shard_through_a_pipeline(tmp_path):
         F.shuffle(8, seed=0),
         F.map_dict(cls=lambda b: int(b)),
         F.to_tuple("txt", "cls"),
-        F.batched(6),
-        F.unbatched(),
+        B.batched(6),
+        B.unbatched(),
     )
     out = list(pipe)
     assert sorted(int(c) for _, c in out) == list(range(20))
@@ -704,10 +595,6 @@ STAGES = [
     F.associate({"k": {}}),
     F.info(n=0),
     F.log_keys(),
-    F.batched(4, partial=False),
-    F.listed(4),
-    F.unbatched(),
-    F.unlisted(),
 ]
 
 
@@ -727,7 +614,6 @@ def test_pickled_stages_behave_the_same():
         (F.detshuffle(10, seed=2, epoch=3), range(50)),
         (F.rsample(0.5, seed=1), range(50)),
         (F.map(square), range(5)),
-        (F.batched(4), [(i,) for i in range(9)]),
     ]:
         clone = pickle.loads(pickle.dumps(stage))
         a, b = run(stage, items), run(clone, items)

@@ -13,7 +13,7 @@ import torch
 from conftest import sample_members, write_tar
 from PIL import Image
 
-from webds import filters
+from webds import batching, filters
 from webds.decode import decode as decode_stage
 from webds.errors import OpenError, ShardReadError, WebdsError
 from webds.fluent import FluentMixin, WebDataset
@@ -89,7 +89,7 @@ def test_fluent_methods_derive_from_stages():
         "shuffle": filters.shuffle,
         "map": filters.map,
         "to_tuple": filters.to_tuple,
-        "batched": filters.batched,
+        "batched": batching.batched,
         "decode": decode_stage,
         "select": filters.select,
     }

@@ -4,6 +4,7 @@
 """
 
 from . import tenbin
+from .batching import batched, default_collation_fn, listed, unbatched, unlisted
 from .decode import (
     IMAGE_EXTENSIONS,
     Continue,
@@ -30,13 +31,10 @@ from .errors import (
 )
 from .filters import (
     associate,
-    batched,
-    default_collation_fn,
     detshuffle,
     extract_keys,
     getfirst,
     info,
-    listed,
     map,
     map_dict,
     map_tuple,
@@ -48,8 +46,6 @@ from .filters import (
     slice,
     to_tuple,
     transform_with,
-    unbatched,
-    unlisted,
 )
 from .fluent import FluentMixin, FluidInterface, FluidWrapper, WebDataset
 from .handlers import (

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 
 from . import tenbin
 from .errors import ArgumentError, DecodeError
-from .handlers import ErrorPolicy, Handler, reraise_exception
+from .handlers import Handler, apply_each, reraise_exception
 from .pipeline import stage
 
 __all__ = [
@@ -559,15 +559,4 @@ def decode(
         allow_pickle=allow_pickle,
         weights_only=weights_only,
     )
-    policy = ErrorPolicy(handler, "decode")
-    try:
-        for sample in src:
-            try:
-                result = decoder(sample)
-            except Exception as exn:
-                if policy(exn):
-                    continue
-                break
-            yield result
-    finally:
-        policy.report()
+    return apply_each(src, decoder, handler, "decode")

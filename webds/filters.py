@@ -1,8 +1,11 @@
-"""The user-facing stages: shuffle, select, map, rename, to_tuple, batched, unbatched, ...
+"""The user-facing stages: shuffle, select, map, rename, to_tuple, ... (batching is in
+:mod:`webds.batching`).
 
-Each stage is written once, as a generator function turned into a curried, picklable factory by
-:func:`webds.pipeline.stage`; the fluent methods (``dataset.shuffle(1000)``) are derived from these
-same factories, so the signatures here are the public API (webdataset 1.x's, with its bugs fixed).
+Each stage is written once, as a generator function (or, for the stages that turn each sample into
+one result, a function returning :func:`webds.handlers.apply_each`'s loop) turned into a curried,
+picklable factory by :func:`webds.pipeline.stage`; the fluent methods (``dataset.shuffle(1000)``)
+are derived from these same factories, so the signatures here are the public API (webdataset
+1.x's, with its bugs fixed).
 
 Samples are dicts (``{"__key__": ..., "jpg": ..., "cls": ...}``) until :func:`to_tuple` or
 :func:`extract_keys` turns them into tuples. A malformed sample raises :class:`SampleError` naming
@@ -35,11 +38,8 @@ from typing import (
     Union,
 )
 
-import numpy as np
-import torch
-
 from .errors import ArgumentError, SampleError, WebdsError
-from .handlers import ErrorPolicy, Handler, reraise_exception
+from .handlers import Handler, apply_each, reraise_exception
 from .pipeline import Stage, StageFactory, stage
 from .shards import derive_seed, worker_info
 
@@ -60,11 +60,6 @@ __all__ = [
     "associate",
     "info",
     "log_keys",
-    "batched",
-    "listed",
-    "unbatched",
-    "unlisted",
-    "default_collation_fn",
     "getfirst",
     "transform_with",
     "parse_field_spec",
@@ -390,29 +385,16 @@ def map(
     """
     _check_callable("map", "f", f)
     name = f"map({getattr(f, '__qualname__', f)!s})"
-    policy = ErrorPolicy(handler, name)
-    dropped = 0
-    try:
-        for sample in src:
-            try:
-                result = f(sample)
-            except Exception as exn:
-                _annotate(exn, name, sample)
-                if policy(exn):
-                    continue
-                break
-            if result is None:
-                dropped += 1
-                continue
-            if isinstance(sample, dict) and isinstance(result, dict) and "__key__" not in result:
-                for k in ("__key__", "__url__"):
-                    if k in sample:
-                        result[k] = sample[k]
-            yield result
-    finally:
-        policy.report()
-        if dropped:
-            log.debug("webds: %s returned None for %d item(s), which were dropped", name, dropped)
+
+    def apply(sample: Any) -> Any:
+        result = f(sample)
+        if isinstance(sample, dict) and isinstance(result, dict) and "__key__" not in result:
+            for k in ("__key__", "__url__"):
+                if k in sample:
+                    result[k] = sample[k]
+        return result
+
+    return apply_each(src, apply, handler, name, annotate=_annotate, drop_none=True)
 
 
 @stage
@@ -426,31 +408,24 @@ def map_dict(
     """
     for k, f in kw.items():
         _check_callable("map_dict", f"the function for {k!r}", f)
-    policy = ErrorPolicy(handler, "map_dict")
-    try:
-        for sample in src:
-            try:
-                if not isinstance(sample, Mapping):
-                    raise SampleError(
-                        f"map_dict needs dict samples, got a {type(sample).__name__}; "
-                        "use map_tuple after to_tuple"
-                    )
-                result = dict(sample)
-                for k, f in kw.items():
-                    if k not in result:
-                        raise SampleError(
-                            f"map_dict: sample has no field {k!r} (it has {_fields(sample)})",
-                            **_where(sample),
-                        )
-                    result[k] = f(result[k])
-            except Exception as exn:
-                _annotate(exn, "map_dict", sample)
-                if policy(exn):
-                    continue
-                break
-            yield result
-    finally:
-        policy.report()
+
+    def apply(sample: Any) -> Dict[str, Any]:
+        if not isinstance(sample, Mapping):
+            raise SampleError(
+                f"map_dict needs dict samples, got a {type(sample).__name__}; "
+                "use map_tuple after to_tuple"
+            )
+        result = dict(sample)
+        for k, f in kw.items():
+            if k not in result:
+                raise SampleError(
+                    f"map_dict: sample has no field {k!r} (it has {_fields(sample)})",
+                    **_where(sample),
+                )
+            result[k] = f(result[k])
+        return result
+
+    return apply_each(src, apply, handler, "map_dict", annotate=_annotate)
 
 
 @stage
@@ -465,26 +440,20 @@ def map_tuple(
     fns = [identity if f is None else f for f in args]
     for i, f in enumerate(fns):
         _check_callable("map_tuple", f"argument {i}", f)
-    policy = ErrorPolicy(handler, "map_tuple")
-    try:
-        for sample in src:
-            try:
-                if not isinstance(sample, (tuple, list)):
-                    raise SampleError(
-                        f"map_tuple needs tuple samples, got a {type(sample).__name__}; "
-                        "use to_tuple first, or map_dict for dicts",
-                        **_where(sample),
-                    )
-                result = list(sample)
-                for i, f in enumerate(fns[: len(result)]):
-                    result[i] = f(result[i])
-            except Exception as exn:
-                if policy(exn):
-                    continue
-                break
-            yield tuple(result)
-    finally:
-        policy.report()
+
+    def apply(sample: Any) -> tuple:
+        if not isinstance(sample, (tuple, list)):
+            raise SampleError(
+                f"map_tuple needs tuple samples, got a {type(sample).__name__}; "
+                "use to_tuple first, or map_dict for dicts",
+                **_where(sample),
+            )
+        result = list(sample)
+        for i, f in enumerate(fns[: len(result)]):
+            result[i] = f(result[i])
+        return tuple(result)
+
+    return apply_each(src, apply, handler, "map_tuple")
 
 
 def _check_dict_sample(stage_name: str, sample: Any) -> None:
@@ -509,24 +478,17 @@ def rename(
             raise ArgumentError(f"rename: {new}= must be a field name like 'jpg;png', got {old!r}")
     spec = {new: _alternatives(old) for new, old in kw.items()}
     replaced = {old for alternatives in spec.values() for old in alternatives}
-    policy = ErrorPolicy(handler, "rename")
-    try:
-        for sample in src:
-            try:
-                _check_dict_sample("rename", sample)
-                renamed = {new: getfirst(sample, old) for new, old in spec.items()}
-            except Exception as exn:
-                if policy(exn):
-                    continue
-                break
-            if keep:
-                result = {k: v for k, v in sample.items() if k not in replaced}
-                result.update(renamed)
-            else:
-                result = renamed
-            yield result
-    finally:
-        policy.report()
+
+    def apply(sample: Any) -> Dict[str, Any]:
+        _check_dict_sample("rename", sample)
+        renamed = {new: getfirst(sample, old) for new, old in spec.items()}
+        if not keep:
+            return renamed
+        result = {k: v for k, v in sample.items() if k not in replaced}
+        result.update(renamed)
+        return result
+
+    return apply_each(src, apply, handler, "rename")
 
 
 @stage
@@ -554,34 +516,30 @@ def to_tuple(
     if none_is_error is None:
         none_is_error = missing_is_error
     spec = [field.split(";") for field in args]
-    policy = ErrorPolicy(handler, "to_tuple")
-    try:
-        for sample in src:
-            try:
-                _check_dict_sample("to_tuple", sample)
-                result = []
-                for alternatives in spec:
-                    value = getfirst(sample, alternatives, missing_is_error=False, default=_MISSING)
-                    if value is _MISSING:
-                        if missing_is_error:
-                            raise _missing_error(sample, alternatives, args)
-                        value = None
-                    elif value is None and none_is_error:
-                        raise SampleError(
-                            f"to_tuple{args}: field {';'.join(alternatives)!r} is None",
-                            **_where(sample),
-                        )
-                    result.append(value)
-            except Exception as exn:
-                if policy(exn):
-                    continue
-                break
-            yield tuple(result)
-    finally:
-        policy.report()
 
+    def apply(sample: Any) -> tuple:
+        _check_dict_sample("to_tuple", sample)
+        result = []
+        for alternatives in spec:
+            # getfirst's lookup, inline: this runs for every field of every sample.
+            for name in alternatives:
+                if name in sample:
+                    value = sample[name]
+                    break
+            else:
+                if missing_is_error:
+                    raise _missing_error(sample, alternatives, args)
+                result.append(None)
+                continue
+            if value is None and none_is_error:
+                raise SampleError(
+                    f"to_tuple{args}: field {';'.join(alternatives)!r} is None",
+                    **_where(sample),
+                )
+            result.append(value)
+        return tuple(result)
 
-_MISSING = object()
+    return apply_each(src, apply, handler, "to_tuple")
 
 
 def _missing_error(
@@ -781,243 +739,3 @@ def log_keys(src: Iterable[Any], logfile: Optional[str] = None) -> Iterator[Any]
             yield sample
     finally:
         os.close(fd)
-
-
-# -- batching --------------------------------------------------------------------------------------
-
-
-def _is_scalar(x: Any) -> bool:
-    return isinstance(x, (numbers.Number, np.bool_)) and not isinstance(
-        x, (torch.Tensor, np.ndarray)
-    )
-
-
-def _sample_label(samples: Sequence[Any], i: int) -> str:
-    where = _where(samples[i])
-    return repr(where["key"]) if where.get("key") is not None else f"#{i}"
-
-
-def _stack_error(
-    kind: str, column: str, values: Sequence[Any], samples: Sequence[Any]
-) -> SampleError:
-    shapes = [tuple(v.shape) for v in values]
-    j = next(i for i, s in enumerate(shapes) if s != shapes[0])
-    return SampleError(
-        f"cannot stack the {kind}s of field {column}: sample {_sample_label(samples, 0)} has shape "
-        f"{shapes[0]} but sample {_sample_label(samples, j)} has shape {shapes[j]}; resize or pad "
-        "them to one shape, or pass batched(..., collation_fn=...) a function that handles "
-        "varying shapes",
-        **_where(samples[j]),
-    )
-
-
-def _collate_column(
-    values: List[Any],
-    column: str,
-    samples: Sequence[Any],
-    combine_tensors: bool,
-    combine_scalars: bool,
-) -> Any:
-    if all(isinstance(v, Mapping) for v in values):
-        return _collate_dicts(values, samples, combine_tensors, combine_scalars, prefix=column)
-    if all(isinstance(v, torch.Tensor) for v in values):
-        if not combine_tensors:
-            return values
-        if any(v.shape != values[0].shape for v in values):
-            raise _stack_error("tensor", column, values, samples)
-        return torch.stack(values)
-    if all(isinstance(v, np.ndarray) for v in values):
-        if not combine_tensors:
-            return values
-        if any(v.shape != values[0].shape for v in values):
-            raise _stack_error("array", column, values, samples)
-        return np.stack(values)
-    if combine_scalars and all(_is_scalar(v) for v in values):
-        return np.array(values)
-    return values
-
-
-def _collate_dicts(
-    dicts: List[Any],
-    samples: Sequence[Any],
-    combine_tensors: bool,
-    combine_scalars: bool,
-    prefix: str,
-) -> Dict[str, Any]:
-    keys = list(dicts[0].keys())
-    keyset = set(keys)
-    for i, d in enumerate(dicts):
-        if set(d.keys()) != keyset:
-            extra = sorted(_strs(set(d.keys()) - keyset))
-            lacking = sorted(_strs(keyset - set(d.keys())))
-            raise SampleError(
-                f"cannot batch dicts with different fields{' in ' + prefix if prefix else ''}: "
-                f"sample {_sample_label(samples, i)} has extra {extra} and lacks {lacking} "
-                f"compared with sample {_sample_label(samples, 0)}; select or rename fields to a "
-                "common set first (e.g. with to_tuple or rename(keep=False))",
-                **_where(samples[i]),
-            )
-    return {
-        k: _collate_column(
-            [d[k] for d in dicts],
-            f"{prefix}.{k}" if prefix else repr(k),
-            samples,
-            combine_tensors,
-            combine_scalars,
-        )
-        for k in keys
-    }
-
-
-def _strs(xs: Iterable[Any]) -> List[str]:
-    return [str(x) for x in xs]
-
-
-def default_collation_fn(
-    samples: Sequence[Any], combine_tensors: bool = True, combine_scalars: bool = True
-) -> Any:
-    """Collate a list of samples into a batch, column by column.
-
-    Tuples give a tuple of columns (lists a list), dicts a dict (all with the same fields; nested
-    dicts are collated recursively). In each column: tensors are stacked with ``torch.stack``,
-    arrays with ``np.stack`` (unless ``combine_tensors`` is false), numbers become a numpy array
-    (unless ``combine_scalars`` is false), anything else a list. Tensors of different shapes are a
-    :class:`SampleError`; pad them, or pass your own ``collation_fn`` to :func:`batched`.
-    """
-    samples = list(samples)
-    if not samples:
-        raise ArgumentError("default_collation_fn needs at least one sample")
-    first = samples[0]
-    if isinstance(first, Mapping):
-        for i, s in enumerate(samples):
-            if not isinstance(s, Mapping):
-                raise SampleError(
-                    f"cannot batch a dict sample with a {type(s).__name__} (sample #{i})"
-                )
-        return _collate_dicts(samples, samples, combine_tensors, combine_scalars, prefix="")
-    if isinstance(first, (tuple, list)):
-        for i, s in enumerate(samples):
-            if not isinstance(s, (tuple, list)) or len(s) != len(first):
-                what = f"{len(s)} elements" if isinstance(s, (tuple, list)) else type(s).__name__
-                raise SampleError(
-                    f"cannot batch tuples of different lengths: sample #0 has {len(first)} "
-                    f"elements, sample #{i} has {what}"
-                )
-        columns = [
-            _collate_column(list(col), f"#{j}", samples, combine_tensors, combine_scalars)
-            for j, col in enumerate(zip(*samples))
-        ]
-        return tuple(columns) if isinstance(first, tuple) else columns
-    return _collate_column(samples, "#0", samples, combine_tensors, combine_scalars)
-
-
-def _batches(src: Iterable[Any], batchsize: Any, partial: bool) -> Iterator[List[Any]]:
-    batchsize = _check_int("batchsize", batchsize)
-    if batchsize < 1:
-        raise ArgumentError(f"batchsize must be at least 1, got {batchsize}")
-    buf: List[Any] = []
-    for item in src:
-        buf.append(item)
-        if len(buf) == batchsize:
-            yield buf
-            buf = []
-    if buf and partial:
-        yield buf
-
-
-@stage
-def batched(
-    src: Iterable[Any],
-    batchsize: int = 20,
-    collation_fn: Optional[Callable[[List[Any]], Any]] = default_collation_fn,
-    partial: bool = True,
-) -> Iterator[Any]:
-    """Group items into batches of ``batchsize``, collated by ``collation_fn``.
-
-    ``collation_fn=None`` yields plain lists; ``partial=False`` drops a short last batch.
-    """
-    if collation_fn is not None:
-        _check_callable("batched", "collation_fn", collation_fn)
-    for batch in _batches(src, batchsize, partial):
-        yield batch if collation_fn is None else collation_fn(batch)
-
-
-@stage
-def listed(src: Iterable[Any], batchsize: int, partial: bool = True) -> Iterator[List[Any]]:
-    """Group items into lists of ``batchsize`` (no collation); ``partial=False`` drops a short
-    last list."""
-    yield from _batches(src, batchsize, partial)
-
-
-@stage
-def unlisted(src: Iterable[Any]) -> Iterator[Any]:
-    """Flatten lists of items (the inverse of :func:`listed`)."""
-    for batch in src:
-        if not isinstance(batch, list):
-            raise SampleError(
-                f"unlisted expects lists (as listed() makes), got a {type(batch).__name__}; "
-                "use unbatched() for collated batches",
-                **_where(batch),
-            )
-        yield from batch
-
-
-def _column_len(value: Any, column: str) -> int:
-    if isinstance(value, Mapping):
-        lengths = {k: _column_len(v, f"{column}.{k}") for k, v in value.items()}
-        return _common_len(lengths, column)
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        if value.ndim == 0:
-            raise SampleError(f"unbatched: field {column} is a 0-d tensor, not a batch column")
-        return int(value.shape[0])
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-        raise SampleError(
-            f"unbatched: field {column} is a {type(value).__name__}, not a batch column (a list, "
-            "tensor or array with one entry per sample)"
-        )
-    return len(value)
-
-
-def _common_len(lengths: Mapping[str, int], where: str) -> int:
-    distinct = set(lengths.values())
-    if len(distinct) > 1:
-        detail = ", ".join(f"{k}: {n}" for k, n in lengths.items())
-        raise SampleError(
-            f"unbatched: the columns of {where or 'the batch'} have different lengths ({detail}); "
-            "every column needs one entry per sample"
-        )
-    return distinct.pop() if distinct else 0
-
-
-def _column_item(value: Any, i: int) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _column_item(v, i) for k, v in value.items()}
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        # A copy, not a view: a view would keep the whole batch alive as long as any one of its
-        # samples sits in a shuffle buffer downstream.
-        return value[i].clone() if isinstance(value, torch.Tensor) else value[i].copy()
-    return value[i]
-
-
-@stage
-def unbatched(src: Iterable[Any]) -> Iterator[Any]:
-    """Split batches back into samples (the inverse of :func:`batched`).
-
-    A tuple or list batch gives tuples; a dict batch gives dicts, nested dicts included. Tensors
-    and arrays are split along their first dimension; every column must have the same length.
-    """
-    for batch in src:
-        if isinstance(batch, Mapping):
-            lengths = {repr(k): _column_len(v, repr(k)) for k, v in batch.items()}
-            n = _common_len(lengths, "")
-            for i in range(n):
-                yield {k: _column_item(v, i) for k, v in batch.items()}
-        elif isinstance(batch, (tuple, list)):
-            lengths = {f"#{j}": _column_len(v, f"#{j}") for j, v in enumerate(batch)}
-            n = _common_len(lengths, "")
-            for i in range(n):
-                yield tuple(_column_item(v, i) for v in batch)
-        else:
-            raise SampleError(
-                f"unbatched expects tuple, list or dict batches, got a {type(batch).__name__}"
-            )

@@ -1,8 +1,8 @@
 """The fluent face: ``WebDataset(url).shuffle(1000).decode("pil").to_tuple("jpg", "cls")``.
 
-Every chainable method is derived from a stage factory defined once in :mod:`webds.filters` or
-:mod:`webds.decode` (same name, signature and docstring) and returns a new pipeline with that
-stage appended; the original is unchanged.
+Every chainable method is derived from a stage factory defined once in :mod:`webds.filters`,
+:mod:`webds.batching` or :mod:`webds.decode` (same name, signature and docstring) and returns a
+new pipeline with that stage appended; the original is unchanged.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import inspect
 import logging
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
-from . import filters
+from . import batching, filters
 from .decode import decode as _decode_stage
 from .errors import WebdsError
 from .handlers import Handler, reraise_exception
@@ -64,10 +64,10 @@ class FluentMixin:
     rename_keys = _chain(filters.rename_keys)
     extract_keys = _chain(filters.extract_keys)
     to_tuple = _chain(filters.to_tuple)
-    batched = _chain(filters.batched)
-    unbatched = _chain(filters.unbatched)
-    listed = _chain(filters.listed)
-    unlisted = _chain(filters.unlisted)
+    batched = _chain(batching.batched)
+    unbatched = _chain(batching.unbatched)
+    listed = _chain(batching.listed)
+    unlisted = _chain(batching.unlisted)
     slice = _chain(filters.slice)
     rsample = _chain(filters.rsample)
     associate = _chain(filters.associate)

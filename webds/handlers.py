@@ -6,13 +6,14 @@ Unlike webdataset's, none of them sleeps.
 
 Stages never call a handler directly; they go through :class:`ErrorPolicy`, which counts what was
 skipped and logs one summary line when the stage ends, so nothing disappears without a trace.
+A stage that turns each item into one result runs :func:`apply_each`, the one copy of that loop.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 __all__ = [
     "Handler",
@@ -22,6 +23,7 @@ __all__ = [
     "ignore_and_stop",
     "warn_and_stop",
     "ErrorPolicy",
+    "apply_each",
 ]
 
 log = logging.getLogger("webds")
@@ -91,3 +93,46 @@ class ErrorPolicy:
                 type(self.first).__name__,
                 self.first,
             )
+
+
+def apply_each(
+    src: Iterable[Any],
+    fn: Callable[[Any], Any],
+    handler: Optional[Handler],
+    stage: str,
+    *,
+    annotate: Optional[Callable[[BaseException, str, Any], None]] = None,
+    drop_none: bool = False,
+) -> Iterator[Any]:
+    """Yield ``fn(item)`` for each item of ``src``; an exception from ``fn`` goes to ``handler``.
+
+    The handler skips the item, ends the stream or raises, through an :class:`ErrorPolicy` named
+    ``stage`` that logs its summary when the stream ends (or is closed). ``annotate(exn, stage,
+    item)``, if given, runs first, to add where the item came from to the exception. With
+    ``drop_none``, ``fn`` drops an item by returning ``None``; the number dropped is logged at
+    DEBUG level. Exceptions from ``src`` itself are not handled here: they belong upstream.
+
+    A stage checks its arguments, then ends with ``return apply_each(src, decoder, handler,
+    "decode")``: returning the loop, rather than ``yield from`` it, saves a generator hop per
+    item, and argument errors are raised as soon as the stage is applied to its source.
+    """
+    policy = ErrorPolicy(handler, stage)
+    dropped = 0
+    try:
+        for item in src:
+            try:
+                result = fn(item)
+            except Exception as exn:
+                if annotate is not None:
+                    annotate(exn, stage, item)
+                if policy(exn):
+                    continue
+                break
+            if drop_none and result is None:
+                dropped += 1
+                continue
+            yield result
+    finally:
+        policy.report()
+        if dropped:
+            log.debug("webds: %s returned None for %d item(s), which were dropped", stage, dropped)

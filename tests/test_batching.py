@@ -1,0 +1,188 @@
+"""Tests for webds.batching: batched / unbatched, listed / unlisted and default_collation_fn."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import webds
+from webds import batching as B
+from webds import filters as F
+from webds.errors import ArgumentError, SampleError
+
+
+def run(stage, items):
+    return list(stage(items))
+
+
+def collate_first(batch):
+    return batch[0]
+
+
+# -- batching --------------------------------------------------------------------------------------
+
+
+def tuple_samples(n):
+    return [
+        (torch.full((2, 3), float(i)), np.arange(4) + i, i, float(i) / 2, f"s{i}", b"b", True)
+        for i in range(n)
+    ]
+
+
+def assert_same(a, b):
+    assert type(a) is type(b) or (isinstance(a, (int, float)) and isinstance(b, np.generic))
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_batched_tuples_collate_by_column_and_round_trip():
+    samples = tuple_samples(10)
+    batches = run(B.batched(4), samples)
+    assert [len(b[2]) for b in batches] == [4, 4, 2]
+    first = batches[0]
+    assert isinstance(first, tuple)
+    assert isinstance(first[0], torch.Tensor) and first[0].shape == (4, 2, 3)
+    assert isinstance(first[1], np.ndarray) and first[1].shape == (4, 4)
+    assert isinstance(first[2], np.ndarray) and first[2].tolist() == [0, 1, 2, 3]
+    assert first[3].dtype == np.float64 and first[6].dtype == np.bool_
+    assert first[4] == ["s0", "s1", "s2", "s3"] and first[5] == [b"b"] * 4
+    back = run(B.unbatched(), batches)
+    assert len(back) == 10
+    for a, b in zip(samples, back):
+        assert_same(a, b)
+    assert [len(b[2]) for b in run(B.batched(4, partial=False), samples)] == [4, 4]
+
+
+def test_batched_dicts_with_nested_dicts_round_trip():
+    samples = [
+        {
+            "__key__": f"k{i}",
+            "img": torch.rand(3, 4),
+            "meta": {"size": i, "tags": {"t": np.ones(2) * i}, "name": f"n{i}"},
+        }
+        for i in range(5)
+    ]
+    batches = run(B.batched(3), samples)
+    assert batches[0]["__key__"] == ["k0", "k1", "k2"]
+    assert batches[0]["img"].shape == (3, 3, 4)
+    assert batches[0]["meta"]["size"].tolist() == [0, 1, 2]
+    assert batches[0]["meta"]["tags"]["t"].shape == (3, 2)
+    assert batches[1]["meta"]["name"] == ["n3", "n4"]
+    back = run(B.unbatched(), batches)
+    assert len(back) == 5
+    for a, b in zip(samples, back):
+        assert_same(a, b)
+
+
+def test_batched_lists_options_and_errors():
+    assert run(B.batched(2, collation_fn=None), range(5)) == [[0, 1], [2, 3], [4]]
+    assert run(B.batched(2, collate_first), range(5)) == [0, 2, 4]
+    assert run(B.batched(2), [[1, "a"], [2, "b"]]) == [
+        [pytest.approx(np.array([1, 2])), ["a", "b"]]
+    ]
+    out = B.default_collation_fn([(torch.zeros(2), 1), (torch.ones(2), 2)], False, False)
+    assert isinstance(out[0], list) and out[1] == [1, 2]
+    single = B.default_collation_fn([torch.zeros(2), torch.ones(2)])
+    assert single.shape == (2, 2)
+    with pytest.raises(ArgumentError, match="batchsize must be at least 1"):
+        run(B.batched(0), range(3))
+    with pytest.raises(ArgumentError, match="at least one sample"):
+        B.default_collation_fn([])
+
+
+def test_batched_shape_mismatch_names_shapes_and_suggests_a_fix():
+    samples = [
+        {"__key__": "a", "__url__": "s.tar", "img": torch.zeros(3, 32, 32)},
+        {"__key__": "b", "__url__": "s.tar", "img": torch.zeros(3, 32, 31)},
+    ]
+    with pytest.raises(SampleError) as info:
+        run(B.batched(2), samples)
+    msg = str(info.value)
+    assert "(3, 32, 32)" in msg and "(3, 32, 31)" in msg and "'img'" in msg
+    assert "'b'" in msg and "collation_fn" in msg and "pad" in msg
+    with pytest.raises(SampleError, match=r"\(2,\).*\(3,\)"):
+        B.default_collation_fn([(np.zeros(2),), (np.zeros(3),)])
+
+
+def test_batched_dicts_with_different_keys_name_them():
+    samples = [{"__key__": "a", "jpg": 1, "cls": 2}, {"__key__": "b", "png": 1, "cls": 2}]
+    with pytest.raises(SampleError) as info:
+        B.default_collation_fn(samples)
+    msg = str(info.value)
+    assert "extra ['png']" in msg and "lacks ['jpg']" in msg and "'b'" in msg
+    with pytest.raises(SampleError, match="different lengths"):
+        B.default_collation_fn([(1, 2), (1,)])
+
+
+def test_unbatched_errors_and_copies():
+    with pytest.raises(SampleError, match="different lengths"):
+        run(B.unbatched(), [{"a": torch.zeros(3), "b": [1, 2]}])
+    with pytest.raises(SampleError, match="different lengths"):
+        run(B.unbatched(), [{"a": [1, 2], "m": {"x": [1, 2], "y": [1]}}])
+    with pytest.raises(SampleError, match="0-d tensor"):
+        run(B.unbatched(), [(torch.tensor(1.0),)])
+    with pytest.raises(SampleError, match="not a batch column"):
+        run(B.unbatched(), [{"a": [1, 2], "n": 5}])
+    with pytest.raises(SampleError, match="tuple, list or dict"):
+        run(B.unbatched(), [5])
+    big = torch.zeros(64, 1000)
+    item = run(B.unbatched(), [(big,)])[0][0]
+    # Each sample owns its memory, so one buffered sample does not pin the whole batch.
+    assert item.untyped_storage().nbytes() == 1000 * 4
+    assert run(B.unbatched(), [([], [])]) == []
+
+
+def test_listed_and_unlisted():
+    assert run(B.listed(3), range(7)) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert run(B.listed(3, partial=False), range(7)) == [[0, 1, 2], [3, 4, 5]]
+    assert run(B.unlisted(), run(B.listed(3), range(7))) == list(range(7))
+    with pytest.raises(SampleError, match="unlisted expects lists"):
+        run(B.unlisted(), [(1, 2)])
+
+
+def test_collation_keeps_other_columns_as_lists():
+    samples = [(None, torch.zeros(2), 1, "a"), (None, np.zeros(2), 2.5, 3)]
+    nothing, mixed, numbers, strings = B.default_collation_fn(samples)
+    assert nothing == [None, None] and strings == ["a", 3]
+    assert isinstance(mixed, list) and len(mixed) == 2  # a tensor and an array are not stacked
+    assert numbers.tolist() == [1.0, 2.5]
+
+
+# -- the module's place in the API -----------------------------------------------------------------
+
+STAGES = [B.batched(4, partial=False), B.listed(4), B.unbatched(), B.unlisted()]
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=[s.factory.__name__ for s in STAGES])
+def test_stages_and_factories_pickle(stage):
+    back = pickle.loads(pickle.dumps(stage))
+    assert back.factory is stage.factory
+    assert pickle.loads(pickle.dumps(stage.factory)) is stage.factory
+    items = [(i,) for i in range(9)]
+    if stage.factory in (B.unbatched, B.unlisted):
+        items = [[(1,), (2,)]] if stage.factory is B.unlisted else [([1, 2],)]
+    assert repr(run(back, items)) == repr(run(stage, items))
+
+
+def test_public_names_come_from_this_module_only():
+    for name in B.__all__:
+        obj = getattr(B, name)
+        assert obj.__doc__, name
+        assert getattr(webds, name) is obj
+        assert not hasattr(F, name)  # no second copy or re-export in webds.filters
+    assert webds.WebDataset.batched.__doc__ == B.batched.__doc__

@@ -1,0 +1,272 @@
+"""Batching: group samples into batches (:func:`batched`) and split them back (:func:`unbatched`).
+
+:func:`batched` cuts the stream into lists of ``batchsize`` items and hands each list to its
+``collation_fn``, :func:`default_collation_fn` unless you pass another (or ``None`` for plain
+lists). :func:`listed` / :func:`unlisted` group and flatten lists without any collation.
+
+The collation rules of :func:`default_collation_fn`:
+
+- The batch has the samples' shape: tuple samples give a tuple of columns, list samples a list,
+  dict samples a dict; anything else is a single column. All samples must have that shape: tuples
+  of one length, dicts with the same fields (nested dicts are collated the same way, recursively).
+- Each column is combined by what it holds: tensors with ``torch.stack`` and numpy arrays with
+  ``np.stack`` (all of one shape; otherwise a :class:`~webds.errors.SampleError` names the two
+  samples and their shapes), numbers (Python or numpy scalars, bools included) into one numpy
+  array. ``combine_tensors=False`` / ``combine_scalars=False`` keep those as lists.
+- Anything else (strings, bytes, ``None``, a mix of types) stays a list, one entry per sample.
+
+:func:`unbatched` inverts this: tensors and arrays are split along their first dimension (each
+sample gets a copy, not a view, so one sample kept downstream does not keep its whole batch
+alive) and every column must have one entry per sample.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ArgumentError, SampleError
+from .filters import _check_callable, _check_int, _where
+from .pipeline import stage
+
+__all__ = ["batched", "listed", "unbatched", "unlisted", "default_collation_fn"]
+
+
+def _is_scalar(x: Any) -> bool:
+    return isinstance(x, (numbers.Number, np.bool_)) and not isinstance(
+        x, (torch.Tensor, np.ndarray)
+    )
+
+
+def _sample_label(samples: Sequence[Any], i: int) -> str:
+    where = _where(samples[i])
+    return repr(where["key"]) if where.get("key") is not None else f"#{i}"
+
+
+def _stack_error(
+    kind: str, column: str, values: Sequence[Any], samples: Sequence[Any]
+) -> SampleError:
+    shapes = [tuple(v.shape) for v in values]
+    j = next(i for i, s in enumerate(shapes) if s != shapes[0])
+    return SampleError(
+        f"cannot stack the {kind}s of field {column}: sample {_sample_label(samples, 0)} has shape "
+        f"{shapes[0]} but sample {_sample_label(samples, j)} has shape {shapes[j]}; resize or pad "
+        "them to one shape, or pass batched(..., collation_fn=...) a function that handles "
+        "varying shapes",
+        **_where(samples[j]),
+    )
+
+
+def _collate_column(
+    values: List[Any],
+    column: str,
+    samples: Sequence[Any],
+    combine_tensors: bool,
+    combine_scalars: bool,
+) -> Any:
+    if all(isinstance(v, Mapping) for v in values):
+        return _collate_dicts(values, samples, combine_tensors, combine_scalars, prefix=column)
+    if all(isinstance(v, torch.Tensor) for v in values):
+        if not combine_tensors:
+            return values
+        if any(v.shape != values[0].shape for v in values):
+            raise _stack_error("tensor", column, values, samples)
+        return torch.stack(values)
+    if all(isinstance(v, np.ndarray) for v in values):
+        if not combine_tensors:
+            return values
+        if any(v.shape != values[0].shape for v in values):
+            raise _stack_error("array", column, values, samples)
+        return np.stack(values)
+    if combine_scalars and all(_is_scalar(v) for v in values):
+        return np.array(values)
+    return values
+
+
+def _collate_dicts(
+    dicts: List[Any],
+    samples: Sequence[Any],
+    combine_tensors: bool,
+    combine_scalars: bool,
+    prefix: str,
+) -> Dict[str, Any]:
+    keys = list(dicts[0].keys())
+    keyset = set(keys)
+    for i, d in enumerate(dicts):
+        if set(d.keys()) != keyset:
+            extra = sorted(_strs(set(d.keys()) - keyset))
+            lacking = sorted(_strs(keyset - set(d.keys())))
+            raise SampleError(
+                f"cannot batch dicts with different fields{' in ' + prefix if prefix else ''}: "
+                f"sample {_sample_label(samples, i)} has extra {extra} and lacks {lacking} "
+                f"compared with sample {_sample_label(samples, 0)}; select or rename fields to a "
+                "common set first (e.g. with to_tuple or rename(keep=False))",
+                **_where(samples[i]),
+            )
+    return {
+        k: _collate_column(
+            [d[k] for d in dicts],
+            f"{prefix}.{k}" if prefix else repr(k),
+            samples,
+            combine_tensors,
+            combine_scalars,
+        )
+        for k in keys
+    }
+
+
+def _strs(xs: Iterable[Any]) -> List[str]:
+    return [str(x) for x in xs]
+
+
+def default_collation_fn(
+    samples: Sequence[Any], combine_tensors: bool = True, combine_scalars: bool = True
+) -> Any:
+    """Collate a list of samples into a batch, column by column.
+
+    Tuples give a tuple of columns (lists a list), dicts a dict (all with the same fields; nested
+    dicts are collated recursively). In each column: tensors are stacked with ``torch.stack``,
+    arrays with ``np.stack`` (unless ``combine_tensors`` is false), numbers become a numpy array
+    (unless ``combine_scalars`` is false), anything else a list. Tensors of different shapes are a
+    :class:`SampleError`; pad them, or pass your own ``collation_fn`` to :func:`batched`.
+    """
+    samples = list(samples)
+    if not samples:
+        raise ArgumentError("default_collation_fn needs at least one sample")
+    first = samples[0]
+    if isinstance(first, Mapping):
+        for i, s in enumerate(samples):
+            if not isinstance(s, Mapping):
+                raise SampleError(
+                    f"cannot batch a dict sample with a {type(s).__name__} (sample #{i})"
+                )
+        return _collate_dicts(samples, samples, combine_tensors, combine_scalars, prefix="")
+    if isinstance(first, (tuple, list)):
+        for i, s in enumerate(samples):
+            if not isinstance(s, (tuple, list)) or len(s) != len(first):
+                what = f"{len(s)} elements" if isinstance(s, (tuple, list)) else type(s).__name__
+                raise SampleError(
+                    f"cannot batch tuples of different lengths: sample #0 has {len(first)} "
+                    f"elements, sample #{i} has {what}"
+                )
+        columns = [
+            _collate_column(list(col), f"#{j}", samples, combine_tensors, combine_scalars)
+            for j, col in enumerate(zip(*samples))
+        ]
+        return tuple(columns) if isinstance(first, tuple) else columns
+    return _collate_column(samples, "#0", samples, combine_tensors, combine_scalars)
+
+
+def _batches(src: Iterable[Any], batchsize: Any, partial: bool) -> Iterator[List[Any]]:
+    batchsize = _check_int("batchsize", batchsize)
+    if batchsize < 1:
+        raise ArgumentError(f"batchsize must be at least 1, got {batchsize}")
+    buf: List[Any] = []
+    for item in src:
+        buf.append(item)
+        if len(buf) == batchsize:
+            yield buf
+            buf = []
+    if buf and partial:
+        yield buf
+
+
+@stage
+def batched(
+    src: Iterable[Any],
+    batchsize: int = 20,
+    collation_fn: Optional[Callable[[List[Any]], Any]] = default_collation_fn,
+    partial: bool = True,
+) -> Iterator[Any]:
+    """Group items into batches of ``batchsize``, collated by ``collation_fn``.
+
+    ``collation_fn=None`` yields plain lists; ``partial=False`` drops a short last batch.
+    """
+    if collation_fn is not None:
+        _check_callable("batched", "collation_fn", collation_fn)
+    for batch in _batches(src, batchsize, partial):
+        yield batch if collation_fn is None else collation_fn(batch)
+
+
+@stage
+def listed(src: Iterable[Any], batchsize: int, partial: bool = True) -> Iterator[List[Any]]:
+    """Group items into lists of ``batchsize`` (no collation); ``partial=False`` drops a short
+    last list."""
+    yield from _batches(src, batchsize, partial)
+
+
+@stage
+def unlisted(src: Iterable[Any]) -> Iterator[Any]:
+    """Flatten lists of items (the inverse of :func:`listed`)."""
+    for batch in src:
+        if not isinstance(batch, list):
+            raise SampleError(
+                f"unlisted expects lists (as listed() makes), got a {type(batch).__name__}; "
+                "use unbatched() for collated batches",
+                **_where(batch),
+            )
+        yield from batch
+
+
+def _column_len(value: Any, column: str) -> int:
+    if isinstance(value, Mapping):
+        lengths = {k: _column_len(v, f"{column}.{k}") for k, v in value.items()}
+        return _common_len(lengths, column)
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim == 0:
+            raise SampleError(f"unbatched: field {column} is a 0-d tensor, not a batch column")
+        return int(value.shape[0])
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise SampleError(
+            f"unbatched: field {column} is a {type(value).__name__}, not a batch column (a list, "
+            "tensor or array with one entry per sample)"
+        )
+    return len(value)
+
+
+def _common_len(lengths: Mapping[str, int], where: str) -> int:
+    distinct = set(lengths.values())
+    if len(distinct) > 1:
+        detail = ", ".join(f"{k}: {n}" for k, n in lengths.items())
+        raise SampleError(
+            f"unbatched: the columns of {where or 'the batch'} have different lengths ({detail}); "
+            "every column needs one entry per sample"
+        )
+    return distinct.pop() if distinct else 0
+
+
+def _column_item(value: Any, i: int) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _column_item(v, i) for k, v in value.items()}
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        # A copy, not a view: a view would keep the whole batch alive as long as any one of its
+        # samples sits in a shuffle buffer downstream.
+        return value[i].clone() if isinstance(value, torch.Tensor) else value[i].copy()
+    return value[i]
+
+
+@stage
+def unbatched(src: Iterable[Any]) -> Iterator[Any]:
+    """Split batches back into samples (the inverse of :func:`batched`).
+
+    A tuple or list batch gives tuples; a dict batch gives dicts, nested dicts included. Tensors
+    and arrays are split along their first dimension; every column must have the same length.
+    """
+    for batch in src:
+        if isinstance(batch, Mapping):
+            lengths = {repr(k): _column_len(v, repr(k)) for k, v in batch.items()}
+            n = _common_len(lengths, "")
+            for i in range(n):
+                yield {k: _column_item(v, i) for k, v in batch.items()}
+        elif isinstance(batch, (tuple, list)):
+            lengths = {f"#{j}": _column_len(v, f"#{j}") for j, v in enumerate(batch)}
+            n = _common_len(lengths, "")
+            for i in range(n):
+                yield tuple(_column_item(v, i) for v in batch)
+        else:
+            raise SampleError(
+                f"unbatched expects tuple, list or dict batches, got a {type(batch).__name__}"
+            )
