@@ -59,3 +59,20 @@ def tar_factory(tmp_path: Path):
         return write_tar(tmp_path / name, members, **kw)
 
     return make
+
+
+class Tracked:
+    """An iterator over range(n) that records how many items have been pulled from it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pulled = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        if self.pulled >= self.n:
+            raise StopIteration
+        self.pulled += 1
+        return self.pulled - 1

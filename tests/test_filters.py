@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import sample_members, write_tar
+from conftest import Tracked, sample_members, write_tar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
@@ -29,23 +29,6 @@ from webds.pipeline import DataPipeline
 from webds.shards import derive_seed, split_by_worker
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-
-class Tracked:
-    """An iterator over range(n) that records how many items have been pulled from it."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.pulled = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        if self.pulled >= self.n:
-            raise StopIteration
-        self.pulled += 1
-        return self.pulled - 1
 
 
 def samples_from_tar(path: Path):

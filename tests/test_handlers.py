@@ -6,6 +6,7 @@ import logging
 import warnings
 
 import pytest
+from conftest import Tracked
 
 from webds.handlers import (
     ErrorPolicy,
@@ -16,23 +17,6 @@ from webds.handlers import (
     warn_and_continue,
     warn_and_stop,
 )
-
-
-class Tracked:
-    """An iterator over range(n) that records how many items have been pulled from it."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.pulled = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> int:
-        if self.pulled >= self.n:
-            raise StopIteration
-        self.pulled += 1
-        return self.pulled - 1
 
 
 def fail_on_multiples_of_three(x):
