@@ -186,3 +186,18 @@ def test_public_names_come_from_this_module_only():
         assert getattr(webds, name) is obj
         assert not hasattr(F, name)  # no second copy or re-export in webds.filters
     assert webds.WebDataset.batched.__doc__ == B.batched.__doc__
+
+
+def test_nested_dicts_with_differing_fields_stay_a_list():
+    # JSON metadata rarely has one schema: webdataset gives a list of dicts for such a column.
+    metas = [{"annotations": [1]}, {}, {"annotations": [2], "extra": 1}]
+    images, got = B.default_collation_fn([(np.zeros(2), m) for m in metas])
+    assert images.shape == (3, 2)
+    assert got == metas
+    batch = B.default_collation_fn([{"x": 1, "meta": m} for m in metas])
+    assert list(batch["x"]) == [1, 1, 1] and batch["meta"] == metas
+
+
+def test_top_level_dicts_with_differing_fields_are_an_error():
+    with pytest.raises(SampleError, match="different fields"):
+        B.default_collation_fn([{"a": 1}, {"b": 2}])

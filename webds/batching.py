@@ -68,6 +68,10 @@ def _collate_column(
     combine_scalars: bool,
 ) -> Any:
     if all(isinstance(v, Mapping) for v in values):
+        # Nested dicts with one set of fields are collated field by field; with differing fields
+        # (e.g. JSON metadata) they stay a list of dicts, as webdataset's collation gives.
+        if any(v.keys() != values[0].keys() for v in values):
+            return values
         return _collate_dicts(values, samples, combine_tensors, combine_scalars, prefix=column)
     if all(isinstance(v, torch.Tensor) for v in values):
         if not combine_tensors:
@@ -128,7 +132,8 @@ def default_collation_fn(
     """Collate a list of samples into a batch, column by column.
 
     Tuples give a tuple of columns (lists a list), dicts a dict (all with the same fields; nested
-    dicts are collated recursively). In each column: tensors are stacked with ``torch.stack``,
+    dicts with the same fields are collated recursively, nested dicts whose fields differ stay a
+    list of dicts). In each column: tensors are stacked with ``torch.stack``,
     arrays with ``np.stack`` (unless ``combine_tensors`` is false), numbers become a numpy array
     (unless ``combine_scalars`` is false), anything else a list. Tensors of different shapes are a
     :class:`SampleError`; pad them, or pass your own ``collation_fn`` to :func:`batched`.
