@@ -130,6 +130,11 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``select_files`` / ``rename_files``: functions on member names (rename runs first).
     - ``empty_check``: raise when a single-process epoch yields no sample at all.
     - ``storage_options``: passed to fsspec when opening remote URLs.
+
+    Older keywords still work (see :func:`webds.compat.legacy_keywords`): webdataset 1.x's
+    ``mode="resampled"``, ``detshuffle``, ``verbose`` and ``url_to_name``, and the 0.1 style
+    ``extensions=``, ``decoder=``, ``transforms=``, ``shuffle=``, which warns with its modern
+    spelling. ``cache_dir``/``cache_size`` raise: the shard cache is not available yet.
     """
 
     def __init__(
@@ -146,8 +151,17 @@ class WebDataset(DataPipeline, FluentMixin):
         empty_check: bool = True,
         seed: Optional[int] = None,
         storage_options: Optional[dict] = None,
+        **legacy: Any,
     ) -> None:
         super().__init__()
+        extra_stages: list = []
+        if legacy:
+            # Imported here because webds.compat also re-exports this class (as webdataset's
+            # compat module did), so it imports this module.
+            from .compat import legacy_keywords
+
+            plan = legacy_keywords(legacy, resampled=resampled, shardshuffle=shardshuffle)
+            resampled, shardshuffle, extra_stages = plan.resampled, plan.shardshuffle, plan.stages
         self.seed = seed
         if resampled:
             source: Any = ResampledShards(
@@ -175,5 +189,7 @@ class WebDataset(DataPipeline, FluentMixin):
         )
         if empty_check:
             self.append(_require_samples(urls))
+        for extra in extra_stages:
+            self.append(extra)
         if repeat:
             self.repeat()

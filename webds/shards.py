@@ -22,6 +22,7 @@ import braceexpand
 from torch.utils.data import IterableDataset
 
 from .errors import ArgumentError
+from .pipeline import stage
 
 __all__ = [
     "WorkerInfo",
@@ -33,6 +34,8 @@ __all__ = [
     "split_by_node",
     "split_by_worker",
     "single_node_only",
+    "non_empty",
+    "resampled",
 ]
 
 URLs = Union[str, Sequence[str]]
@@ -211,3 +214,47 @@ def single_node_only(src: Iterable[Any], group: Any = None) -> Iterator[Any]:
             "(or resampled=True) for multi-node training"
         )
     return iter(src)
+
+
+def non_empty(src: Iterable[Any]) -> Iterator[Any]:
+    """Pass items through; raise ArgumentError at the end if there were none.
+
+    ``DataPipeline(SimpleShardList(urls), split_by_worker, non_empty, ...)`` turns "this worker
+    got no shards" into an error instead of a silently empty epoch.
+    """
+    empty = True
+    for item in src:
+        empty = False
+        yield item
+    if empty:
+        raise ArgumentError(
+            "this pipeline stage received no data at all: check the URLs, and that there are at "
+            "least as many shards as nodes times DataLoader workers"
+        )
+
+
+@stage
+def resampled(
+    src: Iterable[Any],
+    n: int = sys.maxsize,
+    seed: Optional[int] = None,
+    *,
+    epoch: int = 0,
+) -> Iterator[Any]:
+    """Read all of ``src``, then yield ``n`` items drawn from it at random with replacement.
+
+    With ``seed`` the draws depend only on (seed, epoch, rank, worker), as in
+    :class:`ResampledShards` with ``deterministic=True``; without one they use fresh entropy.
+    """
+    if n < 0:
+        raise ArgumentError(f"resampled: n must be >= 0, got {n}")
+    items = list(src)
+    if not items:
+        raise ArgumentError("resampled: its source yielded nothing, so there is nothing to draw")
+    where = worker_info()
+    parts: tuple = ("resampled-stage", seed, epoch, tuple(where))
+    if seed is None:
+        parts += (os.urandom(8),)
+    rng = random.Random(derive_seed(*parts))
+    for _ in range(n):
+        yield rng.choice(items)

@@ -10,6 +10,10 @@ One entry point, :func:`open_url`, for every kind of location a shard can live i
   command's whole process group is ended when the stream is closed, so no process outlives it;
 - every other scheme (``s3://``, ``gs://``, ``http(s)://``, ...) through fsspec, which owns the
   registry of protocols. webds never shells out to ``curl`` or ``gsutil``.
+
+:data:`SCHEMES` is the one registry of user-supplied openers, webdataset's ``gopen_schemes``
+(the same dict): ``SCHEMES["s3"] = my_boto3_opener`` makes every ``s3://`` URL go through
+``my_boto3_opener(url, mode, bufsize, **kw)`` before any built-in rule is tried.
 """
 
 from __future__ import annotations
@@ -21,15 +25,38 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from typing import IO, Any, BinaryIO, Optional, Union
+from typing import IO, Any, BinaryIO, Callable, Dict, Optional, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from .errors import ArgumentError, OpenError
+from .errors import ArgumentError, OpenError, WebdsError
 
-__all__ = ["open_url", "local_path", "PipeStream", "AtomicFile"]
+__all__ = [
+    "open_url",
+    "local_path",
+    "url_scheme",
+    "SCHEMES",
+    "SchemeOpener",
+    "DEFAULT_BUFSIZE",
+    "PipeStream",
+    "AtomicFile",
+]
 
 PathOrURL = Union[str, "os.PathLike[str]"]
+
+#: ``fn(url, mode, bufsize, **kw) -> stream``: webdataset's signature for a scheme handler.
+SchemeOpener = Callable[..., Any]
+
+#: User-registered openers by URL scheme (``"s3"``, ``"myscheme"``, ``"pipe"``...), consulted by
+#: :func:`open_url` before its built-in rules, so a registered scheme also works inside
+#: ``WebDataset(...)``. The key ``"__default__"`` catches every remote scheme without its own
+#: entry, instead of fsspec. It starts empty: webds has no built-in curl or gsutil openers.
+#: It is process state, like fsspec's protocol registry: DataLoader workers started by ``fork``
+#: inherit it; with ``spawn`` register in a module the workers import (or in worker_init_fn).
+SCHEMES: Dict[str, SchemeOpener] = {}
+
+#: What webdataset passed as ``bufsize`` when the caller gave none.
+DEFAULT_BUFSIZE = 8192
 
 # Exit statuses that mean "the reader went away", not "the command failed": SIGPIPE as a
 # shell reports it (128 + 13), and as Popen reports a signalled child.
@@ -55,12 +82,28 @@ def local_path(url: PathOrURL) -> Optional[str]:
     return None
 
 
-def open_url(url: PathOrURL, mode: str = "rb", **storage_options: Any) -> BinaryIO:
+def url_scheme(url: PathOrURL) -> Optional[str]:
+    """Return the scheme of ``url`` (``"s3"``, ``"pipe"``, ``"file"``), or None for a local path.
+
+    ``url_scheme("s3://b/a.tar") == "s3"``; ``url_scheme("C:\\d\\a.tar") is None`` (a drive).
+    """
+    url = os.fspath(url)
+    if url == "-":
+        return None
+    scheme = urlparse(url).scheme
+    return scheme.lower() if len(scheme) > 1 else None
+
+
+def open_url(
+    url: PathOrURL, mode: str = "rb", *, bufsize: int = DEFAULT_BUFSIZE, **storage_options: Any
+) -> BinaryIO:
     """Open ``url`` as a binary stream for reading (``"rb"``) or writing (``"wb"``).
 
-    ``storage_options`` go to fsspec for remote URLs (credentials, endpoints, block sizes).
-    The caller closes the stream; for writes, closing commits the data (renames the temporary
-    file into place, or waits for the ``pipe:`` command and checks its exit status).
+    A scheme registered in :data:`SCHEMES` is opened by its handler, called as
+    ``handler(url, mode, bufsize, **storage_options)``; ``bufsize`` is used by nothing else.
+    Otherwise ``storage_options`` go to fsspec for remote URLs (credentials, endpoints, block
+    sizes). The caller closes the stream; for writes, closing commits the data (renames the
+    temporary file into place, or waits for the ``pipe:`` command and checks its exit status).
     """
     if mode not in ("rb", "wb"):
         raise ArgumentError(f"open_url: mode must be 'rb' or 'wb', not {mode!r}")
@@ -70,12 +113,58 @@ def open_url(url: PathOrURL, mode: str = "rb", **storage_options: Any) -> Binary
     if url == "-":
         std = sys.stdin if mode == "rb" else sys.stdout
         return _Unclosable(std.buffer)  # type: ignore[return-value]
+    registered = _registered_opener(url)
+    if registered is not None:
+        return _open_registered(registered, url, mode, bufsize, storage_options)
     if url.startswith("pipe:"):
         return PipeStream(url[5:], mode)  # type: ignore[return-value]
     path = local_path(url)
     if path is not None:
         return _open_local(url, path, mode)
     return _open_fsspec(url, mode, storage_options)
+
+
+def _registered_opener(url: str) -> Optional[SchemeOpener]:
+    scheme = url_scheme(url)
+    if scheme is None:
+        return None
+    if scheme in SCHEMES:
+        return SCHEMES[scheme]
+    # As in webdataset, "__default__" stands for the remote schemes only: local files and
+    # pipe: commands keep their own rules unless registered by name.
+    if scheme not in ("file", "pipe"):
+        return SCHEMES.get("__default__")
+    return None
+
+
+def _open_registered(
+    opener: SchemeOpener, url: str, mode: str, bufsize: int, options: Dict[str, Any]
+) -> BinaryIO:
+    name = getattr(opener, "__qualname__", repr(opener))
+    if not callable(opener):
+        raise ArgumentError(
+            f"the opener registered for {url_scheme(url)!r} URLs is not callable: {opener!r}; "
+            "register fn(url, mode, bufsize, **kw) -> stream",
+            url=url,
+        )
+    try:
+        stream = opener(url, mode, bufsize, **options)
+    except WebdsError:
+        raise
+    except Exception as exn:
+        raise OpenError(
+            f"the opener registered for {url_scheme(url)!r} URLs ({name}) failed: "
+            f"{type(exn).__name__}: {exn}",
+            url=url,
+        ) from exn
+    wanted = "read" if mode == "rb" else "write"
+    if not hasattr(stream, wanted):
+        raise OpenError(
+            f"the opener registered for {url_scheme(url)!r} URLs ({name}) returned {stream!r}, "
+            f"which has no {wanted}(); it must return a binary stream",
+            url=url,
+        )
+    return stream
 
 
 def _open_local(url: str, path: str, mode: str) -> BinaryIO:

@@ -1,0 +1,181 @@
+"""Mixing several sources into one stream: in turn (:class:`RoundRobin`) or at random
+(:class:`RandomMix`).
+
+    RoundRobin([[1, 2, 3], [10]])                          # 1, 10, 2 (stops at the shortest)
+    RandomMix([ds_a, ds_b], probs=[0.8, 0.2], seed=0)      # about 80% from ds_a
+
+Unlike webdataset's, :class:`RandomMix` never uses the global ``random``: its choices depend on
+(seed, epoch, rank, DataLoader worker), so each worker mixes differently and a seeded run repeats
+exactly; without a seed it draws fresh entropy every epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any, Iterable, Iterator, List, Optional, Sequence
+
+from torch.utils.data import IterableDataset
+
+from .errors import ArgumentError
+from .shards import derive_seed, worker_info
+
+__all__ = [
+    "RoundRobin",
+    "RandomMix",
+    "round_robin_shortest",
+    "round_robin_longest",
+    "random_samples",
+]
+
+_END = object()
+
+
+def _round_robin(sources: Sequence[Iterable[Any]], longest: bool) -> Iterator[Any]:
+    its: List[Iterator[Any]] = [iter(s) for s in sources]
+    while its:
+        i = 0
+        while i < len(its):
+            item = next(its[i], _END)
+            if item is _END:
+                if not longest:
+                    return
+                del its[i]
+                continue
+            yield item
+            i += 1
+
+
+def round_robin_shortest(*sources: Iterable[Any]) -> Iterator[Any]:
+    """One item from each source in turn, until any source runs out.
+
+    ``list(round_robin_shortest([1, 2, 3], [10])) == [1, 10, 2]``.
+    """
+    return _round_robin(sources, longest=False)
+
+
+def round_robin_longest(*sources: Iterable[Any]) -> Iterator[Any]:
+    """One item from each source in turn; exhausted sources drop out until all are done.
+
+    ``list(round_robin_longest([1, 2, 3], [10])) == [1, 10, 2, 3]``.
+    """
+    return _round_robin(sources, longest=True)
+
+
+def _normalised(probs: Optional[Sequence[float]], n: int) -> List[float]:
+    if n == 0:
+        raise ArgumentError("RandomMix needs at least one source")
+    if probs is None:
+        return [1.0 / n] * n
+    ps = [float(p) for p in probs]
+    if len(ps) != n:
+        raise ArgumentError(f"RandomMix got {len(ps)} probabilities for {n} sources")
+    if any(not p >= 0 for p in ps) or sum(ps) <= 0:
+        raise ArgumentError(f"RandomMix probabilities must be >= 0 and not all 0, got {ps}")
+    total = sum(ps)
+    return [p / total for p in ps]
+
+
+def _mix_rng(seed: Optional[int], epoch: int) -> random.Random:
+    if seed is None:
+        return random.Random(os.urandom(16))
+    where = worker_info()
+    return random.Random(derive_seed("randommix", seed, epoch, where.rank, where.worker))
+
+
+def random_samples(
+    sources: Sequence[Iterable[Any]],
+    probs: Optional[Sequence[float]] = None,
+    longest: bool = False,
+    seed: Optional[int] = None,
+    *,
+    epoch: int = 0,
+) -> Iterator[Any]:
+    """Yield items from ``sources``, each time from one picked with probability ``probs[i]``.
+
+    ``probs`` are normalised (default: uniform). It stops when the picked source runs out, or with
+    ``longest=True`` drops that source and goes on with the rest (probabilities renormalised).
+    With ``seed`` the picks depend only on (seed, epoch, rank, worker); without one they are fresh.
+    """
+    ps = _normalised(probs, len(sources))
+    rng = _mix_rng(seed, epoch)
+    its = [iter(s) for s in sources]
+    weights = list(ps)
+    while its:
+        if sum(weights) <= 0:
+            # Only zero-probability sources are left: they were never meant to be drawn.
+            return
+        i = rng.choices(range(len(its)), weights=weights)[0]
+        item = next(its[i], _END)
+        if item is _END:
+            if not longest:
+                return
+            del its[i], weights[i]
+            continue
+        yield item
+
+
+def _forward_epoch(datasets: Sequence[Any], epoch: int) -> None:
+    for d in datasets:
+        if hasattr(d, "set_epoch"):
+            d.set_epoch(epoch)
+
+
+class RoundRobin(IterableDataset):
+    """Alternate between ``datasets``, one item each; stop at the first that runs out, or with
+    ``longest=True`` go on with the others until all are done."""
+
+    def __init__(self, datasets: Sequence[Iterable[Any]], longest: bool = False) -> None:
+        super().__init__()
+        self.datasets = list(datasets)
+        if not self.datasets:
+            raise ArgumentError("RoundRobin needs at least one dataset")
+        self.longest = bool(longest)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch here and on every source that has ``set_epoch``."""
+        self.epoch = int(epoch)
+        _forward_epoch(self.datasets, self.epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _round_robin(self.datasets, self.longest)
+
+    def __repr__(self) -> str:
+        return f"RoundRobin({len(self.datasets)} datasets, longest={self.longest})"
+
+
+class RandomMix(IterableDataset):
+    """Mix ``datasets`` at random, picking each item's source with probability ``probs[i]``.
+
+    ``RandomMix([a, b], probs=[3, 1], seed=0)`` takes about 75% of its items from ``a``. The
+    picks depend on (seed, epoch, rank, DataLoader worker): every worker mixes differently, and a
+    seeded run is reproducible; ``seed=None`` uses fresh entropy. See :func:`random_samples`.
+    """
+
+    def __init__(
+        self,
+        datasets: Sequence[Iterable[Any]],
+        probs: Optional[Sequence[float]] = None,
+        longest: bool = False,
+        seed: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.datasets = list(datasets)
+        self.probs = _normalised(probs, len(self.datasets))
+        self.longest = bool(longest)
+        if seed is not None and not isinstance(seed, int):
+            raise ArgumentError(f"RandomMix seed must be an int or None, got {seed!r}")
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (it changes the picks) here and on every source with ``set_epoch``."""
+        self.epoch = int(epoch)
+        _forward_epoch(self.datasets, self.epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        return random_samples(self.datasets, self.probs, self.longest, self.seed, epoch=self.epoch)
+
+    def __repr__(self) -> str:
+        return f"RandomMix({len(self.datasets)} datasets, probs={self.probs}, seed={self.seed})"
