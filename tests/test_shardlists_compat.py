@@ -16,7 +16,7 @@ from webds.errors import ArgumentError, WebdsError
 from webds.pipeline import DataPipeline
 from webds.samples import tarfile_to_samples
 from webds.shards import SimpleShardList, non_empty, resampled, split_by_worker
-from webds.shardspec import (
+from webds.shardsources import (
     DirectoryShardList,
     MultiShardSample,
     fnmatch_with_braces,

@@ -3,8 +3,9 @@
 ``webds.WebDataset(url).shuffle(1000).decode("pil").to_tuple("jpg", "cls").batched(64)``
 """
 
-from . import tenbin
+from . import aliases, compat, mix, tenbin
 from .batching import batched, default_collation_fn, listed, unbatched, unlisted
+from .compat import gopen_schemes, reader
 from .decode import (
     IMAGE_EXTENSIONS,
     Continue,
@@ -18,6 +19,7 @@ from .decode import (
     torch_audio,
     torch_loads,
     torch_video,
+    xdecode,
 )
 from .errors import (
     ArgumentError,
@@ -55,8 +57,17 @@ from .handlers import (
     warn_and_continue,
     warn_and_stop,
 )
+from .legacy import (
+    MockDataset,
+    PipelineStage,
+    repeatedly,
+    with_epoch,
+    with_length,
+)
 from .loader import WebLoader
+from .mix import RandomMix, RoundRobin
 from .pipeline import DataPipeline, Stage, pipelinefilter, stage
+from .replay import Cached, LMDBCached
 from .samples import (
     base_plus_ext,
     group_by_keys,
@@ -69,13 +80,23 @@ from .shards import (
     ResampledShards,
     SimpleShardList,
     expand_urls,
+    non_empty,
+    resampled,
     single_node_only,
     split_by_node,
     split_by_worker,
     worker_info,
 )
+from .shardsources import DirectoryShardList, MultiShardSample, shardspec
 from .urls import open_url
 from .writer import ShardWriter, TarWriter, numpy_dumps, torch_dumps
+
+#: webdataset's flag for ``.pth`` decoding; in webds it is the default of
+#: ``decode(..., weights_only=True)`` (assigning this name changes nothing, as in webdataset).
+pytorch_weights_only = True
+
+# webdataset's module names (webds.shardlists, webds.gopen, ...), created on first use.
+__getattr__ = aliases.package_getattr
 
 __version__ = "0.1.0"
 
@@ -103,12 +124,22 @@ __all__ = [
     "DataPipeline",
     # sources
     "open_url",
+    "gopen",
+    "gopen_schemes",
+    "reader",
     "expand_urls",
     "SimpleShardList",
     "ResampledShards",
     "split_by_node",
     "split_by_worker",
     "single_node_only",
+    "non_empty",
+    "resampled",
+    "MultiShardSample",
+    "shardspec",
+    "DirectoryShardList",
+    "RandomMix",
+    "RoundRobin",
     "worker_info",
     "url_opener",
     "tar_file_expander",
@@ -150,6 +181,8 @@ __all__ = [
     "torch_loads",
     "torch_video",
     "torch_audio",
+    "xdecode",
+    "pytorch_weights_only",
     "tenbin",
     # faces
     "FluentMixin",
@@ -157,6 +190,16 @@ __all__ = [
     "FluidWrapper",
     "WebDataset",
     "WebLoader",
+    "compat",
+    "mix",
+    # webdataset's helpers
+    "PipelineStage",
+    "repeatedly",
+    "MockDataset",
+    "with_epoch",
+    "with_length",
+    "Cached",
+    "LMDBCached",
     # writing
     "TarWriter",
     "ShardWriter",

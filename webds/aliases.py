@@ -85,7 +85,7 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
                 "resampled",
             ],
         ),
-        ("webds.shardspec", ["MultiShardSample", "shardspec", "DirectoryShardList"]),
+        ("webds.shardsources", ["MultiShardSample", "shardspec", "DirectoryShardList"]),
     ],
     "tariterators": [
         (
@@ -124,6 +124,37 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
     ],
 }
 
+#: Names that webdataset's modules of the same name as a real webds module (``filters``,
+#: ``writer``) exported but that live elsewhere in webds. The real module's ``__getattr__``
+#: (:func:`module_getattr`) serves them, so ``from webds.filters import batched`` works without
+#: the real module importing (or copying) them.
+EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
+    "filters": [
+        (
+            "webds.batching",
+            ["batched", "unbatched", "listed", "unlisted", "default_collation_fn"],
+        ),
+        ("webds.decode", ["decode", "xdecode", "default_decoders=default_xdecoders"]),
+        ("webds.pipeline", ["pipelinefilter"]),
+        ("webds.replay", ["Cached", "LMDBCached"]),
+    ],
+    "writer": [
+        (
+            "webds.encode",
+            [
+                "imageencoder",
+                "default_handlers",
+                "encode_based_on_extension=encode_sample",
+                "make_encoder",
+                "numpy_npz_dumps",
+                "tenbin_dumps",
+                "mp_dumps",
+                "cbor_dumps",
+            ],
+        ),
+    ],
+}
+
 #: Alias modules that are also callable, and the attribute a call goes to.
 CALLABLE_ALIASES: Dict[str, str] = {"gopen": "gopen"}
 
@@ -144,6 +175,24 @@ def _index(table: Dict[str, List[Tuple[str, List[str]]]]) -> Dict[str, Dict[str,
 
 
 _INDEX = _index(ALIASES)
+_EXTRAS_INDEX = _index(EXTRAS)
+
+
+def module_getattr(module_name: str) -> Any:
+    """A ``__getattr__`` for the real module ``module_name`` serving its :data:`EXTRAS`.
+
+    In ``webds/filters.py``: ``__getattr__ = aliases.module_getattr(__name__)``.
+    """
+    short = module_name.rpartition(".")[2]
+    names = _EXTRAS_INDEX.get(short, {})
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            real_module, real = names[name]
+            return getattr(importlib.import_module(real_module), real)
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 class AliasModule(types.ModuleType):

@@ -38,6 +38,7 @@ from typing import (
     Union,
 )
 
+from . import aliases
 from .errors import ArgumentError, SampleError, WebdsError
 from .handlers import Handler, apply_each, reraise_exception
 from .pipeline import Stage, StageFactory, stage
@@ -739,3 +740,8 @@ def log_keys(src: Iterable[Any], logfile: Optional[str] = None) -> Iterator[Any]
             yield sample
     finally:
         os.close(fd)
+
+
+# webdataset's filters module also exported the batching, decoding and caching stages; they
+# live in webds.batching, webds.decode and webds.replay and are served from the alias table.
+__getattr__ = aliases.module_getattr(__name__)

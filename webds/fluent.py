@@ -13,9 +13,11 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from . import batching, filters
 from .decode import decode as _decode_stage
+from .decode import xdecode as _xdecode_stage
 from .errors import WebdsError
 from .handlers import Handler, reraise_exception
 from .pipeline import DataPipeline, StageFactory, stage
+from .replay import Cached, LMDBCached
 from .samples import tarfile_to_samples
 from .shards import (
     ResampledShards,
@@ -72,6 +74,16 @@ class FluentMixin:
     rsample = _chain(filters.rsample)
     associate = _chain(filters.associate)
     info = _chain(filters.info)
+    log_keys = _chain(filters.log_keys)
+    xdecode = _chain(_xdecode_stage)
+
+    def mcached(self) -> Any:
+        """Record the samples of the first pass in memory and replay them afterwards."""
+        return self.compose(Cached())
+
+    def lmdb_cached(self, *args: Any, **kwargs: Any) -> Any:
+        """Record the samples of the first pass in an LMDB file (see :class:`LMDBCached`)."""
+        return self.compose(LMDBCached(*args, **kwargs))
 
 
 #: webdataset's name for the mixin.

@@ -19,6 +19,7 @@ import os
 import tarfile
 from typing import Any, BinaryIO, Callable, List, Mapping, Optional, Union
 
+from . import aliases
 from .encode import EncoderSpec, make_encoder, numpy_dumps, torch_dumps
 from .errors import ArgumentError, EncodeError, WriteError
 from .tario import END_OF_ARCHIVE, member_bytes
@@ -525,3 +526,7 @@ def _discard_stream(stream: Any) -> None:
             stream.close()
     except Exception:
         pass
+
+
+# webdataset's writer module also exported the encoders; they live in webds.encode.
+__getattr__ = aliases.module_getattr(__name__)
