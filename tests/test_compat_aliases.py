@@ -37,12 +37,33 @@ def real_object(module: str, name: str):
 
 # Names that exist in webds now: each must be served (so these tests can fail).
 SERVED_NOW = {
-    "shardlists": ["SimpleShardList", "ResampledShards", "split_by_node", "split_by_worker",
-                   "single_node_only", "expand_urls"],
-    "tariterators": ["tar_file_expander", "group_by_keys", "tarfile_to_samples", "url_opener",
-                     "base_plus_ext", "tarfile_samples"],
-    "autodecode": ["Decoder", "Continue", "DecodingError", "gzfilter", "handle_extension",
-                   "imagehandler", "torch_loads", "torch_video", "torch_audio"],
+    "shardlists": [
+        "SimpleShardList",
+        "ResampledShards",
+        "split_by_node",
+        "split_by_worker",
+        "single_node_only",
+        "expand_urls",
+    ],
+    "tariterators": [
+        "tar_file_expander",
+        "group_by_keys",
+        "tarfile_to_samples",
+        "url_opener",
+        "base_plus_ext",
+        "tarfile_samples",
+    ],
+    "autodecode": [
+        "Decoder",
+        "Continue",
+        "DecodingError",
+        "gzfilter",
+        "handle_extension",
+        "imagehandler",
+        "torch_loads",
+        "torch_video",
+        "torch_audio",
+    ],
     "gopen": ["gopen", "gopen_schemes", "reader"],
     "pytorch": ["IterableDataset", "DataLoader", "TorchTensor"],
     "utils": ["identity"],
@@ -135,14 +156,10 @@ def test_gopen_is_callable_and_a_module(tmp_path):
 
 GOPEN_ORDERS = {
     "module first": (
-        "import webds.aliases\n"
-        "from webds.gopen import gopen_schemes\n"
-        "from webds import gopen\n"
+        "import webds.aliases\nfrom webds.gopen import gopen_schemes\nfrom webds import gopen\n"
     ),
     "name first": (
-        "import webds.aliases\n"
-        "from webds import gopen\n"
-        "from webds.gopen import gopen_schemes\n"
+        "import webds.aliases\nfrom webds import gopen\nfrom webds.gopen import gopen_schemes\n"
     ),
     "attribute": (
         "import webds.aliases, webds.gopen, webds\n"
@@ -162,9 +179,7 @@ def test_gopen_both_spellings_whatever_the_import_order(order, tmp_path):
         "assert gopen_schemes is webds.urls.SCHEMES\n"
         f"print(gopen({str(path)!r}).read().decode())\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "payload"
 

@@ -87,8 +87,12 @@ def test_gopen_stdin():
         "import sys; from webds.compat import gopen; sys.stdout.write(gopen('-').read().decode())"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, input="from stdin", capture_output=True,
-        text=True, check=True,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        input="from stdin",
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout == "from stdin"
 

@@ -137,8 +137,9 @@ def test_01_shuffle_warning_and_same_samples(url):
 def test_01_single_transform_applies_to_first_element(url):
     ds, message = legacy(url, extensions="cls __key__", decoder=True, transforms=minus_one)
     assert [s for s in itertools.islice(ds, 3)] == [(-1, "k0000"), (0, "k0001"), (1, "k0002")]
-    assert message.endswith("write WebDataset(url).decode().to_tuple(\"cls\", \"__key__\")"
-                            ".map_tuple(minus_one)")
+    assert message.endswith(
+        'write WebDataset(url).decode().to_tuple("cls", "__key__").map_tuple(minus_one)'
+    )
 
 
 def test_01_extension_lists_and_decoder_forms(url):

@@ -1,3 +1,4 @@
+# ruff: noqa: B007, UP031  (the examples keep webdataset's README code as it was written)
 """The examples of webdataset's README, run unchanged after ``import webds as wds``.
 
 The only edits: local shards instead of the remote URLs, small images (64x64, patches of 16
@@ -14,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.data
+from conftest import write_tar
 from PIL import Image
 
 import webds as wds
-from conftest import write_tar
 
 N_SHARDS, PER_SHARD, SIDE, PATCH = 4, 12, 64, 16
 

@@ -241,9 +241,7 @@ def _extensions(extensions: Any) -> Optional[List[str]]:
     if isinstance(extensions, str):
         fields = extensions.split()
     elif isinstance(extensions, (list, tuple)):
-        fields = [
-            ";".join(f) if isinstance(f, (list, tuple)) else f for f in extensions
-        ]
+        fields = [";".join(f) if isinstance(f, (list, tuple)) else f for f in extensions]
     else:
         fields = []
     if not fields or not all(isinstance(f, str) and f for f in fields):

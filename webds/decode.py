@@ -651,7 +651,7 @@ def xdecode(
                 if fn is None:
                     raise DecodeError(
                         f"no xdecode pattern matches this field; add one, e.g. "
-                        f"xdecode((\"*.{path}\", fn)), or pass must_decode=False"
+                        f'xdecode(("*.{path}", fn)), or pass must_decode=False'
                     )
                 if fn is decode_pickle and not allow_pickle:
                     raise DecodeError(
