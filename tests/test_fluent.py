@@ -15,7 +15,7 @@ from PIL import Image
 
 from webds import batching, filters
 from webds.decode import decode as decode_stage
-from webds.errors import OpenError, ShardReadError, WebdsError
+from webds.errors import ArgumentError, OpenError, ShardReadError, WebdsError
 from webds.fluent import FluentMixin, WebDataset
 from webds.handlers import warn_and_continue
 from webds.pipeline import DataPipeline
@@ -260,3 +260,13 @@ def test_stdin_shard(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "7"
+
+
+def test_wds_seed_environment_variable(text_shards, monkeypatch):
+    monkeypatch.setenv("WDS_SEED", "17")
+    from_env = keys(WebDataset(text_shards, shardshuffle=True))
+    assert from_env == keys(WebDataset(text_shards, shardshuffle=True, seed=17))
+    assert from_env != keys(WebDataset(text_shards, shardshuffle=True, seed=0))
+    monkeypatch.setenv("WDS_SEED", "abc")
+    with pytest.raises(ArgumentError, match="WDS_SEED must be an integer"):
+        WebDataset(text_shards, shardshuffle=True)

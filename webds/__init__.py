@@ -3,8 +3,9 @@
 ``webds.WebDataset(url).shuffle(1000).decode("pil").to_tuple("jpg", "cls").batched(64)``
 """
 
-from . import aliases, compat, mix, tenbin
+from . import aliases, cache, compat, mix, tenbin
 from .batching import batched, default_collation_fn, listed, unbatched, unlisted
+from .cache import LRUCleanup, pipe_cleaner
 from .compat import gopen_schemes, reader
 from .decode import (
     IMAGE_EXTENSIONS,
@@ -16,6 +17,7 @@ from .decode import (
     handle_extension,
     imagehandler,
     imagespecs,
+    pytorch_weights_only,
     torch_audio,
     torch_loads,
     torch_video,
@@ -90,10 +92,6 @@ from .shards import (
 from .shardsources import DirectoryShardList, MultiShardSample, shardspec
 from .urls import open_url
 from .writer import ShardWriter, TarWriter, numpy_dumps, torch_dumps
-
-#: webdataset's flag for ``.pth`` decoding; in webds it is the default of
-#: ``decode(..., weights_only=True)`` (assigning this name changes nothing, as in webdataset).
-pytorch_weights_only = True
 
 # webdataset's module names (webds.shardlists, webds.gopen, ...), created on first use.
 __getattr__ = aliases.package_getattr
@@ -192,6 +190,9 @@ __all__ = [
     "WebLoader",
     "compat",
     "mix",
+    "cache",
+    "LRUCleanup",
+    "pipe_cleaner",
     # webdataset's helpers
     "PipelineStage",
     "repeatedly",

@@ -7,7 +7,8 @@ module name that webds has no real module for, which webds objects it holds. A s
 hook creates those modules on first import; their attributes are looked up in the real modules
 every time, so they are the very same objects (``webds.shardlists.SimpleShardList is
 webds.shards.SimpleShardList``), never copies. Modules whose name already matches (``filters``,
-``handlers``, ``pipeline``, ``writer``, ``tenbin``, ``mix``, ``compat``) are the real modules.
+``handlers``, ``pipeline``, ``writer``, ``tenbin``, ``mix``, ``compat``, ``cache``) are the real
+modules.
 
 ``webds.gopen`` is special, as in webdataset where the package attribute ``gopen`` is the
 function: here it is one object that is both the module (``webds.gopen.gopen_schemes``) and
@@ -60,10 +61,10 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
                 "torch_audio",
                 "torch_video",
                 "xdecode",
+                "pytorch_weights_only",
             ],
         ),
     ],
-    "cache": [("webds.legacy", ["LRUCleanup", "pipe_cleaner"])],
     "extradatasets": [("webds.legacy", ["MockDataset", "with_epoch", "with_length"])],
     "gopen": [("webds.compat", ["gopen", "gopen_schemes", "reader"])],
     "pytorch": [

@@ -67,6 +67,11 @@ __all__ = [
     "find_decoder",
 ]
 
+#: webdataset's flag for ``.pth`` decoding. In webds it documents the default of
+#: ``decode(..., weights_only=True)``; assigning it changes nothing (as in webdataset, where it
+#: was a copy of a bool): pass ``weights_only=False`` to ``decode`` instead.
+pytorch_weights_only = True
+
 #: webdataset's name for :class:`~webds.errors.DecodeError`.
 DecodingError = DecodeError
 

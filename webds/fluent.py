@@ -23,6 +23,7 @@ from .shards import (
     ResampledShards,
     SimpleShardList,
     URLs,
+    default_seed,
     split_by_node,
     split_by_worker,
     worker_info,
@@ -132,7 +133,8 @@ class WebDataset(DataPipeline, FluentMixin):
 
     - ``shardshuffle``: shuffle the shard list every epoch (True, or any positive int as in
       webdataset). The order depends only on (seed, epoch), so every node and worker agrees on it
-      and splitting after the shuffle neither loses nor repeats shards. ``seed`` defaults to 0.
+      and splitting after the shuffle neither loses nor repeats shards. ``seed`` defaults to the
+      environment variable ``WDS_SEED`` if set, else 0.
     - ``resampled``: draw shards at random with replacement, endlessly (use ``.with_epoch(n)``);
       each node and worker draws its own sequence, so no splitting is done unless asked for.
     - ``nodesplitter`` / ``workersplitter``: functions over the shard stream; by default shards are
@@ -174,6 +176,8 @@ class WebDataset(DataPipeline, FluentMixin):
 
             plan = legacy_keywords(legacy, resampled=resampled, shardshuffle=shardshuffle)
             resampled, shardshuffle, extra_stages = plan.resampled, plan.shardshuffle, plan.stages
+        if seed is None:
+            seed = default_seed()
         self.seed = seed
         if resampled:
             source: Any = ResampledShards(

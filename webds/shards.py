@@ -3,6 +3,9 @@ by DataLoader worker.
 
 A shard list yields shard descriptors, ``{"url": ...}`` dicts, which the tar stages open.
 
+``WDS_SEED``, when set, is the default seed of :class:`~webds.fluent.WebDataset`
+(:func:`default_seed`).
+
 Where each process is (:func:`worker_info`) comes from ``torch.distributed`` and
 ``torch.utils.data.get_worker_info()``. The environment variables ``RANK`` and ``WORLD_SIZE``, and
 ``WORKER`` and ``NUM_WORKERS``, override them when set (read at call time, in this one place), so a
@@ -28,6 +31,7 @@ __all__ = [
     "WorkerInfo",
     "worker_info",
     "derive_seed",
+    "default_seed",
     "expand_urls",
     "SimpleShardList",
     "ResampledShards",
@@ -72,6 +76,21 @@ def worker_info(group: Any = None) -> WorkerInfo:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
     return WorkerInfo(rank, world_size, worker, num_workers)
+
+
+def default_seed() -> Optional[int]:
+    """The seed from the environment variable ``WDS_SEED`` (an integer), or None if unset.
+
+    webdataset read it as a string, which broke ``detshuffle``; here a value that is not an
+    integer is an error that says so.
+    """
+    value = os.environ.get("WDS_SEED", "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ArgumentError(f"WDS_SEED must be an integer, got {value!r}") from None
 
 
 def derive_seed(*parts: Any) -> int:
