@@ -95,7 +95,8 @@ class FluidWrapper(DataPipeline, FluentMixin):
     """Any iterable (or callable returning one) followed by chainable stages."""
 
     def __init__(self, initial: Any) -> None:
-        super().__init__(initial)
+        super().__init__()
+        self.append(initial)  # not through __init__, which would splice a list of samples
 
 
 @stage
