@@ -181,3 +181,34 @@ def test_readme_writing_and_reading_back(tmp_path):
     ds = wds.WebDataset(str(tmp_path / "dest.tar")).decode(allow_pickle=True)
     got = [(s["input.pyd"], s["output.pyd"]) for s in ds]
     assert got == [({"x": i}, [i, 2 * i]) for i in range(10)]
+
+
+def test_readme_v01_imagenet_example(url):
+    """webdataset 0.1's README: the keyword style with torchvision transforms."""
+    tv = pytest.importorskip("torchvision_cpu").import_torchvision()
+    transforms = tv.transforms
+
+    normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    preproc = transforms.Compose(
+        [
+            transforms.RandomResizedCrop(32),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            normalize,
+        ]
+    )
+    path = url  # local shards with png + json instead of ImageNet's jpg;png + cls
+    with pytest.warns(DeprecationWarning, match="to_tuple"):
+        dataset = wds.WebDataset(
+            path,
+            decoder="pil",
+            extensions="jpg;png json",
+            transforms=[preproc, lambda x: len(x) - 1],
+        )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, num_workers=2)
+    seen = 0
+    for xs, ys in loader:
+        assert xs.shape[1:] == (3, 32, 32) and xs.dtype == torch.float32
+        assert ys.shape == xs.shape[:1]
+        seen += len(xs)
+    assert seen == N_SHARDS * PER_SHARD
