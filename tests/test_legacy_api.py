@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import warnings
 
 import numpy as np
@@ -201,14 +202,14 @@ def test_mode_resampled(url):
         WebDataset(url, mode="unlink")
 
 
-def test_cache_keywords_are_refused_until_the_cache_exists(url, tmp_path):
-    with pytest.raises(ArgumentError, match="shard cache is not available"):
-        WebDataset(url, cache_dir=str(tmp_path))
-    with pytest.raises(ArgumentError, match="shard cache is not available"):
-        WebDataset(url, cache_size=10**9)
+def test_cache_keywords(url, tmp_path):
+    cache = tmp_path / "cache"
+    assert len(list(WebDataset(url, cache_dir=str(cache)))) == 24
+    # Local shards are read in place, not copied: the cache stays empty.
+    assert os.listdir(cache) == []
     # webdataset's own "no cache" values are accepted.
     assert len(list(WebDataset(url, cache_size=-1, cache_dir=None))) == 24
-    assert len(list(WebDataset(url, cache_size=0))) == 24
+    assert len(list(WebDataset(url, cache_size=0, cache_dir=str(cache)))) == 24
 
 
 def test_v1_keywords_without_effect_are_accepted_quietly(url):

@@ -1,21 +1,37 @@
-"""The shard cache: naming cached shards and keeping the cache directory under a size bound.
+"""The shard cache: remote shards are kept on local disk after their first read.
 
-:class:`LRUCleanup` deletes the least recently used files of a cache directory until it fits its
-size bound; :func:`pipe_cleaner` finds the real URL inside a ``pipe:`` command, so a shard read
-through ``pipe:curl ... URL`` is cached under the name of URL, not of the command.
+``WebDataset(urls, cache_dir="/local/cache")`` (or the stage :func:`cached_shards`) streams a
+shard that is not in the cache yet and writes it to the cache *while* it is read, so the first
+epoch does not wait for whole downloads; later epochs read the local copy. A shard enters the
+cache only once it was read to its end and checked as a complete tar: it is written under a hidden
+temporary name and renamed into place, so an interrupted read or a crashed process never leaves a
+partial file under a cache name. Several workers or processes may share one cache directory: the
+rename is atomic, so concurrent readers of one shard each write their own temporary copy and the
+complete copies are identical.
+
+:class:`LRUCleanup` keeps the directory under ``cache_size`` bytes, deleting the least recently
+used shards first; :func:`pipe_cleaner` finds the real URL inside a ``pipe:`` command, so a shard
+read through ``pipe:curl ... URL`` is cached under the name of URL, not of the command.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import logging
 import os
 import re
 import time
-from typing import Callable, Optional
+import uuid
+from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
-from .errors import ArgumentError
+from .errors import ArgumentError, WebdsError
+from .handlers import ErrorPolicy, Handler, reraise_exception
+from .pipeline import stage
+from .tario import read_members
+from .urls import local_path, open_url
 
-__all__ = ["LRUCleanup", "pipe_cleaner"]
+__all__ = ["LRUCleanup", "pipe_cleaner", "ShardCache", "cached_shards"]
 
 log = logging.getLogger("webds")
 
@@ -105,3 +121,213 @@ class LRUCleanup:
             if self.verbose:
                 log.info("webds: cache cleanup removed %s (%d bytes)", path, size)
         return freed
+
+
+# When a reader closes a shard before its end, at most this much of the rest is read to finish
+# the cache copy: a tar's end-of-archive padding fits, an abandoned shard's remainder does not.
+_DRAIN_LIMIT = 1 << 20
+_TEMP = re.compile(r"^\..+\.tmp-(\d+)-[0-9a-f]+$")
+
+
+class ShardCache:
+    """A directory of complete shards, named so that distinct URLs never collide.
+
+    ``open(url)`` returns ``(stream, local_path)``: the cached file if there is one, otherwise
+    the remote stream, copied into the cache as it is read. Local files are read in place
+    unless ``cache_local`` is true (e.g. shards on a slow network filesystem).
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        cache_size: int = -1,
+        *,
+        cache_local: bool = False,
+        verbose: bool = False,
+    ) -> None:
+        if not cache_dir:
+            raise ArgumentError("ShardCache needs a cache directory")
+        self.cache_dir = os.fspath(cache_dir)
+        os.makedirs(self.cache_dir, exist_ok=True)
+        self.cache_local = cache_local
+        self.verbose = verbose
+        # Run after every new shard: a directory walk costs far less than a shard download.
+        self.lru = LRUCleanup(self.cache_dir, cache_size, interval=None) if cache_size > 0 else None
+        self._remove_orphans()
+
+    def path_for(self, url: str) -> str:
+        """The cache file of ``url``: a digest of the whole URL, then its base name."""
+        name = os.path.basename(pipe_cleaner(url).rstrip("/").split("?")[0]) or "shard"
+        name = re.sub(r"[^A-Za-z0-9._-]", "_", name)[-80:]
+        digest = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
+        return os.path.join(self.cache_dir, f"{digest}-{name}")
+
+    def open(self, url: str, **storage_options: Any) -> Tuple[BinaryIO, Optional[str]]:
+        """Open ``url`` through the cache; returns the stream and its local path if it has one."""
+        lpath = local_path(url)
+        if lpath is not None and not self.cache_local:
+            return open_url(url, "rb"), lpath
+        path = self.path_for(url)
+        try:
+            stream = open(path, "rb")
+        except FileNotFoundError:
+            pass
+        else:
+            os.utime(path)  # most recently used, for LRUCleanup
+            return stream, path
+        source = open_url(url, "rb", **storage_options)
+        stream = _CachingStream(source, path, url, self.verbose, self.lru)
+        return stream, None  # type: ignore[return-value]
+
+    def _remove_orphans(self) -> None:
+        # Temporary copies of processes that died mid-read: never visible, but they take space.
+        for name in os.listdir(self.cache_dir):
+            m = _TEMP.match(name)
+            if m is None or _alive(int(m.group(1))):
+                continue
+            try:
+                os.remove(os.path.join(self.cache_dir, name))
+            except FileNotFoundError:
+                pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _CachingStream(io.RawIOBase):
+    """A remote stream that copies what is read into a temporary file, committed on close when
+    the shard was read to its end and is a complete tar."""
+
+    def __init__(
+        self, source: Any, path: str, url: str, verbose: bool, lru: Optional[LRUCleanup]
+    ) -> None:
+        self.source = source
+        self.lru = lru
+        self.path = path
+        self.url = url
+        self.verbose = verbose
+        directory, name = os.path.split(path)
+        self.temp_path = os.path.join(
+            directory, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        )
+        self.temp: Optional[BinaryIO] = open(self.temp_path, "wb")
+        self.eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.source.read(n)
+        if data:
+            if self.temp is not None:
+                self.temp.write(data)
+        elif n != 0:
+            self.eof = True
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if not self.eof:
+                self._drain()
+            self.source.close()
+        except BaseException:
+            self._discard()
+            raise
+        finally:
+            super().close()
+        if self.eof:
+            self._commit()
+        else:
+            self._discard()
+
+    def _drain(self) -> None:
+        left = _DRAIN_LIMIT
+        while left > 0 and not self.eof:
+            data = self.read(min(left, 1 << 16))
+            left -= len(data)
+
+    def _commit(self) -> None:
+        assert self.temp is not None
+        self.temp.close()
+        self.temp = None
+        try:
+            with open(self.temp_path, "rb") as f:
+                for _ in read_members(f, self.url):
+                    pass
+        except WebdsError as exn:
+            log.warning("webds: not caching %s: the copy is not a complete tar (%s)", self.url, exn)
+            self._discard()
+            return
+        os.replace(self.temp_path, self.path)
+        if self.verbose:
+            log.info("webds: cached %s as %s", self.url, self.path)
+        if self.lru is not None:
+            self.lru.cleanup()
+
+    def _discard(self) -> None:
+        if self.temp is not None:
+            self.temp.close()
+            self.temp = None
+        try:
+            os.remove(self.temp_path)
+        except FileNotFoundError:
+            pass
+
+    def __del__(self) -> None:
+        # Dropped without close(): the copy may be incomplete, so it is never committed.
+        try:
+            if not self.closed:
+                self.source.close()
+        except Exception:
+            pass
+        self._discard()
+
+
+@stage
+def cached_shards(
+    src: Iterable[Dict[str, Any]],
+    cache_dir: str,
+    cache_size: int = -1,
+    handler: Handler = reraise_exception,
+    cache_local: bool = False,
+    verbose: bool = False,
+    **storage_options: Any,
+) -> Iterator[Dict[str, Any]]:
+    """Open each shard ``{"url": ...}`` through a :class:`ShardCache` in ``cache_dir``.
+
+    Adds ``"stream"`` (and ``"local_path"`` when the shard is read from disk), which
+    :func:`~webds.samples.tarfile_to_samples` reads and closes. ``cache_size`` > 0 bounds the
+    directory in bytes (least recently used shards go first).
+    """
+    cache = ShardCache(cache_dir, cache_size, cache_local=cache_local, verbose=verbose)
+    policy = ErrorPolicy(handler, "cached_shards")
+    try:
+        for shard in src:
+            url = shard["url"] if isinstance(shard, dict) else os.fspath(shard)
+            try:
+                stream, lpath = cache.open(url, **storage_options)
+            except Exception as exn:
+                if policy(exn):
+                    continue
+                break
+            out = dict(shard) if isinstance(shard, dict) else {"url": url}
+            out["stream"] = stream
+            if lpath is not None:
+                out["local_path"] = lpath
+            yield out
+    finally:
+        policy.report()

@@ -7,7 +7,7 @@
 - ``FluidInterface``, ``FluidWrapper``, ``WebDataset``, ``WebLoader``: the names webdataset's own
   ``compat`` module held, so ``from webds.compat import WebDataset`` works.
 - :func:`legacy_keywords`: the translation of old ``WebDataset(...)`` keywords (webdataset 1.x's
-  ``mode=``, ``detshuffle=``, ``verbose=``, ``url_to_name=``, ``cache_*=``, and the 0.1 style
+  ``mode=``, ``detshuffle=``, ``verbose=``, ``url_to_name=``, and the 0.1 style
   ``extensions=``, ``decoder=``, ``transforms=``, ``shuffle=``) into the modern constructor's
   arguments plus the extra stages they stand for.
 """
@@ -64,7 +64,7 @@ def reader(url: str, **kw: Any) -> BinaryIO:
 
 # -- old WebDataset keywords -----------------------------------------------------------------------
 
-_V1_KEYWORDS = ("mode", "detshuffle", "verbose", "url_to_name", "cache_size", "cache_dir")
+_V1_KEYWORDS = ("mode", "detshuffle", "verbose", "url_to_name")
 _V01_KEYWORDS = ("extensions", "decoder", "transforms", "shuffle", "pipeline", "associate")
 
 # webdataset 0.1 keywords webds does not take, with what to write instead.
@@ -116,7 +116,6 @@ def legacy_keywords(
         if name not in _V1_KEYWORDS and name not in _V01_KEYWORDS:
             raise TypeError(f"WebDataset() got an unexpected keyword argument {name!r}")
     resampled = _mode(options.get("mode"), resampled)
-    _check_cache(options.get("cache_size", -1), options.get("cache_dir"))
     if options.get("url_to_name") is not None:
         warnings.warn(
             "WebDataset(url_to_name=...) has no effect (webdataset ignored it too) and will be "
@@ -146,17 +145,6 @@ def _mode(mode: Any, resampled: bool) -> bool:
     raise ArgumentError(
         f"WebDataset(mode={mode!r}): the only mode is 'resampled' (the same as resampled=True); "
         "a directory used as a work queue is DirectoryShardList(path, mode=...)"
-    )
-
-
-def _check_cache(cache_size: Any, cache_dir: Any) -> None:
-    # -1 and 0 are webdataset's "no cache" values; anything else asks for caching we can't do yet.
-    if cache_dir is None and cache_size in (-1, 0, None):
-        return
-    raise ArgumentError(
-        f"WebDataset(cache_dir={cache_dir!r}, cache_size={cache_size!r}): the shard cache is not "
-        "available in this version of webds yet; drop these arguments to stream shards "
-        "directly, or copy the shards to local disk first"
     )
 
 

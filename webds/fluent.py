@@ -12,6 +12,7 @@ import logging
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from . import batching, filters
+from .cache import cached_shards
 from .decode import decode as _decode_stage
 from .decode import xdecode as _xdecode_stage
 from .errors import WebdsError
@@ -145,11 +146,13 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``select_files`` / ``rename_files``: functions on member names (rename runs first).
     - ``empty_check``: raise when a single-process epoch yields no sample at all.
     - ``storage_options``: passed to fsspec when opening remote URLs.
+    - ``cache_dir``: keep remote shards in this local directory after their first read (see
+      :mod:`webds.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off.
 
     Older keywords still work (see :func:`webds.compat.legacy_keywords`): webdataset 1.x's
     ``mode="resampled"``, ``detshuffle``, ``verbose`` and ``url_to_name``, and the 0.1 style
     ``extensions=``, ``decoder=``, ``transforms=``, ``shuffle=``, which warns with its modern
-    spelling. ``cache_dir``/``cache_size`` raise: the shard cache is not available yet.
+    spelling.
     """
 
     def __init__(
@@ -166,6 +169,8 @@ class WebDataset(DataPipeline, FluentMixin):
         empty_check: bool = True,
         seed: Optional[int] = None,
         storage_options: Optional[dict] = None,
+        cache_dir: Optional[str] = None,
+        cache_size: int = -1,
         **legacy: Any,
     ) -> None:
         super().__init__()
@@ -196,6 +201,10 @@ class WebDataset(DataPipeline, FluentMixin):
             self.append(node)
         if worker is not None:
             self.append(worker)
+        if cache_dir is not None and cache_size != 0:
+            self.append(
+                cached_shards(cache_dir, cache_size, handler=handler, **(storage_options or {}))
+            )
         self.append(
             tarfile_to_samples(
                 handler=handler,
