@@ -26,8 +26,9 @@ import uuid
 from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from .errors import ArgumentError, WebdsError
-from .handlers import ErrorPolicy, Handler, reraise_exception
+from .handlers import Handler, reraise_exception
 from .pipeline import stage
+from .samples import open_shards
 from .tario import read_members
 from .urls import local_path, open_url
 
@@ -314,20 +315,9 @@ def cached_shards(
     directory in bytes (least recently used shards go first).
     """
     cache = ShardCache(cache_dir, cache_size, cache_local=cache_local, verbose=verbose)
-    policy = ErrorPolicy(handler, "cached_shards")
-    try:
-        for shard in src:
-            url = shard["url"] if isinstance(shard, dict) else os.fspath(shard)
-            try:
-                stream, lpath = cache.open(url, **storage_options)
-            except Exception as exn:
-                if policy(exn):
-                    continue
-                break
-            out = dict(shard) if isinstance(shard, dict) else {"url": url}
-            out["stream"] = stream
-            if lpath is not None:
-                out["local_path"] = lpath
-            yield out
-    finally:
-        policy.report()
+
+    def open_shard(shard: Any) -> Tuple[str, Any, Optional[str]]:
+        url = shard["url"] if isinstance(shard, dict) else os.fspath(shard)
+        return (url, *cache.open(url, **storage_options))
+
+    return open_shards(src, open_shard, handler, "cached_shards")

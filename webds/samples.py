@@ -168,11 +168,24 @@ def url_opener(
     ``storage_options`` go to :func:`webds.urls.open_url` (fsspec credentials, endpoints...).
     The stream is the next stage's to close.
     """
-    policy = ErrorPolicy(handler, "url_opener")
+    return open_shards(
+        src, lambda shard: _open_shard(shard, storage_options), handler, "url_opener"
+    )
+
+
+def open_shards(
+    src: Iterable[Any],
+    open_shard: Callable[[Any], Tuple[str, Any, Optional[str]]],
+    handler: Handler,
+    stage_name: str,
+) -> Iterator[Dict[str, Any]]:
+    """Yield each shard descriptor with ``"stream"`` (and ``"local_path"``) added by
+    ``open_shard(shard) -> (url, stream, local_path)``; opening errors go to ``handler``."""
+    policy = ErrorPolicy(handler, stage_name)
     try:
         for shard in src:
             try:
-                url, stream, lpath = _open_shard(shard, storage_options)
+                url, stream, lpath = open_shard(shard)
             except Exception as exn:
                 if policy(exn):
                     continue
