@@ -227,3 +227,26 @@ def _list(d):
         return os.listdir(d)
     except FileNotFoundError:
         return []
+
+
+def test_entry_being_filled_elsewhere_is_streamed_not_copied(tmp_path):
+    import fcntl
+
+    from webds.cache import ShardCache
+
+    path = write_tar(tmp_path / "a.tar", sample_members(20))
+    url = f"pipe:cat {path}"
+    cache = ShardCache(str(tmp_path / "cache"))
+    entry = cache.path_for(url)
+    directory, name = os.path.split(entry)
+    # Another process "fills" the entry: it holds the lock.
+    holder = os.open(os.path.join(directory, f".{name}.lock"), os.O_CREAT | os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        keys = [s["__key__"] for s in WebDataset(url, cache_dir=str(tmp_path / "cache"))]
+        assert len(keys) == 20
+        assert visible(tmp_path / "cache") == [], "a second copy must not be written"
+    finally:
+        os.close(holder)  # the holder went away without filling it
+    keys2 = [s["__key__"] for s in WebDataset(url, cache_dir=str(tmp_path / "cache"))]
+    assert keys2 == keys and visible(tmp_path / "cache") == [name]

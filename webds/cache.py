@@ -6,8 +6,10 @@ epoch does not wait for whole downloads; later epochs read the local copy. A sha
 cache only once it was read to its end and checked as a complete tar: it is written under a hidden
 temporary name and renamed into place, so an interrupted read or a crashed process never leaves a
 partial file under a cache name. Several workers or processes may share one cache directory: the
-rename is atomic, so concurrent readers of one shard each write their own temporary copy and the
-complete copies are identical.
+first reader of a shard takes a lock on its entry (``flock`` on a hidden ``.NAME.lock`` file,
+removed when the entry is filled or abandoned) and fills it; a concurrent reader of the same shard
+streams it without writing a second copy, and a later one reads the cache. A lock dies with its
+process, so a crash never blocks an entry.
 
 :class:`LRUCleanup` keeps the directory under ``cache_size`` bytes, deleting the least recently
 used shards first; :func:`pipe_cleaner` finds the real URL inside a ``pipe:`` command, so a shard
@@ -176,13 +178,30 @@ class ShardCache:
         else:
             os.utime(path)  # most recently used, for LRUCleanup
             return stream, path
-        source = open_url(url, "rb", **storage_options)
-        stream = _CachingStream(source, path, url, self.verbose, self.lru)
+        lock = _lock(path)
+        if lock is None:
+            # Another worker or process is filling this cache entry right now: read the shard
+            # directly rather than download a second copy into the cache.
+            return open_url(url, "rb", **storage_options), None
+        if os.path.exists(path):  # committed while we were taking the lock
+            _unlock(lock)
+            return self.open(url, **storage_options)
+        try:
+            source = open_url(url, "rb", **storage_options)
+        except BaseException:
+            _unlock(lock)
+            raise
+        stream = _CachingStream(source, path, url, self.verbose, self.lru, lock)
         return stream, None  # type: ignore[return-value]
 
     def _remove_orphans(self) -> None:
         # Temporary copies of processes that died mid-read: never visible, but they take space.
         for name in os.listdir(self.cache_dir):
+            if name.startswith(".") and name.endswith(".lock"):
+                # A lock left by a process that died: taking it proves nobody holds it.
+                lock = _lock(os.path.join(self.cache_dir, name[1 : -len(".lock")]))
+                _unlock(lock)
+                continue
             m = _TEMP.match(name)
             if m is None or _alive(int(m.group(1))):
                 continue
@@ -190,6 +209,40 @@ class ShardCache:
                 os.remove(os.path.join(self.cache_dir, name))
             except FileNotFoundError:
                 pass
+
+
+_Lock = Tuple[int, str]
+
+
+def _lock(path: str) -> Optional[_Lock]:
+    """Take the fill lock of a cache entry, or return None if another process holds it."""
+    directory, name = os.path.split(path)
+    lock_path = os.path.join(directory, f".{name}.lock")
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): the atomic rename alone keeps entries whole
+        return fd, lock_path
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd, lock_path
+
+
+def _unlock(lock: Optional[_Lock]) -> None:
+    # Remove the lock file, then release it. A reader that opened the old file meanwhile may
+    # also fill the entry; that only costs a second download, since commits are atomic renames
+    # of complete, identical copies. The lock saves bandwidth; it is not needed for correctness.
+    if lock is None:
+        return
+    fd, lock_path = lock
+    try:
+        os.remove(lock_path)
+    except FileNotFoundError:
+        pass
+    os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -207,10 +260,17 @@ class _CachingStream(io.RawIOBase):
     the shard was read to its end and is a complete tar."""
 
     def __init__(
-        self, source: Any, path: str, url: str, verbose: bool, lru: Optional[LRUCleanup]
+        self,
+        source: Any,
+        path: str,
+        url: str,
+        verbose: bool,
+        lru: Optional[LRUCleanup],
+        lock: Optional[_Lock] = None,
     ) -> None:
         self.source = source
         self.lru = lru
+        self.lock = lock
         self.path = path
         self.url = url
         self.verbose = verbose
@@ -274,6 +334,7 @@ class _CachingStream(io.RawIOBase):
             self._discard()
             return
         os.replace(self.temp_path, self.path)
+        self._release()
         if self.verbose:
             log.info("webds: cached %s as %s", self.url, self.path)
         if self.lru is not None:
@@ -287,6 +348,11 @@ class _CachingStream(io.RawIOBase):
             os.remove(self.temp_path)
         except FileNotFoundError:
             pass
+        self._release()
+
+    def _release(self) -> None:
+        _unlock(self.lock)
+        self.lock = None
 
     def __del__(self) -> None:
         # Dropped without close(): the copy may be incomplete, so it is never committed.
