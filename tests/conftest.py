@@ -10,6 +10,9 @@ from typing import Iterable, Optional, Sequence, Tuple
 
 import pytest
 
+#: Loopback S3 (moto), GCS (emulator) and HTTP servers for the remote tests: tests/servers.py.
+pytest_plugins = ["servers"]
+
 #: Shards written by another implementation (webdataset); present in CI, maybe absent elsewhere.
 PEER_DIR = Path(__file__).resolve().parents[2] / "shared" / "peer-testdata"
 

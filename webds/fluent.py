@@ -145,7 +145,9 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``handler``: what to do when a shard cannot be opened or read (see :mod:`webds.handlers`).
     - ``select_files`` / ``rename_files``: functions on member names (rename runs first).
     - ``empty_check``: raise when a single-process epoch yields no sample at all.
-    - ``storage_options``: passed to fsspec when opening remote URLs.
+    - ``storage_options``: passed to fsspec when opening remote URLs, and when listing a remote
+      prefix (``"s3://bucket/train/"``) or glob (``"gs://b/train-*.tar"``), which happens once,
+      here, so every worker and rank reads the same shard list (see :func:`expand_urls`).
     - ``cache_dir``: keep remote shards in this local directory after their first read (see
       :mod:`webds.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off.
 
@@ -187,12 +189,15 @@ class WebDataset(DataPipeline, FluentMixin):
         self.seed = seed
         if resampled:
             source: Any = ResampledShards(
-                urls, seed=0 if seed is None else seed, deterministic=seed is not None
+                urls,
+                seed=0 if seed is None else seed,
+                deterministic=seed is not None,
+                storage_options=storage_options,
             )
             default_node, default_worker = None, None
         else:
             shard_seed = (0 if seed is None else seed) if shardshuffle else None
-            source = SimpleShardList(urls, seed=shard_seed)
+            source = SimpleShardList(urls, seed=shard_seed, storage_options=storage_options)
             default_node, default_worker = split_by_node, split_by_worker
         self.append(source)
         node = default_node if nodesplitter is _AUTO else nodesplitter

@@ -14,18 +14,23 @@ launcher without ``torch.distributed`` can still split shards.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 import random
+import re
 import sys
 from itertools import islice
+from pathlib import Path
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Union
+from urllib.parse import urlparse
 
 import braceexpand
 from torch.utils.data import IterableDataset
 
-from .errors import ArgumentError
+from .errors import ArgumentError, OpenError, WebdsError
 from .pipeline import stage
+from .urls import local_path, url_scheme
 
 __all__ = [
     "WorkerInfo",
@@ -33,6 +38,7 @@ __all__ = [
     "derive_seed",
     "default_seed",
     "expand_urls",
+    "SHARD_SUFFIXES",
     "SimpleShardList",
     "ResampledShards",
     "split_by_node",
@@ -43,6 +49,11 @@ __all__ = [
 ]
 
 URLs = Union[str, Sequence[str]]
+
+#: File name endings that a directory listing (a spec ending in "/") takes to be shards.
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 class WorkerInfo(NamedTuple):
@@ -102,12 +113,27 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def expand_urls(urls: URLs) -> List[str]:
-    """Expand a URL spec into a list of shard URLs.
+def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
+    """Expand a URL spec into a list of shard URLs, listing directories and globs.
 
-    A string may hold several specs joined by ``::``, each brace-expanded:
-    ``expand_urls("a-{000..002}.tar::b.tar") == ["a-000.tar", "a-001.tar", "a-002.tar", "b.tar"]``.
-    A list or tuple is expanded element by element.
+    A string may hold several specs joined by ``::``; a list or tuple holds one spec per element.
+    Each spec is brace-expanded, then each resulting URL is taken by these rules:
+
+    - ending in ``/``: that directory (local) or prefix (remote) is listed, not recursively, for
+      shard files (names ending in ``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``;
+      hidden names starting with ``.`` are skipped), sorted by name;
+    - containing a glob character ``*``, ``?`` or ``[``: it is globbed (``glob`` with ``**``
+      support for local paths, fsspec's ``fs.glob`` for remote URLs), files only, sorted. For
+      ``http(s)`` URLs only the path counts, so a ``?query`` is not a glob. A local name that
+      matches nothing but exists literally (``a[1].tar``) is taken as is;
+    - otherwise the URL is taken as is, without any filesystem or network call.
+
+    ``pipe:`` commands and ``-`` are never listed or globbed. A listing or glob that finds
+    nothing is an :class:`ArgumentError` naming the spec. Remote listings use
+    ``storage_options`` (fsspec's: credentials, endpoint) and bypass fsspec's listing cache.
+
+    ``expand_urls("a-{000..002}.tar::b.tar") == ["a-000.tar", "a-001.tar", "a-002.tar", "b.tar"]``;
+    ``expand_urls("s3://bucket/train/", storage_options=opts)`` lists the shards under the prefix.
     """
     if isinstance(urls, (str, os.PathLike)):
         specs = os.fspath(urls).split("::")
@@ -121,8 +147,121 @@ def expand_urls(urls: URLs) -> List[str]:
     for spec in specs:
         if spec == "":
             continue
-        result.extend(braceexpand.braceexpand(spec))
+        for url in braceexpand.braceexpand(spec):
+            kind = _listing_kind(url)
+            if kind is None:
+                result.append(url)
+                continue
+            found = _list_shards(url, kind, storage_options or {})
+            if not found:
+                what = "shard files in the directory" if kind == "dir" else "files matching"
+                raise ArgumentError(
+                    f"found no {what} {url!r} (from the spec {spec!r}); check the path, the "
+                    f"bucket and prefix, and the credentials in storage_options"
+                    + (f" (listings take names ending in {', '.join(SHARD_SUFFIXES)})"
+                       if kind == "dir" else ""),
+                    url=url,
+                )
+            result.extend(found)
     return result
+
+
+def _listing_kind(url: str) -> Optional[str]:
+    """"dir" for a spec that names a directory/prefix, "glob" for a pattern, else None."""
+    if url == "-" or url.startswith("pipe:"):
+        return None
+    if url.endswith("/"):
+        return "dir"
+    # In an http(s) URL, "?" starts the query string (signed URLs are full of them).
+    part = urlparse(url).path if url_scheme(url) in ("http", "https") else url
+    return "glob" if _GLOB_CHARS.search(part) else None
+
+
+def _list_shards(url: str, kind: str, storage_options: Dict[str, Any]) -> List[str]:
+    path = local_path(url)
+    if path is not None:
+        found = _list_local(url, path, kind)
+        if url.startswith("file:"):
+            return [Path(os.path.abspath(p)).as_uri() for p in found]
+        return found
+    return _list_remote(url, kind, storage_options)
+
+
+def _is_shard_name(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(SHARD_SUFFIXES)
+
+
+def _list_local(url: str, path: str, kind: str) -> List[str]:
+    if kind == "glob":
+        found = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not found and os.path.isfile(path):
+            return [path]
+        return found
+    try:
+        with os.scandir(path) as entries:
+            names = sorted(e.name for e in entries if _is_shard_name(e.name) and e.is_file())
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise ArgumentError(
+            f"{path!r} is a file, not a directory; drop the trailing '/' to read it as a shard",
+            url=url,
+        ) from None
+    except OSError as exn:
+        raise OpenError(f"cannot list the directory {path!r}: {exn}", url=url) from None
+    return [path + name for name in names]
+
+
+def _list_remote(url: str, kind: str, storage_options: Dict[str, Any]) -> List[str]:
+    import fsspec
+
+    scheme = url_scheme(url) or ""
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+    except ImportError as exn:
+        raise OpenError(
+            f"listing '{scheme}://' URLs needs an fsspec backend ({exn}); for S3 install "
+            "'webds[s3]', for GCS 'webds[gcs]'",
+            url=url,
+        ) from None
+    except ValueError as exn:
+        raise ArgumentError(
+            f"cannot list '{scheme}://' URLs ({exn}): fsspec does not know the protocol; name "
+            "the shards one by one or with a brace pattern instead",
+            url=url,
+        ) from None
+    # Listing happens once per dataset; a stale listing from earlier in the process (shards
+    # written since) would silently drop shards, so ask the store again.
+    fs.invalidate_cache()
+    try:
+        if kind == "dir":
+            try:
+                entries = fs.ls(root, detail=True)
+            except FileNotFoundError:
+                entries = []
+            names = [
+                e["name"]
+                for e in entries
+                if e.get("type") == "file" and _is_shard_name(e["name"].rstrip("/").split("/")[-1])
+            ]
+        else:
+            matches = fs.glob(root, detail=True)
+            names = [name for name, info in matches.items() if info.get("type") != "directory"]
+    except WebdsError:
+        raise
+    except PermissionError as exn:
+        raise OpenError(
+            f"permission denied listing {url!r}: {exn}; check the credentials in "
+            "storage_options",
+            url=url,
+        ) from None
+    except Exception as exn:
+        raise OpenError(
+            f"listing {url!r} failed ({type(exn).__name__}: {exn}); check the endpoint and "
+            "credentials in storage_options",
+            url=url,
+        ) from exn
+    return sorted(fs.unstrip_protocol(name) for name in names)
 
 
 class SimpleShardList(IterableDataset):
@@ -130,11 +269,20 @@ class SimpleShardList(IterableDataset):
 
     ``seed=True`` picks a random seed once, at construction. The order for a given (seed, epoch)
     is the same in every process, so shuffling before :func:`split_by_node` is safe.
+    Directories, prefixes and globs (see :func:`expand_urls`; remote ones listed with
+    ``storage_options``) are listed once, here at construction, so every DataLoader worker and
+    every rank that builds the same dataset splits the same list.
     """
 
-    def __init__(self, urls: URLs, seed: Union[int, bool, None] = None) -> None:
+    def __init__(
+        self,
+        urls: URLs,
+        seed: Union[int, bool, None] = None,
+        *,
+        storage_options: Optional[Dict[str, Any]] = None,
+    ) -> None:
         super().__init__()
-        self.urls = expand_urls(urls)
+        self.urls = expand_urls(urls, storage_options=storage_options)
         if not self.urls:
             raise ArgumentError(f"no shard URLs in {urls!r}")
         if seed is True:
@@ -165,6 +313,8 @@ class ResampledShards(IterableDataset):
 
     Each node and worker draws its own sequence. With ``deterministic=True`` the draws depend only
     on (seed, epoch, rank, worker), so runs are reproducible; otherwise fresh entropy is mixed in.
+    ``urls`` are expanded (and directories or globs listed, with ``storage_options``) once, at
+    construction.
     """
 
     def __init__(
@@ -176,9 +326,11 @@ class ResampledShards(IterableDataset):
         deterministic: bool = False,
         max_urls: int = int(1e6),
         empty_check: bool = True,
+        *,
+        storage_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         super().__init__()
-        self.urls = expand_urls(urls)[:max_urls]
+        self.urls = expand_urls(urls, storage_options=storage_options)[:max_urls]
         if empty_check and not self.urls:
             raise ArgumentError(f"no shard URLs in {urls!r}")
         if nshards < 1:

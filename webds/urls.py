@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from typing import IO, Any, BinaryIO, Callable, Dict, Optional, Union
+from typing import IO, Any, BinaryIO, Callable, Dict, Optional, Tuple, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
@@ -190,34 +190,258 @@ def _open_local(url: str, path: str, mode: str) -> BinaryIO:
         raise OpenError(f"cannot open {path!r}: {exn}", url=url) from None
 
 
+#: Read-side block size for remote files: big enough that a shard streams in a few requests per
+#: 8 MiB (S3/GCS charge and delay per request), small enough that the first sample arrives after
+#: one block rather than after the whole shard.
+REMOTE_BLOCK_SIZE = 8 << 20
+
+# Arguments of ``fs.open()`` rather than of the filesystem: taken out of ``storage_options``.
+_OPEN_OPTIONS = ("block_size", "cache_type", "cache_options")
+
+# Which webds extra installs the fsspec backend of a scheme.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+
+_S3_CREDENTIALS = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or ~/.aws/credentials), or "
+    "pass storage_options={'key': ..., 'secret': ...}; for a public bucket pass "
+    "storage_options={'anon': True}"
+)
+_GCS_CREDENTIALS = (
+    "set GOOGLE_APPLICATION_CREDENTIALS to a service-account JSON file or run 'gcloud auth "
+    "application-default login', or pass storage_options={'token': ...}; for a public bucket "
+    "pass storage_options={'token': 'anon'}"
+)
+_CREDENTIAL_HINTS = {"s3": _S3_CREDENTIALS, "s3a": _S3_CREDENTIALS}
+_CREDENTIAL_HINTS.update(gs=_GCS_CREDENTIALS, gcs=_GCS_CREDENTIALS)
+
+# Exception class names (anywhere in an error's chain) that mean "no usable credentials":
+# botocore's and google-auth's, matched by name so that neither needs to be imported.
+_NO_CREDENTIALS = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "DefaultCredentialsError",
+    "RefreshError",
+}
+
+
 def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
+    """Open a remote URL through fsspec, streaming-friendly, with errors as OpenError.
+
+    ``block_size``, ``cache_type`` and ``cache_options`` in ``storage_options`` go to
+    ``fs.open()``; ``retries`` and ``retry_backoff`` set how reads recover from a broken
+    connection (:class:`~webds.retrying.ResumableStream`: reopen at the offset reached); the rest
+    configure the filesystem (credentials, endpoint). Reads default to a read-ahead cache of
+    :data:`REMOTE_BLOCK_SIZE` blocks where the backend takes them.
+    """
     import fsspec
+
+    from .retrying import DEFAULT_RETRIES, ResumableStream, seek_opener
+
+    scheme = urlparse(url).scheme.lower()
+    options = dict(storage_options)
+    open_kw = {name: options.pop(name) for name in _OPEN_OPTIONS if name in options}
+    retries = options.pop("retries", DEFAULT_RETRIES)
+    backoff = options.pop("retry_backoff", None)
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exn:
+        raise _missing_backend(url, scheme, exn) from None
+    except ValueError as exn:
+        if "protocol not known" in str(exn).lower():
+            raise OpenError(
+                f"unknown URL scheme '{scheme}://' ({exn}); use a local path, 'pipe:CMD', a "
+                "protocol fsspec knows, or register an opener in webds.urls.SCHEMES",
+                url=url,
+            ) from None
+        raise _remote_error(exn, url, scheme) from exn
+    except TypeError as exn:
+        raise OpenError(
+            f"the fsspec filesystem for '{scheme}://' does not accept these storage_options "
+            f"({sorted(options)}): {exn}",
+            url=url,
+        ) from None
+    except Exception as exn:
+        raise _remote_error(exn, url, scheme) from exn
+    defaults = _read_defaults(fs, options, open_kw) if mode == "rb" else {}
+
+    def open_file() -> BinaryIO:
+        try:
+            return fs.open(path, mode, **defaults, **open_kw)
+        except TypeError as exn:
+            # A backend whose open() passes unknown keywords on to something stricter.
+            if not any(name in str(exn) for name in defaults):
+                raise
+            return fs.open(path, mode, **open_kw)
+
+    try:
+        if mode == "rb":
+            # Reads survive broken connections: reopen at the byte offset reached (a range
+            # request), with backoff; permanent errors (404, 403) are translated at once.
+            return ResumableStream(  # type: ignore[return-value]
+                seek_opener(open_file, url),
+                url=url,
+                retries=retries,
+                backoff=backoff,
+                translate=lambda exn: _remote_error(exn, url, scheme, fs=fs, path=path),
+            )
+        return open_file()
+    except WebdsError:
+        raise
+    except NotImplementedError:
+        what = "writing" if mode == "wb" else "reading"
+        raise OpenError(
+            f"the fsspec backend for '{scheme}://' URLs ({type(fs).__name__}) does not support "
+            f"{what}",
+            url=url,
+        ) from None
+    except Exception as exn:
+        raise _remote_error(exn, url, scheme, fs=fs, path=path) from exn
+
+
+def _read_defaults(fs: Any, options: Dict[str, Any], open_kw: Dict[str, Any]) -> Dict[str, Any]:
+    """The read-ahead cache and block size, where the backend's open() takes them.
+
+    fsspec's defaults are poor for one sequential pass over a shard (gcsfs re-requests small
+    ranges; s3fs fetches 50 MiB blocks), so reads ask for ``readahead`` with 8 MiB blocks, unless
+    the caller chose either for the open or for the filesystem (``default_*``).
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(fs._open).parameters
+    except (TypeError, ValueError):
+        return {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    out: Dict[str, Any] = {}
+    user_cache = "cache_type" in open_kw or "default_cache_type" in options
+    if not user_cache and ("cache_type" in params or takes_any):
+        out["cache_type"] = "readahead"
+    if (
+        "block_size" not in open_kw
+        and "default_block_size" not in options
+        and "block_size" in params
+    ):
+        out["block_size"] = REMOTE_BLOCK_SIZE
+    return out
+
+
+def _missing_backend(url: str, scheme: str, exn: ImportError) -> OpenError:
     from fsspec.registry import known_implementations
 
-    scheme = urlparse(url).scheme
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    except ImportError as exn:
+    extra = _EXTRAS.get(scheme)
+    if extra is not None:
+        how = f"install it with: pip install 'webds[{extra}]'"
+    else:
         hint = known_implementations.get(scheme, {}).get("err", "")
-        raise OpenError(
-            f"no fsspec backend installed for '{scheme}://' URLs ({exn}). {hint} "
-            f"For S3 install 'webds[s3]', for GCS 'webds[gcs]'.",
-            url=url,
-        ) from None
-    except ValueError as exn:
-        raise OpenError(
-            f"unknown URL scheme '{scheme}://' ({exn}); use a local path, 'pipe:CMD', or a "
-            f"protocol fsspec knows",
-            url=url,
-        ) from None
+        how = hint or "install the fsspec implementation for this protocol"
+    return OpenError(f"no fsspec backend installed for '{scheme}://' URLs ({exn}); {how}", url=url)
+
+
+def _error_chain(exn: BaseException) -> list:
+    chain = []
+    while exn is not None and len(chain) < 20 and exn not in chain:
+        chain.append(exn)
+        exn = exn.__cause__ or exn.__context__  # type: ignore[assignment]
+    return chain
+
+
+def _http_status(chain: list) -> Optional[int]:
+    """The HTTP status an error in the chain carries (aiohttp's ``.status``, botocore's
+    ``response['ResponseMetadata']['HTTPStatusCode']``), if any."""
+    for exn in chain:
+        status = getattr(exn, "status", None) or getattr(exn, "code", None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return status
+        response = getattr(exn, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+    return None
+
+
+def _bucket_and_key(fs: Any, path: str) -> Tuple[Optional[str], str]:
+    """(bucket, key) on object stores (filesystems with ``split_path``), else (None, path)."""
+    split = getattr(fs, "split_path", None)
+    if split is None:
+        return None, path
     try:
-        return fs.open(path, mode)
-    except FileNotFoundError:
-        raise OpenError(f"{url} not found; check the bucket, prefix and name", url=url) from None
-    except PermissionError as exn:
-        raise OpenError(f"permission denied: {exn}; check your credentials", url=url) from None
-    except OSError as exn:
-        raise OpenError(f"cannot open: {exn}", url=url) from None
+        parts = split(path)
+        return (parts[0] or None), parts[1]
+    except Exception:
+        return None, path
+
+
+def _bucket_exists(fs: Any, bucket: str) -> Optional[bool]:
+    # One extra request, on the error path only; None when even that cannot tell.
+    try:
+        return bool(fs.exists(bucket))
+    except Exception:
+        return None
+
+
+def _remote_error(
+    exn: BaseException, url: str, scheme: str, *, fs: Any = None, path: Optional[str] = None
+) -> OpenError:
+    """Translate an fsspec/backend failure into an OpenError that says what to do.
+
+    fsspec reports most failures as FileNotFoundError or PermissionError (its HTTP filesystem
+    even reports a refused connection or a 503 as FileNotFoundError), so the decision rests on
+    the whole exception chain: credential errors by class name, then the HTTP status, then
+    connection failures, then the builtin class.
+    """
+    chain = _error_chain(exn)
+    names = {cls.__name__ for err in chain for cls in type(err).__mro__}
+    status = _http_status(chain)
+    root = chain[-1]
+    detail = f"{type(root).__name__}: {root}"
+    if names & _NO_CREDENTIALS:
+        hint = _CREDENTIAL_HINTS.get(scheme, "pass credentials in storage_options")
+        return OpenError(f"no credentials found for '{scheme}://' URLs ({detail}); {hint}", url=url)
+    if status is None:
+        connection = {"ConnectionError", "ClientConnectorError", "EndpointConnectionError"}
+        if names & connection or any(isinstance(e, TimeoutError) for e in chain):
+            return OpenError(
+                f"cannot connect to the server ({detail}); check the host name, the endpoint "
+                "(storage_options, AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST) and the network",
+                url=url,
+            )
+    if status in (401, 403) or (status is None and isinstance(exn, PermissionError)):
+        hint = _CREDENTIAL_HINTS.get(scheme, "check the credentials in storage_options")
+        code = f" (HTTP {status})" if status else ""
+        return OpenError(
+            f"permission denied{code}: the credentials in use are wrong or may not access this "
+            f"object; check them and the bucket's access policy. To choose credentials: {hint}",
+            url=url,
+        )
+    if status in (404, 410) or (status is None and isinstance(exn, FileNotFoundError)):
+        bucket, key = _bucket_and_key(fs, path) if fs is not None and path else (None, "")
+        if bucket is not None and _bucket_exists(fs, bucket) is False:
+            return OpenError(
+                f"bucket {bucket!r} does not exist (or is not visible with these credentials); "
+                "check the bucket name, and the endpoint or project it lives in",
+                url=url,
+            )
+        if bucket is not None:
+            return OpenError(
+                f"object {key!r} not found in bucket {bucket!r}; check the prefix and name "
+                "(and the brace pattern that produced it)",
+                url=url,
+            )
+        code = f" (HTTP {status})" if status else ""
+        return OpenError(f"not found{code}; check the URL", url=url)
+    if status is not None:
+        return OpenError(f"the server answered HTTP {status} ({detail})", url=url)
+    if isinstance(exn, TypeError) and "keyword argument" in str(exn):
+        # s3fs and gcsfs pass unknown storage_options on to their client, which rejects them
+        # only when it first connects.
+        return OpenError(
+            f"the '{scheme}://' backend does not accept one of the storage_options ({exn}); "
+            "check their names against its documentation",
+            url=url,
+        )
+    return OpenError(f"cannot open: {type(exn).__name__}: {exn}", url=url)
 
 
 class _Unclosable(io.RawIOBase):

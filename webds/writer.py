@@ -3,8 +3,12 @@
 Samples are dicts with a ``__key__`` and one value per extension; each field is encoded by
 :mod:`webds.encode` and written as the tar member ``f"{key}.{ext}"``, fields in sorted order.
 Output is deterministic by default (mtime 0, uid/gid 0, gzip without timestamp or name), so the
-same samples always give byte-identical shards. A shard written to a local path appears under its
-final name only once it is complete: an exception while writing discards it.
+same samples always give byte-identical shards. A shard appears under its final name only once
+it is complete: an exception while writing discards it. That holds for remote URLs too
+(``s3://``, ``gs://``, any fsspec store, with ``storage_options``): S3 multipart and GCS
+resumable uploads create the object only when the shard is closed, and a discarded shard's
+upload is aborted. A shard larger than memory streams out in parts as the upload buffer fills
+(its size is the store's block size, e.g. s3fs's ``default_block_size``, 50 MiB by default).
 
     with ShardWriter("out/train-%06d.tar", maxcount=10000) as sink:
         for i, (image, label) in enumerate(data):
@@ -111,6 +115,9 @@ class TarWriter:
     a file object is written to and left open. ``compress=None`` gzips when the name ends in
     ``.gz``/``.tgz``. ``format`` is accepted for webdataset compatibility: webds always writes
     ustar, with a pax header in front of a member only when its name or size does not fit.
+    ``storage_options`` go to fsspec for remote URLs (credentials, endpoint, block size). A
+    remote shard becomes visible only when ``close()`` completes; ``discard()``, an exception
+    inside ``with``, or dropping an unclosed writer aborts the upload, so no object appears.
     """
 
     def __init__(
@@ -125,7 +132,9 @@ class TarWriter:
         mtime: Optional[float] = None,
         format: Any = None,
         progress: bool = False,
+        storage_options: Optional[Mapping[str, Any]] = None,
     ) -> None:
+        self.closed = True  # until the stream is open: nothing for discard() or __del__ to do
         if format not in _FORMATS:
             raise ArgumentError(
                 f"format={format!r} is not a tar format; use None, 'ustar', 'gnu', 'pax' or a "
@@ -149,7 +158,7 @@ class TarWriter:
         if isinstance(fileobj, (str, os.PathLike)):
             self.url = os.fspath(fileobj)
             gz = _compression(compress, self.url)
-            self._stream: Any = open_url(self.url, "wb")
+            self._stream: Any = open_url(self.url, "wb", **dict(storage_options or {}))
             self._own_stream = True
         elif hasattr(fileobj, "write"):
             name = getattr(fileobj, "name", None)
@@ -263,13 +272,7 @@ class TarWriter:
                 except Exception:
                     pass
             if self._own_stream:
-                if hasattr(self._raw, "discard"):
-                    self._raw.discard()
-                else:
-                    try:
-                        self._raw.close()
-                    except Exception:
-                        pass
+                _discard_stream(self._raw)
         finally:
             self._finish()
 
@@ -281,6 +284,15 @@ class TarWriter:
 
     def __enter__(self) -> "TarWriter":
         return self
+
+    def __del__(self) -> None:
+        # Dropped without close(): the shard is unfinished. fsspec's files would commit it from
+        # their own finalizer (uploading a truncated tar), so abort it first.
+        if False:
+            try:
+                self.discard()
+            except Exception:
+                pass
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
@@ -300,7 +312,10 @@ class ShardWriter:
     ``maxsize`` payload bytes (a single sample larger than ``maxsize`` gets a shard of its own).
     No shard is created if nothing is written. ``post(fname)`` runs after each shard is committed;
     ``opener(fname)`` may return the stream to write to (it is closed, or ``discard()``-ed on
-    error, by the writer). Other keywords go to :class:`TarWriter`. Attributes: ``fname`` (current
+    error, by the writer). ``storage_options`` go to fsspec for remote patterns such as
+    ``"s3://bucket/train-%06d.tar"``: each shard is uploaded as it is written and becomes visible
+    when it is committed, before ``post`` runs; a discarded shard's upload is aborted.
+    Other keywords go to :class:`TarWriter`. Attributes: ``fname`` (current
     or last shard), ``shard`` (the next shard number), ``count``/``size`` (samples and bytes in
     the current shard), ``total`` (all samples), ``shards`` (completed shard names).
     """
@@ -315,6 +330,7 @@ class ShardWriter:
         verbose: int = 0,
         opener: Optional[Callable[[str], BinaryIO]] = None,
         progress: bool = False,
+        storage_options: Optional[Mapping[str, Any]] = None,
         **kw: Any,
     ) -> None:
         pattern = os.fspath(pattern)
@@ -354,6 +370,7 @@ class ShardWriter:
         self.maxsize = maxsize
         self.post = post
         self.opener = opener
+        self.storage_options = dict(storage_options or {})
         self.verbose = verbose
         self.kw = kw
         # Fail now on bad TarWriter options rather than at the first write.
@@ -415,7 +432,7 @@ class ShardWriter:
                 raise
         else:
             self._stream = None
-            self.tarstream = TarWriter(fname, **self.kw)
+            self.tarstream = TarWriter(fname, storage_options=self.storage_options, **self.kw)
         self.fname = fname
         self.shard += 1
         self.count = 0
@@ -519,13 +536,24 @@ class ShardWriter:
 
 
 def _discard_stream(stream: Any) -> None:
+    """Abandon what was written to ``stream``: abort it if it can be, else just close it."""
+    discard = getattr(stream, "discard", None)
     try:
-        if hasattr(stream, "discard"):
-            stream.discard()
+        if callable(discard):
+            discard()
         else:
             stream.close()
     except Exception:
         pass
+    # fsspec's buffered files (s3fs, gcsfs) stay "open" after discard(): s3fs's aborts the
+    # multipart upload but not a small shard still in its buffer, and gcsfs's does nothing
+    # before the first part; their finalizer would then close() and upload the partial shard.
+    # Marking them closed is what fsspec's own discard paths do to end a file.
+    if callable(discard) and not getattr(stream, "closed", True):
+        try:
+            stream.closed = True
+        except (AttributeError, TypeError):
+            pass  # not an fsspec file; close() could commit, so leave it to its own discard()
 
 
 # webdataset's writer module also exported the encoders; they live in webds.encode.
