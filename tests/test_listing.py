@@ -9,9 +9,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
 from conftest import sample_members, write_tar
-from webds.errors import ArgumentError
+
+from webds.errors import ArgumentError, WebdsError
 from webds.fluent import WebDataset
 from webds.shards import ResampledShards, SimpleShardList, expand_urls
 from webds.writer import TarWriter
@@ -63,14 +63,20 @@ def test_relative_directory_and_glob_keep_the_spelling(tmp_path: Path, monkeypat
 def test_local_glob_sorted_files_only_and_recursive(tmp_path: Path) -> None:
     _populate_local(tmp_path / "data")
     d = f"{tmp_path}/data"
-    assert expand_urls(f"{d}/*.tar") == [f"{d}/a-000002.tar", f"{d}/a-000010.tar",
-                                         f"{d}/b-000001.tar"]
+    assert expand_urls(f"{d}/*.tar") == [
+        f"{d}/a-000002.tar",
+        f"{d}/a-000010.tar",
+        f"{d}/b-000001.tar",
+    ]
     assert expand_urls(f"{d}/a-00000[12].t*") == [f"{d}/a-000001.tgz", f"{d}/a-000002.tar"]
     assert expand_urls(f"{d}/?-000001.*") == [f"{d}/a-000001.tgz", f"{d}/b-000001.tar"]
     assert f"{d}/sub/a-000003.tar" in expand_urls(f"{d}/**/a-*.tar")
     # Braces first, then each alternative globbed in turn.
-    assert expand_urls(f"{d}/{{b,a}}-*.tar") == [f"{d}/b-000001.tar", f"{d}/a-000002.tar",
-                                                f"{d}/a-000010.tar"]
+    assert expand_urls(f"{d}/{{b,a}}-*.tar") == [
+        f"{d}/b-000001.tar",
+        f"{d}/a-000002.tar",
+        f"{d}/a-000010.tar",
+    ]
 
 
 def test_file_url_directory_and_literal_bracket_name(tmp_path: Path) -> None:
@@ -122,11 +128,11 @@ def test_webdataset_over_a_local_directory_reads_every_sample_once(tmp_path: Pat
     src = tmp_path / "src"
     src.mkdir()
     (src / "g-000001.txt").write_text("gnu")
-    subprocess.run(["tar", "-cf", str(d / "s-003.tar"), "-C", str(src), "g-000001.txt"],
-                   check=True)
+    subprocess.run(["tar", "-cf", str(d / "s-003.tar"), "-C", str(src), "g-000001.txt"], check=True)
     keys = [s["__key__"] for s in WebDataset(f"{d}/")]
-    assert sorted(keys) == sorted([f"s{i}-{j:06d}" for i in range(3) for j in range(4)]
-                                  + ["g-000001"])
+    assert sorted(keys) == sorted(
+        [f"s{i}-{j:06d}" for i in range(3) for j in range(4)] + ["g-000001"]
+    )
     assert len(keys) == len(set(keys))
 
 
@@ -139,8 +145,18 @@ def _populate(store, names) -> None:
 
 
 def test_s3_prefix_lists_shards_sorted(s3) -> None:
-    _populate(s3, ["train/b-1.tar", "train/a-2.tar", "train/a-1.tar.gz", "train/readme.md",
-                   "train/sub/c-1.tar", "val/v-1.tar", "train.tar"])
+    _populate(
+        s3,
+        [
+            "train/b-1.tar",
+            "train/a-2.tar",
+            "train/a-1.tar.gz",
+            "train/readme.md",
+            "train/sub/c-1.tar",
+            "val/v-1.tar",
+            "train.tar",
+        ],
+    )
     got = expand_urls(s3.url("train/"), storage_options=s3.storage_options)
     assert got == [s3.url("train/a-1.tar.gz"), s3.url("train/a-2.tar"), s3.url("train/b-1.tar")]
     # The bucket root lists only the top level.
@@ -156,7 +172,9 @@ def test_s3_glob_and_braces(s3) -> None:
         s3.url(f"train/x-{i:03d}.tar") for i in (0, 3, 5, 12)
     ]
     assert expand_urls(s3.url("train/{y,x}-00[03].tar"), storage_options=opts) == [
-        s3.url("train/y-000.tar"), s3.url("train/x-000.tar"), s3.url("train/x-003.tar")
+        s3.url("train/y-000.tar"),
+        s3.url("train/x-000.tar"),
+        s3.url("train/x-003.tar"),
     ]
 
 
@@ -174,8 +192,7 @@ def test_s3_listing_sees_shards_written_after_an_earlier_listing(s3) -> None:
     assert expand_urls(s3.url("t/"), storage_options=opts) == [s3.url("t/a.tar")]
     # Written by another client, behind the back of s3fs's listing cache.
     _populate(s3, ["t/b.tar"])
-    assert expand_urls(s3.url("t/"), storage_options=opts) == [s3.url("t/a.tar"),
-                                                              s3.url("t/b.tar")]
+    assert expand_urls(s3.url("t/"), storage_options=opts) == [s3.url("t/a.tar"), s3.url("t/b.tar")]
     assert expand_urls(s3.url("t/*"), storage_options=opts)[-1] == s3.url("t/b.tar")
     with TarWriter(s3.url("t/c.tar"), storage_options=opts) as sink:
         sink.write({"__key__": "k", "txt": "v"})
@@ -196,8 +213,17 @@ def test_webdataset_over_an_s3_prefix_reads_every_sample_once(s3) -> None:
     # Listing happened once, at construction: deleting a shard afterwards makes reading it fail
     # rather than silently shrinking the list.
     s3.delete("train/shard-000004.tar")
-    with pytest.raises(Exception):
+    with pytest.raises(WebdsError, match="shard-000004"):
         list(ds)
+
+
+def test_listing_ignores_open_and_retry_options(s3) -> None:
+    _populate(s3, ["o/a.tar"])
+    opts = dict(
+        s3.storage_options, block_size=2**20, cache_type="readahead", retries=2, retry_backoff=0.01
+    )
+    assert expand_urls(s3.url("o/*.tar"), storage_options=opts) == [s3.url("o/a.tar")]
+    assert [s["__key__"] for s in WebDataset(s3.url("o/"), storage_options=opts)] == ["o_a"]
 
 
 def test_resampled_over_an_s3_glob(s3) -> None:

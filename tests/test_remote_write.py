@@ -166,7 +166,9 @@ def s3_process(tmp_path_factory) -> Iterator[str]:
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
     )
     endpoint = f"http://127.0.0.1:{port}"
     try:
@@ -211,12 +213,17 @@ def test_s3_big_shard_memory_stays_bounded(s3_process: str) -> None:
     import boto3
 
     client = boto3.client(
-        "s3", endpoint_url=s3_process, aws_access_key_id="k", aws_secret_access_key="s",
+        "s3",
+        endpoint_url=s3_process,
+        aws_access_key_id="k",
+        aws_secret_access_key="s",
         region_name="us-east-1",
     )
     client.create_bucket(Bucket="webds-mem")
     opts = {
-        "key": "k", "secret": "s", "default_block_size": S3_BLOCK,
+        "key": "k",
+        "secret": "s",
+        "default_block_size": S3_BLOCK,
         "client_kwargs": {"endpoint_url": s3_process, "region_name": "us-east-1"},
     }
     # 64 MiB (about 13 blocks) through a 5 MiB block: the client holds a few blocks at most.
@@ -232,7 +239,9 @@ def test_s3_big_shard_memory_stays_bounded(s3_process: str) -> None:
 def test_gcs_shards_appear_only_when_committed_and_read_back(gcs) -> None:
     committed: List[List[str]] = []
     with ShardWriter(
-        gcs.url("g-%03d.tar"), maxcount=4, storage_options=gcs.storage_options,
+        gcs.url("g-%03d.tar"),
+        maxcount=4,
+        storage_options=gcs.storage_options,
         post=lambda fname: committed.append(gcs.list()),
     ) as sink:
         for i in range(10):

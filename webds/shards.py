@@ -30,7 +30,7 @@ from torch.utils.data import IterableDataset
 
 from .errors import ArgumentError, OpenError, WebdsError
 from .pipeline import stage
-from .urls import local_path, url_scheme
+from .urls import filesystem_options, local_path, url_scheme
 
 __all__ = [
     "WorkerInfo",
@@ -158,8 +158,11 @@ def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None)
                 raise ArgumentError(
                     f"found no {what} {url!r} (from the spec {spec!r}); check the path, the "
                     f"bucket and prefix, and the credentials in storage_options"
-                    + (f" (listings take names ending in {', '.join(SHARD_SUFFIXES)})"
-                       if kind == "dir" else ""),
+                    + (
+                        f" (listings take names ending in {', '.join(SHARD_SUFFIXES)})"
+                        if kind == "dir"
+                        else ""
+                    ),
                     url=url,
                 )
             result.extend(found)
@@ -167,7 +170,7 @@ def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None)
 
 
 def _listing_kind(url: str) -> Optional[str]:
-    """"dir" for a spec that names a directory/prefix, "glob" for a pattern, else None."""
+    """ "dir" for a spec that names a directory/prefix, "glob" for a pattern, else None."""
     if url == "-" or url.startswith("pipe:"):
         return None
     if url.endswith("/"):
@@ -217,7 +220,7 @@ def _list_remote(url: str, kind: str, storage_options: Dict[str, Any]) -> List[s
 
     scheme = url_scheme(url) or ""
     try:
-        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        fs, root = fsspec.core.url_to_fs(url, **filesystem_options(storage_options))
     except ImportError as exn:
         raise OpenError(
             f"listing '{scheme}://' URLs needs an fsspec backend ({exn}); for S3 install "
@@ -251,8 +254,7 @@ def _list_remote(url: str, kind: str, storage_options: Dict[str, Any]) -> List[s
         raise
     except PermissionError as exn:
         raise OpenError(
-            f"permission denied listing {url!r}: {exn}; check the credentials in "
-            "storage_options",
+            f"permission denied listing {url!r}: {exn}; check the credentials in storage_options",
             url=url,
         ) from None
     except Exception as exn:

@@ -35,6 +35,7 @@ __all__ = [
     "open_url",
     "local_path",
     "url_scheme",
+    "filesystem_options",
     "SCHEMES",
     "SchemeOpener",
     "DEFAULT_BUFSIZE",
@@ -197,6 +198,15 @@ REMOTE_BLOCK_SIZE = 8 << 20
 
 # Arguments of ``fs.open()`` rather than of the filesystem: taken out of ``storage_options``.
 _OPEN_OPTIONS = ("block_size", "cache_type", "cache_options")
+# storage_options that say how to read a stream (open and retry), not how to build a filesystem.
+_STREAM_OPTIONS = _OPEN_OPTIONS + ("retries", "retry_backoff")
+
+
+def filesystem_options(storage_options: Dict[str, Any]) -> Dict[str, Any]:
+    """The part of ``storage_options`` that configures the fsspec filesystem (credentials,
+    endpoint), without the per-stream ones (``block_size``, ``cache_type``, ``retries``, ...)."""
+    return {k: v for k, v in storage_options.items() if k not in _STREAM_OPTIONS}
+
 
 # Which webds extra installs the fsspec backend of a scheme.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}

@@ -288,7 +288,7 @@ class TarWriter:
     def __del__(self) -> None:
         # Dropped without close(): the shard is unfinished. fsspec's files would commit it from
         # their own finalizer (uploading a truncated tar), so abort it first.
-        if False:
+        if not getattr(self, "closed", True) and getattr(self, "_own_stream", False):
             try:
                 self.discard()
             except Exception:
