@@ -19,6 +19,7 @@ One entry point, :func:`open_url`, for every kind of location a shard can live i
 from __future__ import annotations
 
 import io
+import logging
 import os
 import signal
 import subprocess
@@ -30,6 +31,8 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from .errors import ArgumentError, OpenError, WebdsError
+
+log = logging.getLogger("webds")
 
 __all__ = [
     "open_url",
@@ -284,12 +287,24 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
                 raise
             return fs.open(path, mode, **open_kw)
 
+    chose_blocks = any(name in options for name in ("default_block_size", "default_cache_type"))
+
+    def open_at(offset: int) -> Any:
+        # A whole shard is one sequential read: where the backend can stream an object in one
+        # request (fsspec's async filesystems: s3, http), do that, unless the caller chose block
+        # reads; resume after a failure with a ranged, block-wise reader from the offset reached.
+        if offset == 0 and not open_kw and not chose_blocks:
+            stream = _streamed(fs, path)
+            if stream is not None:
+                return stream
+        return seek_opener(open_file, url)(offset)
+
     try:
         if mode == "rb":
             # Reads survive broken connections: reopen at the byte offset reached (a range
             # request), with backoff; permanent errors (404, 403) are translated at once.
             return ResumableStream(  # type: ignore[return-value]
-                seek_opener(open_file, url),
+                open_at,
                 url=url,
                 retries=retries,
                 backoff=backoff,
@@ -307,6 +322,62 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
         ) from None
     except Exception as exn:
         raise _remote_error(exn, url, scheme, fs=fs, path=path) from exn
+
+
+class _SyncStreamedFile(io.RawIOBase):
+    """An fsspec async streamed file (one GET for the whole object) read synchronously."""
+
+    def __init__(self, fs: Any, afile: Any, size: int) -> None:
+        self._fs = fs
+        self._afile = afile
+        self.size = size  # known up front, so an early end of the body is caught and resumed
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        from fsspec.asyn import sync
+
+        return sync(self._fs.loop, self._afile.read, n)
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        from fsspec.asyn import sync
+
+        try:
+            body = getattr(self._afile, "r", None)  # s3fs keeps the response body here
+            if body is not None and hasattr(body, "close"):
+                body.close()
+            close = getattr(self._afile, "close", None)
+            if close is not None:
+                result = close()
+                if hasattr(result, "__await__"):
+                    sync(self._fs.loop, lambda: result)
+        except Exception as exn:  # closing a half-read response must not mask the real outcome
+            log.debug("webds: ignoring error closing a streamed file: %s", exn)
+        finally:
+            super().close()
+
+
+def _streamed(fs: Any, path: str) -> Optional[BinaryIO]:
+    """Open ``path`` as one streaming request if the backend supports it, else None."""
+    from fsspec.asyn import AsyncFileSystem, sync
+
+    if not isinstance(fs, AsyncFileSystem) or type(fs).open_async is AsyncFileSystem.open_async:
+        return None
+    if not getattr(fs, "asynchronous", False) and getattr(fs, "loop", None) is None:
+        return None
+    size = fs.size(path)
+    if size is None:
+        return None
+    afile = sync(fs.loop, fs.open_async, path, "rb")
+    return _SyncStreamedFile(fs, afile, size)  # type: ignore[return-value]
 
 
 def _read_defaults(fs: Any, options: Dict[str, Any], open_kw: Dict[str, Any]) -> Dict[str, Any]:
