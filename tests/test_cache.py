@@ -250,3 +250,15 @@ def test_entry_being_filled_elsewhere_is_streamed_not_copied(tmp_path):
         os.close(holder)  # the holder went away without filling it
     keys2 = [s["__key__"] for s in WebDataset(url, cache_dir=str(tmp_path / "cache"))]
     assert keys2 == keys and visible(tmp_path / "cache") == [name]
+
+
+def test_local_shards_cached_on_request(tmp_path):
+    write_tar(tmp_path / "n-0.tar", sample_members(10, prefix="n"))
+    url = str(tmp_path / "n-0.tar")
+    cache = tmp_path / "cache"
+    first = [s["__key__"] for s in WebDataset(url, cache_dir=str(cache), cache_local=True)]
+    assert len(visible(cache)) == 1
+    (tmp_path / "n-0.tar").unlink()  # the "network filesystem" is gone; the cache serves
+    again = list(WebDataset(url, cache_dir=str(cache), cache_local=True))
+    assert [s["__key__"] for s in again] == first
+    assert again[0]["__local_path__"].startswith(str(cache))

@@ -149,7 +149,8 @@ class WebDataset(DataPipeline, FluentMixin):
       prefix (``"s3://bucket/train/"``) or glob (``"gs://b/train-*.tar"``), which happens once,
       here, so every worker and rank reads the same shard list (see :func:`expand_urls`).
     - ``cache_dir``: keep remote shards in this local directory after their first read (see
-      :mod:`webds.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off.
+      :mod:`webds.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off;
+      ``cache_local=True`` caches local files too (shards on a slow network filesystem).
 
     Older keywords still work (see :func:`webds.compat.legacy_keywords`): webdataset 1.x's
     ``mode="resampled"``, ``detshuffle``, ``verbose`` and ``url_to_name``, and the 0.1 style
@@ -173,6 +174,7 @@ class WebDataset(DataPipeline, FluentMixin):
         storage_options: Optional[dict] = None,
         cache_dir: Optional[str] = None,
         cache_size: int = -1,
+        cache_local: bool = False,
         **legacy: Any,
     ) -> None:
         super().__init__()
@@ -208,7 +210,13 @@ class WebDataset(DataPipeline, FluentMixin):
             self.append(worker)
         if cache_dir is not None and cache_size != 0:
             self.append(
-                cached_shards(cache_dir, cache_size, handler=handler, **(storage_options or {}))
+                cached_shards(
+                    cache_dir,
+                    cache_size,
+                    handler=handler,
+                    cache_local=cache_local,
+                    **(storage_options or {}),
+                )
             )
         self.append(
             tarfile_to_samples(
