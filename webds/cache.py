@@ -19,7 +19,6 @@ read through ``pipe:curl ... URL`` is cached under the name of URL, not of the c
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import re
@@ -32,7 +31,7 @@ from .handlers import Handler, reraise_exception
 from .pipeline import stage
 from .samples import open_shards
 from .tario import read_members
-from .urls import local_path, open_url
+from .urls import ReadStream, local_path, open_url
 
 __all__ = ["LRUCleanup", "pipe_cleaner", "ShardCache", "cached_shards"]
 
@@ -255,7 +254,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class _CachingStream(io.RawIOBase):
+class _CachingStream(ReadStream):
     """A remote stream that copies what is read into a temporary file, committed on close when
     the shard was read to its end and is a complete tar."""
 
@@ -281,9 +280,6 @@ class _CachingStream(io.RawIOBase):
         self.temp: Optional[BinaryIO] = open(self.temp_path, "wb")
         self.eof = False
 
-    def readable(self) -> bool:
-        return True
-
     def read(self, n: int = -1) -> bytes:
         data = self.source.read(n)
         if data:
@@ -292,11 +288,6 @@ class _CachingStream(io.RawIOBase):
         elif n != 0:
             self.eof = True
         return data
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         if self.closed:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Dict, Optional, Union
 
 from .errors import ArgumentError, OpenError, ShardReadError, WebdsError
+from .urls import ReadStream
 
 __all__ = [
     "Backoff",
@@ -205,7 +206,7 @@ def _close_quietly(stream: Any) -> None:
         log.debug("webds: ignoring error closing a broken stream: %s", exn)
 
 
-class ResumableStream(io.RawIOBase):
+class ResumableStream(ReadStream):
     """A read-only stream that reopens ``open_at(offset)`` at the offset reached after a failure.
 
     ``size`` (or the ``size`` attribute of the first stream opened, which fsspec files have)
@@ -348,9 +349,6 @@ class ResumableStream(io.RawIOBase):
 
     # -- reading -------------------------------------------------------------------------------
 
-    def readable(self) -> bool:
-        return True
-
     def seekable(self) -> bool:
         return False
 
@@ -401,11 +399,6 @@ class ResumableStream(io.RawIOBase):
             if not data:
                 return b"".join(parts)
             parts.append(data)
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         if self.closed:

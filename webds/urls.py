@@ -39,6 +39,7 @@ __all__ = [
     "local_path",
     "url_scheme",
     "filesystem_options",
+    "ReadStream",
     "SCHEMES",
     "SchemeOpener",
     "DEFAULT_BUFSIZE",
@@ -324,7 +325,20 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
         raise _remote_error(exn, url, scheme, fs=fs, path=path) from exn
 
 
-class _SyncStreamedFile(io.RawIOBase):
+class ReadStream(io.RawIOBase):
+    """Base of webds's wrapper streams: a subclass defines ``read(n)``; ``readinto`` (what
+    buffered readers call) follows from it."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+class _SyncStreamedFile(ReadStream):
     """An fsspec async streamed file (one GET for the whole object) read synchronously."""
 
     def __init__(self, fs: Any, afile: Any, size: int) -> None:
@@ -332,18 +346,10 @@ class _SyncStreamedFile(io.RawIOBase):
         self._afile = afile
         self.size = size  # known up front, so an early end of the body is caught and resumed
 
-    def readable(self) -> bool:
-        return True
-
     def read(self, n: int = -1) -> bytes:
         from fsspec.asyn import sync
 
         return sync(self._fs.loop, self._afile.read, n)
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
     def close(self) -> None:
         if self.closed:
@@ -525,7 +531,7 @@ def _remote_error(
     return OpenError(f"cannot open: {type(exn).__name__}: {exn}", url=url)
 
 
-class _Unclosable(io.RawIOBase):
+class _Unclosable(ReadStream):
     """stdin/stdout for a shard: closing the shard stream must not close the process's stdio."""
 
     def __init__(self, raw: IO[bytes]) -> None:
@@ -539,11 +545,6 @@ class _Unclosable(io.RawIOBase):
 
     def read(self, n: int = -1) -> bytes:
         return self._raw.read(n)
-
-    def readinto(self, b: Any) -> int:
-        data = self._raw.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
     def write(self, b: Any) -> int:
         return self._raw.write(b)
@@ -608,7 +609,7 @@ class AtomicFile(io.BufferedWriter):
         self.discard()
 
 
-class PipeStream(io.RawIOBase):
+class PipeStream(ReadStream):
     """A shell command's stdout (mode "rb") or stdin (mode "wb") as a binary stream.
 
     The command runs in its own process group; :meth:`close` ends the group if the command is
@@ -650,11 +651,6 @@ class PipeStream(io.RawIOBase):
             self._eof = True
             self._check(self.proc.wait())
         return data
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
 
     def write(self, b: Any) -> int:
         try:
