@@ -500,22 +500,17 @@ class ShardWriter:
 
     def close(self) -> None:
         """Commit the current shard and stop; calling it again does nothing."""
-        if self.closed:
-            return
-        try:
-            self.finish()
-        finally:
-            self.closed = True
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
+        self._stop(self.finish)
 
     def discard(self) -> None:
         """Abandon the shard in progress (committed shards stay) and stop."""
+        self._stop(self._discard)
+
+    def _stop(self, last_step: Callable[[], None]) -> None:
         if self.closed:
             return
         try:
-            self._discard()
+            last_step()
         finally:
             self.closed = True
             if self._bar is not None:
