@@ -40,6 +40,7 @@ __all__ = [
     "url_scheme",
     "filesystem_options",
     "ReadStream",
+    "CommitOnExit",
     "SCHEMES",
     "SchemeOpener",
     "DEFAULT_BUFSIZE",
@@ -555,7 +556,21 @@ class _Unclosable(ReadStream):
         super().close()
 
 
-class AtomicFile(io.BufferedWriter):
+class CommitOnExit:
+    """Context manager of the writers: a clean exit commits (``close()``), an exception
+    abandons the output (``discard()``), so a failed write never leaves a partial result."""
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.discard()  # type: ignore[attr-defined]
+        else:
+            self.close()  # type: ignore[attr-defined]
+
+
+class AtomicFile(CommitOnExit, io.BufferedWriter):
     """A local file written under a temporary name and renamed to ``path`` by ``close()``.
 
     ``discard()`` deletes the temporary file instead. The temporary name is hidden (leading dot)
@@ -597,12 +612,6 @@ class AtomicFile(io.BufferedWriter):
             os.unlink(self.temp_path)
         except FileNotFoundError:
             pass
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self.discard()
-        else:
-            self.close()
 
     def __del__(self) -> None:
         # Garbage-collected without close(): the write was not finished, so don't commit it.

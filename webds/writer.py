@@ -27,7 +27,7 @@ from . import aliases
 from .encode import EncoderSpec, make_encoder, numpy_dumps, torch_dumps
 from .errors import ArgumentError, EncodeError, WriteError
 from .tario import END_OF_ARCHIVE, member_bytes
-from .urls import open_url
+from .urls import CommitOnExit, open_url
 
 # numpy_dumps and torch_dumps are re-exported because webdataset's writer module has them.
 __all__ = ["TarWriter", "ShardWriter", "check_key", "numpy_dumps", "torch_dumps"]
@@ -105,7 +105,7 @@ def _compression(compress: Any, name: Optional[str]) -> bool:
     )
 
 
-class TarWriter:
+class TarWriter(CommitOnExit):
     """Write samples to one tar archive (a path or URL, or an open binary file object).
 
     ``write(sample)`` encodes the sample (``encoder``: see :func:`webds.encode.make_encoder`),
@@ -282,9 +282,6 @@ class TarWriter:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> "TarWriter":
-        return self
-
     def __del__(self) -> None:
         # Dropped without close(): the shard is unfinished. fsspec's files would commit it from
         # their own finalizer (uploading a truncated tar), so abort it first.
@@ -294,18 +291,12 @@ class TarWriter:
             except Exception:
                 pass
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self.discard()
-        else:
-            self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
         return f"<TarWriter {self.url or self._raw!r} {state}, {self.count} samples>"
 
 
-class ShardWriter:
+class ShardWriter(CommitOnExit):
     """Write samples to a series of shards named ``pattern % shard_number``.
 
     A new shard is started before a write when the current one holds ``maxcount`` samples or
@@ -516,15 +507,6 @@ class ShardWriter:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
-
-    def __enter__(self) -> "ShardWriter":
-        return self
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is not None:
-            self.discard()
-        else:
-            self.close()
 
     def __repr__(self) -> str:
         return f"<ShardWriter {self.pattern!r}: {len(self.shards)} shards, {self.total} samples>"
