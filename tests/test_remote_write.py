@@ -47,6 +47,7 @@ def test_s3_shards_appear_only_when_each_shard_is_committed(s3) -> None:
     writer = ShardWriter(
         s3.url("train/part-%06d.tar"),
         maxcount=3,
+        index=False,  # the shards alone are under test here; test_index covers the index
         storage_options=s3.storage_options,
         post=lambda fname: seen_at_post.append(s3.list("train/")),
     )
@@ -92,7 +93,9 @@ def test_s3_big_shard_streams_in_parts_and_completes_on_close(s3) -> None:
 def test_s3_exception_mid_shard_leaves_no_object(s3, size: int) -> None:
     opts = dict(s3.storage_options, default_block_size=S3_BLOCK)
     with pytest.raises(RuntimeError, match="boom"):
-        with ShardWriter(s3.url("x-%03d.tar"), maxcount=2, storage_options=opts) as sink:
+        with ShardWriter(
+            s3.url("x-%03d.tar"), maxcount=2, storage_options=opts, index=False
+        ) as sink:
             for i in range(5):
                 sink.write(_sample(i, size))
             raise RuntimeError("boom")
@@ -126,7 +129,11 @@ def test_s3_discard_aborts_and_marks_the_upload_closed(s3) -> None:
 
 def test_s3_maxsize_rollover_and_gzip_read_back(s3) -> None:
     with ShardWriter(
-        s3.url("s-%04d.tar.gz"), maxsize=10_000, maxcount=1000, storage_options=s3.storage_options
+        s3.url("s-%04d.tar.gz"),
+        maxsize=10_000,
+        maxcount=1000,
+        storage_options=s3.storage_options,
+        index=False,
     ) as sink:
         for i in range(10):
             sink.write(_sample(i, 4000))
@@ -241,6 +248,7 @@ def test_gcs_shards_appear_only_when_committed_and_read_back(gcs) -> None:
     with ShardWriter(
         gcs.url("g-%03d.tar"),
         maxcount=4,
+        index=False,
         storage_options=gcs.storage_options,
         post=lambda fname: committed.append(gcs.list()),
     ) as sink:
@@ -261,7 +269,9 @@ def test_gcs_exception_mid_shard_leaves_no_object(gcs) -> None:
     size = 1000
     opts = dict(gcs.storage_options, block_size=MiB)
     with pytest.raises(RuntimeError, match="boom"):
-        with ShardWriter(gcs.url("x-%03d.tar"), maxcount=1, storage_options=opts) as sink:
+        with ShardWriter(
+            gcs.url("x-%03d.tar"), maxcount=1, storage_options=opts, index=False
+        ) as sink:
             sink.write(_sample(0, size))
             sink.write(_sample(1, size))
             raise RuntimeError("boom")

@@ -300,7 +300,8 @@ def test_rollover_by_count(tmp_path):
         assert (sink.count, sink.total, sink.shard) == (1, 10, 4)
     expected = [str(tmp_path / f"s-{i:03d}.tar") for i in range(4)]
     assert sink.shards == expected
-    assert listdir(tmp_path) == [os.path.basename(p) for p in expected]
+    # The shard index (webds.index) is written next to the shards.
+    assert listdir(tmp_path) == [os.path.basename(p) for p in expected] + ["s.index.json"]
     keys = [f"{i:06d}" for i in range(10)]
     assert shard_contents(expected) == [keys[0:3], keys[3:6], keys[6:9], keys[9:]]
     # Python's tarfile agrees
@@ -367,7 +368,7 @@ def test_exception_mid_shard_keeps_earlier_shards_only(tmp_path):
             for s in samples(3):
                 sink.write(s)
             raise RuntimeError("boom")
-    assert listdir(tmp_path) == ["x-0.tar"]  # x-1, in progress, was discarded
+    assert listdir(tmp_path) == ["x-0.tar", "x.index.json"]  # x-1, in progress, was discarded
     assert committed == [str(tmp_path / "x-0.tar")]  # post never sees a discarded shard
     assert sink.shards == committed
 
@@ -380,7 +381,7 @@ def test_in_progress_shard_is_discarded(tmp_path):
             {}["missing"]
     # y-0 (2 samples) was committed at the rollover; y-1 (in progress) never appears,
     # and no temporary file is left behind.
-    assert listdir(tmp_path) == ["y-0.tar"]
+    assert listdir(tmp_path) == ["y-0.tar", "y.index.json"]
     assert shard_contents([tmp_path / "y-0.tar"]) == [["000000", "000001"]]
 
 
@@ -420,7 +421,7 @@ def test_pattern_without_field(tmp_path):
             for s in samples(3):
                 sink.write(s)
     assert not (tmp_path / "one.tar").exists()
-    assert listdir(tmp_path) == ["single.tar"]
+    assert listdir(tmp_path) == ["single.index.json", "single.tar"]
     with ShardWriter(str(tmp_path / "pct-%%.tar")) as sink:
         sink.write(samples(1)[0])
     assert sink.shards == [str(tmp_path / "pct-%.tar")]
@@ -485,3 +486,22 @@ def test_write_error_discards_and_stops(tmp_path):
     with pytest.raises(WriteError, match="closed"):
         sink.write(samples(1)[0])
     assert sink.shards == []
+
+
+@pytest.mark.parametrize("name", ["c.tar", "c.tar.gz"])
+def test_checksum_counts_and_hashes_the_stored_bytes(tmp_path, name):
+    import hashlib
+
+    with TarWriter(str(tmp_path / name), checksum=True) as sink:
+        for s in samples(3):
+            sink.write(s)
+    data = (tmp_path / name).read_bytes()
+    assert (sink.file_bytes, sink.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    buf = io.BytesIO()
+    with TarWriter(buf, checksum=True, compress=name.endswith(".gz")) as sink:
+        for s in samples(3):
+            sink.write(s)
+    assert buf.getvalue() == data and sink.sha256 == hashlib.sha256(data).hexdigest()
+    plain = TarWriter(io.BytesIO())
+    plain.close()
+    assert plain.sha256 is None and plain.file_bytes is None

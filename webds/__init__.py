@@ -27,6 +27,7 @@ from .errors import (
     ArgumentError,
     DecodeError,
     EncodeError,
+    LengthError,
     OpenError,
     SampleError,
     ShardReadError,
@@ -59,6 +60,8 @@ from .handlers import (
     warn_and_continue,
     warn_and_stop,
 )
+from .index import Problem as IndexProblem
+from .index import ShardIndex, ShardInfo
 from .legacy import (
     MockDataset,
     PipelineStage,
@@ -68,7 +71,18 @@ from .legacy import (
 )
 from .loader import WebLoader
 from .mix import RandomMix, RoundRobin
-from .pipeline import DataPipeline, Stage, pipelinefilter, stage
+from .pipeline import (
+    BATCH,
+    REORDER,
+    SAME,
+    UNBATCH,
+    Count,
+    DataPipeline,
+    Stage,
+    pipelinefilter,
+    stage,
+)
+from .plan import PlannedShards
 from .replay import Cached, LMDBCached
 from .samples import (
     base_plus_ext,
@@ -109,6 +123,7 @@ __all__ = [
     "DecodingError",
     "EncodeError",
     "WriteError",
+    "LengthError",
     # handlers
     "reraise_exception",
     "ignore_and_continue",
@@ -120,6 +135,11 @@ __all__ = [
     "pipelinefilter",
     "Stage",
     "DataPipeline",
+    "Count",
+    "SAME",
+    "REORDER",
+    "BATCH",
+    "UNBATCH",
     # sources
     "open_url",
     "gopen",
@@ -139,6 +159,10 @@ __all__ = [
     "RandomMix",
     "RoundRobin",
     "worker_info",
+    "ShardIndex",
+    "ShardInfo",
+    "IndexProblem",
+    "PlannedShards",
     "url_opener",
     "tar_file_expander",
     "group_by_keys",

@@ -30,7 +30,7 @@ import torch
 
 from .errors import ArgumentError, SampleError
 from .filters import _check_callable, _check_int, _where
-from .pipeline import stage
+from .pipeline import BATCH, UNBATCH, stage
 
 __all__ = ["batched", "listed", "unbatched", "unlisted", "default_collation_fn"]
 
@@ -179,7 +179,7 @@ def _batches(src: Iterable[Any], batchsize: Any, partial: bool) -> Iterator[List
         yield buf
 
 
-@stage
+@stage(count=BATCH)
 def batched(
     src: Iterable[Any],
     batchsize: int = 20,
@@ -196,14 +196,14 @@ def batched(
         yield batch if collation_fn is None else collation_fn(batch)
 
 
-@stage
+@stage(count=BATCH)
 def listed(src: Iterable[Any], batchsize: int, partial: bool = True) -> Iterator[List[Any]]:
     """Group items into lists of ``batchsize`` (no collation); ``partial=False`` drops a short
     last list."""
     yield from _batches(src, batchsize, partial)
 
 
-@stage
+@stage(count=UNBATCH)
 def unlisted(src: Iterable[Any]) -> Iterator[Any]:
     """Flatten lists of items (the inverse of :func:`listed`)."""
     for batch in src:
@@ -253,7 +253,7 @@ def _column_item(value: Any, i: int) -> Any:
     return value[i]
 
 
-@stage
+@stage(count=UNBATCH)
 def unbatched(src: Iterable[Any]) -> Iterator[Any]:
     """Split batches back into samples (the inverse of :func:`batched`).
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 from . import tenbin
 from .errors import ArgumentError, DecodeError
 from .handlers import Handler, apply_each, reraise_exception
-from .pipeline import stage
+from .pipeline import SAME, stage
 
 __all__ = [
     "Continue",
@@ -545,7 +545,7 @@ def make_decoder(
     )
 
 
-@stage
+@stage(count=SAME)
 def decode(
     src: Iterable[Mapping[str, Any]],
     *args: Union[str, KeyHandler, Decoder],
@@ -614,7 +614,7 @@ def find_decoder(decoders: Sequence[tuple], path: str) -> Optional[StreamDecoder
     return None
 
 
-@stage
+@stage(count=SAME)
 def xdecode(
     src: Iterable[Mapping[str, Any]],
     *args: tuple,

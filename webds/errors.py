@@ -20,6 +20,7 @@ __all__ = [
     "DecodeError",
     "EncodeError",
     "WriteError",
+    "LengthError",
 ]
 
 
@@ -98,3 +99,7 @@ class EncodeError(WebdsError, ValueError):
 
 class WriteError(WebdsError, IOError):
     """A shard could not be written or committed."""
+
+
+class LengthError(WebdsError, TypeError):
+    """``len()`` of a pipeline that cannot know its length (a TypeError, as ``len()`` expects)."""

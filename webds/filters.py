@@ -41,7 +41,7 @@ from typing import (
 from . import aliases
 from .errors import ArgumentError, SampleError, WebdsError
 from .handlers import Handler, apply_each, reraise_exception
-from .pipeline import Stage, StageFactory, stage
+from .pipeline import REORDER, SAME, Stage, StageFactory, stage
 from .shards import derive_seed, worker_info
 
 __all__ = [
@@ -235,7 +235,7 @@ def _buffer_shuffle(
             buf.append(item)
 
 
-@stage
+@stage(count=REORDER)
 def shuffle(
     src: Iterable[Any],
     bufsize: int = 1000,
@@ -245,6 +245,7 @@ def shuffle(
     handler: Optional[Handler] = None,
     *,
     epoch: int = 0,
+    pipeline_seed: Optional[int] = None,
 ) -> Iterator[Any]:
     """Shuffle the stream through a buffer of ``bufsize`` items.
 
@@ -253,7 +254,8 @@ def shuffle(
     buffer in random order. ``bufsize < 1`` passes the stream through unchanged.
 
     With ``seed``, the order depends only on (seed, epoch, rank, DataLoader worker), the same on
-    every machine and run, and different every epoch; without one, it is fresh every time. ``rng``
+    every machine and run, and different every epoch; without one it follows the pipeline's seed
+    (``WebDataset(..., seed=s)``), and with neither it is fresh every time. ``rng``
     (a ``random.Random``) overrides both. ``handler`` is accepted for webdataset compatibility:
     shuffling itself cannot fail on a sample.
 
@@ -269,6 +271,8 @@ def shuffle(
     if bufsize < 1:
         yield from src
         return
+    if seed is None:
+        seed = pipeline_seed
     yield from _buffer_shuffle(src, bufsize, initial, rng or _worker_rng("shuffle", seed, epoch))
 
 
@@ -329,6 +333,9 @@ def detshuffle(
     yield from _buffer_shuffle(src, bufsize, initial, rng)
 
 
+detshuffle.count = REORDER
+
+
 @stage
 def rsample(
     src: Iterable[Any], p: float = 0.5, seed: Optional[int] = None, *, epoch: int = 0
@@ -375,7 +382,7 @@ def slice(src: Iterable[Any], *args: Optional[int]) -> Iterator[Any]:
     yield from it
 
 
-@stage
+@stage(count=SAME)
 def map(
     src: Iterable[Any], f: Callable[[Any], Any], handler: Handler = reraise_exception
 ) -> Iterator[Any]:
@@ -398,7 +405,7 @@ def map(
     return apply_each(src, apply, handler, name, annotate=_annotate, drop_none=True)
 
 
-@stage
+@stage(count=SAME)
 def map_dict(
     src: Iterable[Any], handler: Handler = reraise_exception, **kw: Callable[[Any], Any]
 ) -> Iterator[Any]:
@@ -429,7 +436,7 @@ def map_dict(
     return apply_each(src, apply, handler, "map_dict", annotate=_annotate)
 
 
-@stage
+@stage(count=SAME)
 def map_tuple(
     src: Iterable[Any], *args: Optional[Callable[[Any], Any]], handler: Handler = reraise_exception
 ) -> Iterator[Any]:
@@ -462,7 +469,7 @@ def _check_dict_sample(stage_name: str, sample: Any) -> None:
         raise SampleError(f"{stage_name} needs dict samples, got a {type(sample).__name__}")
 
 
-@stage
+@stage(count=SAME)
 def rename(
     src: Iterable[Any], handler: Handler = reraise_exception, keep: bool = True, **kw: Fields
 ) -> Iterator[Any]:
@@ -492,7 +499,7 @@ def rename(
     return apply_each(src, apply, handler, "rename")
 
 
-@stage
+@stage(count=SAME)
 def to_tuple(
     src: Iterable[Any],
     *args: Fields,
@@ -558,7 +565,7 @@ def _matches(key: str, patterns: List[str]) -> bool:
     return any(fnmatchcase(key, p) or fnmatchcase("." + key, p) for p in patterns)
 
 
-@stage
+@stage(count=SAME)
 def extract_keys(
     src: Iterable[Any],
     *patterns: Fields,
@@ -597,7 +604,7 @@ def extract_keys(
         yield tuple(result)
 
 
-@stage
+@stage(count=SAME)
 def rename_keys(
     src: Iterable[Any],
     *args: Sequence[str],
@@ -659,7 +666,7 @@ def rename_keys(
         yield result
 
 
-@stage
+@stage(count=SAME)
 def associate(src: Iterable[Any], associator: Any, **kw: Any) -> Iterator[Any]:
     """Add fields looked up by ``__key__``: from a dict (``associator.get(key, {})``) or a
     function (``associator(key, **kw)``, which may return ``None`` for nothing)."""
@@ -677,7 +684,7 @@ def associate(src: Iterable[Any], associator: Any, **kw: Any) -> Iterator[Any]:
         yield result
 
 
-@stage
+@stage(count=SAME)
 def info(
     src: Iterable[Any],
     fmt: Optional[str] = None,
@@ -716,7 +723,7 @@ def info(
         yield sample
 
 
-@stage
+@stage(count=SAME)
 def log_keys(src: Iterable[Any], logfile: Optional[str] = None) -> Iterator[Any]:
     """Append ``index, worker, rank, __key__`` per sample to ``logfile`` (tab-separated), to audit
     which process saw which sample; ``None`` does nothing.

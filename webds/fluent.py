@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+import os
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import batching, filters
 from .cache import cached_shards
 from .decode import decode as _decode_stage
 from .decode import xdecode as _xdecode_stage
-from .errors import WebdsError
+from .errors import ArgumentError, WebdsError
 from .handlers import Handler, reraise_exception
-from .pipeline import DataPipeline, StageFactory, stage
+from .index import ShardIndex, is_index_url
+from .mix import RandomMix
+from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, stage
+from .plan import PlannedShards, check_balance
 from .replay import Cached, LMDBCached
 from .samples import tarfile_to_samples
 from .shards import (
@@ -25,10 +29,12 @@ from .shards import (
     SimpleShardList,
     URLs,
     default_seed,
+    expand_urls,
     split_by_node,
     split_by_worker,
     worker_info,
 )
+from .urls import local_path
 
 __all__ = ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"]
 
@@ -79,6 +85,22 @@ class FluentMixin:
     log_keys = _chain(filters.log_keys)
     xdecode = _chain(_xdecode_stage)
 
+    def mix(
+        self,
+        *others: Iterable[Any],
+        probs: Optional[Sequence[float]] = None,
+        longest: bool = False,
+        seed: Optional[int] = None,
+    ) -> "FluidWrapper":
+        """Mix this pipeline's items with ``others``' at random, with weights ``probs``.
+
+        ``WebDataset(a, seed=0).mix(WebDataset(b, seed=0), probs=[3, 1])``; see
+        :class:`~webds.mix.RandomMix` (``seed`` defaults to this pipeline's).
+        """
+        if seed is None:
+            seed = getattr(self, "seed", None)
+        return FluidWrapper(RandomMix([self, *others], probs, longest=longest, seed=seed))
+
     def mcached(self) -> Any:
         """Record the samples of the first pass in memory and replay them afterwards."""
         return self.compose(Cached())
@@ -100,7 +122,7 @@ class FluidWrapper(DataPipeline, FluentMixin):
         self.append(initial)  # not through __init__, which would splice a list of samples
 
 
-@stage
+@stage(count=SAME)
 def _require_samples(src: Iterable[Any], urls: Any) -> Iterator[Any]:
     """Raise if a single-process epoch yields nothing; in a worker, log why it may be empty."""
     n = 0
@@ -121,6 +143,50 @@ def _require_samples(src: Iterable[Any], urls: Any) -> Iterator[Any]:
             where.worker,
             urls,
         )
+
+
+def _shard_index(urls: Any, index: Any, storage_options: Optional[dict]) -> Optional[ShardIndex]:
+    """The ShardIndex that ``WebDataset(urls, index=...)`` names, or None."""
+    if isinstance(index, ShardIndex):
+        return index
+    if index is True:
+        log.info(
+            "webds: counting the samples of every shard of %r (write an index to skip this)", urls
+        )
+        return ShardIndex.build(urls, storage_options=storage_options)
+    if isinstance(index, (str, os.PathLike)):
+        return ShardIndex.load(os.fspath(index), storage_options=storage_options)
+    if index not in (None, False):
+        raise ArgumentError(f"index must be a path or URL, a ShardIndex or True, got {index!r}")
+    if isinstance(urls, ShardIndex):
+        return urls
+    if isinstance(urls, (str, os.PathLike)) and is_index_url(os.fspath(urls)):
+        return ShardIndex.load(os.fspath(urls), storage_options=storage_options)
+    return None
+
+
+def _indexed_shards(
+    urls: Any, index: Any, shard_index: ShardIndex, storage_options: Optional[dict]
+) -> Tuple[List[str], List[int]]:
+    """The shards to read, with their counts: all of the index, or those ``urls`` names."""
+    if index in (None, False) or isinstance(urls, ShardIndex) or index is True:
+        return shard_index.urls, shard_index.counts
+    counts = {_same_url(s.url): s.samples for s in shard_index.shards}
+    wanted = expand_urls(urls, storage_options=storage_options)
+    missing = [u for u in wanted if _same_url(u) not in counts]
+    if missing:
+        raise ArgumentError(
+            f"{len(missing)} shard(s) are not in the index {shard_index.location or ''}, e.g. "
+            f"{missing[0]!r}; rebuild the index with `webds index`, or pass the index itself "
+            "as the URL",
+            url=missing[0],
+        )
+    return wanted, [counts[_same_url(u)] for u in wanted]
+
+
+def _same_url(url: str) -> str:
+    path = local_path(url)
+    return os.path.abspath(path) if path is not None else url
 
 
 # Marks "the caller did not choose": node/worker splitting then depends on resampled=.
@@ -148,6 +214,17 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``storage_options``: passed to fsspec when opening remote URLs, and when listing a remote
       prefix (``"s3://bucket/train/"``) or glob (``"gs://b/train-*.tar"``), which happens once,
       here, so every worker and rank reads the same shard list (see :func:`expand_urls`).
+    - ``index``: the dataset's shard index (see :mod:`webds.index`): a path or URL of its JSON
+      file, a :class:`~webds.index.ShardIndex`, or True to count the samples now by reading
+      every shard. ``urls`` may itself be the index file (``WebDataset("data/index.json")``);
+      otherwise its shards must all be in the index. With an index, samples are planned per
+      rank and DataLoader worker (see :mod:`webds.plan`): every rank yields exactly the same
+      number of samples and batches per epoch, ``len()`` is exact, and ``state_dict()`` /
+      ``load_state_dict()`` resume mid-epoch.
+    - ``balance``: how ranks get equal shares when the samples don't divide evenly: ``"pad"``
+      (the default with an index; up to ``world_size - 1`` samples are repeated, as
+      ``DistributedSampler`` does) or ``"drop"`` (up to ``world_size - 1`` are left out).
+      It needs an index.
     - ``cache_dir``: keep remote shards in this local directory after their first read (see
       :mod:`webds.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off;
       ``cache_local=True`` caches local files too (shards on a slow network filesystem).
@@ -175,9 +252,12 @@ class WebDataset(DataPipeline, FluentMixin):
         cache_dir: Optional[str] = None,
         cache_size: int = -1,
         cache_local: bool = False,
+        index: Union[str, "os.PathLike[str]", ShardIndex, bool, None] = None,
+        balance: Optional[str] = None,
         **legacy: Any,
     ) -> None:
         super().__init__()
+        self.loader_hint: Optional[Tuple[int, Optional[int]]] = None
         extra_stages: list = []
         if legacy:
             # Imported here because webds.compat also re-exports this class (as webdataset's
@@ -189,8 +269,36 @@ class WebDataset(DataPipeline, FluentMixin):
         if seed is None:
             seed = default_seed()
         self.seed = seed
-        if resampled:
-            source: Any = ResampledShards(
+        check_balance(balance)
+        shard_index = _shard_index(urls, index, storage_options)
+        if balance is not None and shard_index is None:
+            raise ArgumentError(
+                f"balance={balance!r} needs the sample count of every shard: pass index= the "
+                "index file (ShardWriter writes one; for existing shards run `webds index SHARDS "
+                "-o index.json`), or index=True to count now by reading every shard"
+            )
+        if shard_index is not None and (
+            resampled or nodesplitter is not _AUTO or (workersplitter is not _AUTO)
+        ):
+            raise ArgumentError(
+                "an index plans which samples each rank and worker reads; it can't be combined "
+                "with resampled=True, nodesplitter= or workersplitter="
+            )
+        self.plan: Optional[PlannedShards] = None
+        self.index = shard_index
+        source: Any
+        if shard_index is not None:
+            plan_urls, counts = _indexed_shards(urls, index, shard_index, storage_options)
+            self.plan = source = PlannedShards(
+                plan_urls,
+                counts,
+                balance=balance or "pad",
+                seed=0 if seed is None else seed,
+                shuffle=bool(shardshuffle),
+            )
+            default_node = default_worker = None
+        elif resampled:
+            source = ResampledShards(
                 urls,
                 seed=0 if seed is None else seed,
                 deterministic=seed is not None,
@@ -226,9 +334,46 @@ class WebDataset(DataPipeline, FluentMixin):
                 **(storage_options or {}),
             )
         )
-        if empty_check:
+        self._samples_at = len(self.pipeline) - 1
+        if empty_check and self.plan is None:
             self.append(_require_samples(urls))
         for extra in extra_stages:
             self.append(extra)
         if repeat:
             self.repeat()
+
+    # -- planned reading (with an index) ---------------------------------------------------------
+
+    def _origin(self) -> Optional[Tuple[int, Any]]:
+        if self.plan is None:
+            return super()._origin()
+        self.plan.granule = self._granule()
+        return self._samples_at, self.plan
+
+    def _granule(self) -> int:
+        """The batch size workers' shares are aligned to: the first batching after the samples,
+        else the DataLoader's (``loader_hint``), else 1."""
+        for s in self.pipeline[self._samples_at + 1 :]:
+            if isinstance(s, Stage) and s.count is BATCH:
+                return max(1, int(s.argument("batchsize")))
+            if not isinstance(getattr(s, "count", None), Count):
+                break
+        if self.loader_hint is not None and self.loader_hint[1]:
+            return int(self.loader_hint[1])
+        return 1
+
+    def _workers_hint(self) -> Optional[int]:
+        return self.loader_hint[0] if self.loader_hint is not None else None
+
+    def _resume_config(self) -> Dict[str, Any]:
+        config = super()._resume_config()
+        if self.plan is not None:
+            rank, world, _, _ = self.plan.where()
+            config.update(
+                index=self.index.digest() if self.index is not None else None,
+                shards=len(self.plan.urls),
+                balance=self.plan.balance,
+                shardshuffle=self.plan.shuffle,
+                world_size=world,
+            )
+        return config

@@ -11,9 +11,10 @@ exactly; without a seed it draws fresh entropy every epoch.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
-from typing import Any, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from torch.utils.data import IterableDataset
 
@@ -98,9 +99,10 @@ def random_samples(
     With ``seed`` the picks depend only on (seed, epoch, rank, worker); without one they are fresh.
     """
     ps = _normalised(probs, len(sources))
-    rng = _mix_rng(seed, epoch)
-    its = [iter(s) for s in sources]
-    weights = list(ps)
+    return _mix([iter(s) for s in sources], ps, longest, _mix_rng(seed, epoch))
+
+
+def _mix(its: List[Iterator[Any]], weights: List[float], longest: bool, rng: Any) -> Iterator[Any]:
     while its:
         if sum(weights) <= 0:
             # Only zero-probability sources are left: they were never meant to be drawn.
@@ -121,7 +123,58 @@ def _forward_epoch(datasets: Sequence[Any], epoch: int) -> None:
             d.set_epoch(epoch)
 
 
-class RoundRobin(IterableDataset):
+class _Resumable:
+    """``state_dict`` / ``load_state_dict`` for a mixer: the epoch and the items it yielded."""
+
+    epoch: int
+
+    def _init_position(self) -> None:
+        self._skip = 0
+        self._position = [0, 0]
+
+    def skip(self, n: int) -> None:
+        """Make the next iteration start ``n`` items in."""
+        self._skip = int(n)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where the mix stands: the epoch in progress and how many items it has yielded."""
+        epoch, consumed = self._position
+        return {"version": 1, "epoch": epoch, "consumed": consumed}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Make the next iteration continue where :meth:`state_dict` was taken."""
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ArgumentError(f"not a webds mixer state (from state_dict()): {state!r}")
+        self.set_epoch(int(state["epoch"]))
+        self._skip = int(state["consumed"])
+        self._position = [self.epoch, self._skip]
+
+    def _run(self, make: Callable[[int], Iterator[Any]]) -> Iterator[Any]:
+        """Run ``make(skip)`` for this epoch, counting items; the epoch advances at the end."""
+        skip, self._skip = self._skip, 0
+        position = self._position = [self.epoch, skip]
+        for item in make(skip):
+            position[1] += 1
+            yield item
+        if position is self._position:
+            # The sources advance their own epochs; the mix's picks change with its own.
+            self.epoch += 1
+            self._position = [self.epoch, 0]
+
+
+def _skipped_sources(sources: Sequence[Any], shares: Sequence[int]) -> List[Iterator[Any]]:
+    """Iterators over ``sources``, each ``shares[i]`` items in: skipped by a source that can
+    (a webds pipeline: without reading), else read and dropped."""
+    its = []
+    for source, n in zip(sources, shares):
+        if n and hasattr(source, "skip") and hasattr(source, "stream_lengths"):
+            source.skip(n)
+            n = 0
+        its.append(itertools.islice(iter(source), n, None))
+    return its
+
+
+class RoundRobin(_Resumable, IterableDataset):
     """Alternate between ``datasets``, one item each; stop at the first that runs out, or with
     ``longest=True`` go on with the others until all are done."""
 
@@ -132,6 +185,7 @@ class RoundRobin(IterableDataset):
             raise ArgumentError("RoundRobin needs at least one dataset")
         self.longest = bool(longest)
         self.epoch = 0
+        self._init_position()
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch here and on every source that has ``set_epoch``."""
@@ -139,13 +193,24 @@ class RoundRobin(IterableDataset):
         _forward_epoch(self.datasets, self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        return _round_robin(self.datasets, self.longest)
+        return self._run(self._items)
+
+    def _items(self, skip: int) -> Iterator[Any]:
+        if self.longest or skip == 0:
+            # Which sources ran dry, and when, is only known by reading: replay.
+            return itertools.islice(_round_robin(self.datasets, self.longest), skip, None)
+        n = len(self.datasets)
+        shares = [skip // n + (1 if i < skip % n else 0) for i in range(n)]
+        its = _skipped_sources(self.datasets, shares)
+        # Continue the turn order where it stopped.
+        first = skip % n
+        return _round_robin(its[first:] + its[:first], False)
 
     def __repr__(self) -> str:
         return f"RoundRobin({len(self.datasets)} datasets, longest={self.longest})"
 
 
-class RandomMix(IterableDataset):
+class RandomMix(_Resumable, IterableDataset):
     """Mix ``datasets`` at random, picking each item's source with probability ``probs[i]``.
 
     ``RandomMix([a, b], probs=[3, 1], seed=0)`` takes about 75% of its items from ``a``. The
@@ -168,6 +233,7 @@ class RandomMix(IterableDataset):
             raise ArgumentError(f"RandomMix seed must be an int or None, got {seed!r}")
         self.seed = seed
         self.epoch = 0
+        self._init_position()
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch (it changes the picks) here and on every source with ``set_epoch``."""
@@ -175,7 +241,22 @@ class RandomMix(IterableDataset):
         _forward_epoch(self.datasets, self.epoch)
 
     def __iter__(self) -> Iterator[Any]:
-        return random_samples(self.datasets, self.probs, self.longest, self.seed, epoch=self.epoch)
+        return self._run(self._items)
+
+    def _items(self, skip: int) -> Iterator[Any]:
+        if skip and (self.seed is None or self.longest):
+            # Unseeded picks can't be replayed, and with longest=True the picks after a source
+            # runs dry depend on when it did: read and drop instead.
+            mixed = random_samples(
+                self.datasets, self.probs, self.longest, self.seed, epoch=self.epoch
+            )
+            return itertools.islice(mixed, skip, None)
+        rng = _mix_rng(self.seed, self.epoch)
+        shares = [0] * len(self.datasets)
+        for _ in range(skip):
+            shares[rng.choices(range(len(shares)), weights=self.probs)[0]] += 1
+        its = _skipped_sources(self.datasets, shares)
+        return _mix(its, list(self.probs), self.longest, rng)
 
     def __repr__(self) -> str:
         return f"RandomMix({len(self.datasets)} datasets, probs={self.probs}, seed={self.seed})"

@@ -16,7 +16,14 @@ picklable factories by :func:`stage`::
 
 A stage function that declares a keyword parameter named ``epoch`` receives the pipeline's current
 epoch (see :meth:`DataPipeline.set_epoch`); that is how shuffles reshuffle every epoch without any
-global state.
+global state. One that declares ``pipeline_seed`` receives the pipeline's ``seed`` (for instance
+``WebDataset(..., seed=s)``), so a seeded dataset's sample shuffle follows the same seed as its
+shard shuffle.
+
+A stage may also say how it changes the number of items (``@stage(count=SAME)``: one out for one
+in; ``REORDER``: the same number, reordered; ``BATCH``/``UNBATCH``). From those rules a pipeline
+whose source knows its size computes a truthful ``len()``, and a pipeline resumed mid-epoch
+(:meth:`DataPipeline.load_state_dict`) skips already consumed items as far upstream as it can.
 """
 
 from __future__ import annotations
@@ -26,22 +33,98 @@ import functools
 import importlib
 import inspect
 import itertools
+import logging
 import sys
-from typing import Any, Callable, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
 
 from torch.utils.data import IterableDataset
 
-from .errors import ArgumentError
+from .errors import ArgumentError, LengthError
 
-__all__ = ["stage", "pipelinefilter", "Stage", "StageFactory", "DataPipeline"]
+__all__ = [
+    "stage",
+    "pipelinefilter",
+    "Stage",
+    "StageFactory",
+    "DataPipeline",
+    "Count",
+    "Length",
+    "SAME",
+    "REORDER",
+    "BATCH",
+    "UNBATCH",
+]
+
+
+class Length(NamedTuple):
+    """Items in one stream; ``inner`` is the count before the last batching (for unbatching)."""
+
+    items: int
+    inner: Optional["Length"] = None
+
+
+class Count:
+    """How a stage changes the number of items: ``forward`` for len(), ``backward`` to resume.
+
+    ``forward(n, stage)`` returns the stage's output length for input length ``n``, or None if it
+    cannot know. ``backward(c, stage)`` returns how many input items produce the first ``c``
+    outputs when those inputs can be skipped instead of replayed, else None.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def forward(self, n: Length, stage: "Stage") -> Optional[Length]:
+        return n
+
+    def backward(self, c: int, stage: "Stage") -> Optional[int]:
+        return c
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class _Reorder(Count):
+    def backward(self, c: int, stage: "Stage") -> Optional[int]:
+        return None  # which inputs made the first c outputs depends on the order: replay
+
+
+class _Batch(Count):
+    def forward(self, n: Length, stage: "Stage") -> Optional[Length]:
+        size, partial = stage.argument("batchsize"), stage.argument("partial")
+        return Length(-(-n.items // size) if partial else n.items // size, n)
+
+    def backward(self, c: int, stage: "Stage") -> Optional[int]:
+        return c * stage.argument("batchsize")
+
+
+class _Unbatch(Count):
+    def forward(self, n: Length, stage: "Stage") -> Optional[Length]:
+        return n.inner
+
+    def backward(self, c: int, stage: "Stage") -> Optional[int]:
+        return None
+
+
+#: One output item per input item, in the same order (map, decode, to_tuple, ...).
+SAME = Count("SAME")
+#: As many outputs as inputs, reordered (shuffle).
+REORDER = _Reorder("REORDER")
+#: Groups of ``batchsize`` items (a stage with ``batchsize`` and ``partial`` parameters).
+BATCH = _Batch("BATCH")
+#: Undoes the last BATCH.
+UNBATCH = _Unbatch("UNBATCH")
+
+log = logging.getLogger("webds")
 
 
 class StageFactory:
     """What :func:`stage` returns: call it with the stage's parameters to get a :class:`Stage`."""
 
-    def __init__(self, fn: Callable[..., Iterator[Any]]) -> None:
+    def __init__(self, fn: Callable[..., Iterator[Any]], count: Optional[Count] = None) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
+        self.count = count
         sig = inspect.signature(fn)
         params = list(sig.parameters.values())
         if not params:
@@ -49,8 +132,12 @@ class StageFactory:
                 f"stage function {fn.__qualname__} must take the source iterator first"
             )
         self.wants_epoch = "epoch" in sig.parameters
-        # The public signature is the function's without the source and the injected epoch.
-        self.__signature__ = sig.replace(parameters=[p for p in params[1:] if p.name != "epoch"])
+        self.wants_seed = "pipeline_seed" in sig.parameters
+        # The public signature is the function's without the source and the injected values.
+        injected = ("epoch", "pipeline_seed")
+        self.__signature__ = sig.replace(
+            parameters=[p for p in params[1:] if p.name not in injected]
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> "Stage":
         try:
@@ -82,24 +169,50 @@ class Stage:
         self.args = args
         self.kwargs = kwargs
         self.epoch = 0
+        self.seed: Optional[int] = None
+
+    @property
+    def count(self) -> Optional[Count]:
+        """How this stage changes the number of items (None: unknown)."""
+        return self.factory.count
+
+    def argument(self, name: str) -> Any:
+        """The value of parameter ``name`` in this stage (its default if not given)."""
+        bound = self.factory.__signature__.bind(*self.args, **self.kwargs)
+        bound.apply_defaults()
+        return bound.arguments[name]
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch passed to stage functions that take an ``epoch`` parameter."""
         self.epoch = epoch
 
+    def set_seed(self, seed: Optional[int]) -> None:
+        """Set the seed passed to stage functions that take a ``pipeline_seed`` parameter."""
+        self.seed = seed
+
     def __call__(self, src: Iterable[Any]) -> Iterator[Any]:
+        injected: Dict[str, Any] = {}
         if self.factory.wants_epoch:
-            return self.factory.fn(src, *self.args, epoch=self.epoch, **self.kwargs)
-        return self.factory.fn(src, *self.args, **self.kwargs)
+            injected["epoch"] = self.epoch
+        if self.factory.wants_seed:
+            injected["pipeline_seed"] = self.seed
+        return self.factory.fn(src, *self.args, **injected, **self.kwargs)
 
     def __repr__(self) -> str:
         parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
         return f"{self.factory.__name__}({', '.join(parts)})"
 
 
-def stage(fn: Callable[..., Iterator[Any]]) -> StageFactory:
-    """Turn a generator function ``fn(src, *params)`` into a curried stage factory."""
-    return StageFactory(fn)
+def stage(
+    fn: Optional[Callable[..., Iterator[Any]]] = None, *, count: Optional[Count] = None
+) -> Any:
+    """Turn a generator function ``fn(src, *params)`` into a curried stage factory.
+
+    Use as ``@stage`` or ``@stage(count=SAME)`` (see :class:`Count`).
+    """
+    if fn is None:
+        return lambda f: StageFactory(f, count)
+    return StageFactory(fn, count)
 
 
 #: webdataset's name for :func:`stage`.
@@ -125,6 +238,8 @@ class DataPipeline(IterableDataset):
 
     Every ``iter()`` runs one epoch: the pipeline's epoch number is handed to every stage that
     has ``set_epoch`` and then advances by one; :meth:`set_epoch` chooses it explicitly.
+    :meth:`state_dict` says where the epoch in progress stands and :meth:`load_state_dict`
+    makes the next ``iter()`` continue from there, in this process or a new one.
     """
 
     def __init__(self, *stages: Any, **kwargs: Any) -> None:
@@ -138,10 +253,18 @@ class DataPipeline(IterableDataset):
             else:
                 self.pipeline.append(s)
         self.epoch = 0
+        self.seed: Optional[int] = None
         self.nsamples: Optional[int] = None
         self.repetitions = 1
         self.length: Optional[int] = None
         self._carry: Optional[Iterator[Any]] = None
+        # Resuming: items to skip at the next iter() (an int, or one per DataLoader worker), the
+        # [epoch, items consumed] of the epoch in progress, and with_epoch's stream position.
+        self._skip: Any = 0
+        self._position: List[int] = [0, 0]
+        self._carry_position: Optional[List[int]] = None
+        self._carry_resume: Optional[Tuple[int, int]] = None
+        self._warned_inexact = False
 
     # -- composition -------------------------------------------------------------------------
 
@@ -150,6 +273,7 @@ class DataPipeline(IterableDataset):
         result = copy.copy(self)
         result.pipeline = self.pipeline + [s for s in stages if s is not None]
         result._carry = None
+        result._position = list(self._position)
         return result
 
     def append(self, stage: Any) -> None:
@@ -166,6 +290,8 @@ class DataPipeline(IterableDataset):
         """Make the next ``iter()`` run epoch ``epoch`` (like ``DistributedSampler.set_epoch``)."""
         self.epoch = int(epoch)
         self._carry = None
+        self._skip = 0
+        self._position = [self.epoch, 0]
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> "DataPipeline":
         """Make each epoch exactly ``nsamples`` items long, repeating the data as needed.
@@ -192,26 +318,198 @@ class DataPipeline(IterableDataset):
         self.length = int(n)
         return self
 
-    def __len__(self) -> int:
-        if self.length is None:
-            raise TypeError(
-                f"{type(self).__name__} has no known length; declare one with .with_length(n)"
+    def _origin(self) -> Optional[Tuple[int, Any]]:
+        """(position, source) of the stage whose output counts are known, if there is one.
+
+        The source has ``stream_lengths(num_workers)`` (items per stream: one stream per
+        DataLoader worker), ``stream_index()`` (this process's stream) and ``skip(n)``.
+        """
+        src = self.pipeline[0] if self.pipeline else None
+        if hasattr(src, "stream_lengths"):
+            return 0, src
+        return None
+
+    def stream_lengths(self, num_workers: Optional[int] = None) -> List[int]:
+        """Items this pipeline yields per stream (per DataLoader worker of ``num_workers``).
+
+        Raises :class:`~webds.errors.LengthError` when a stage or the source cannot know.
+        """
+        streams = max(1, num_workers or 1)
+        if self.nsamples is not None:
+            return [self.nsamples] * streams
+        if self.length is not None:
+            if streams > 1:
+                raise LengthError(
+                    f"with_length({self.length}) declares a total, not a count per DataLoader "
+                    "worker; use with_epoch(n) for a per-worker epoch length"
+                )
+            return [self.length]
+        origin = self._origin()
+        if origin is None:
+            src = self.pipeline[0] if self.pipeline else None
+            raise LengthError(
+                f"the length of this {type(self).__name__} is unknown: its source {src!r} does "
+                "not say how many items it yields. Give WebDataset a shard index and balance= "
+                "(see docs/distributed.md), or declare it with .with_epoch(n) / .with_length(n)"
             )
-        return self.length
+        at, src = origin
+        lengths = [Length(n) for n in src.stream_lengths(num_workers)]
+        for s in self.pipeline[at + 1 :]:
+            rule = getattr(s, "count", None)
+            out = [rule.forward(n, s) for n in lengths] if isinstance(rule, Count) else [None]
+            if any(n is None for n in out):
+                raise LengthError(
+                    f"the length of this {type(self).__name__} is unknown: the stage {s!r} can "
+                    "change the number of items in ways nobody can count in advance. Declare it "
+                    "with .with_epoch(n) / .with_length(n)"
+                )
+            lengths = out  # type: ignore[assignment]
+        return [n.items for n in lengths]
+
+    def stream_index(self) -> int:
+        """This process's stream: its DataLoader worker number."""
+        from .shards import worker_info
+
+        return worker_info().worker
+
+    def skip(self, n: int) -> None:
+        """Make the next ``iter()`` start ``n`` items in (used when nested in a pipeline)."""
+        self._skip = n
+
+    def _workers_hint(self) -> Optional[int]:
+        """How many DataLoader workers will run this pipeline, when something said so."""
+        return None
+
+    def __len__(self) -> int:
+        if self.length is not None:
+            return self.length
+        if self.nsamples is not None:
+            return self.nsamples
+        return sum(self.stream_lengths(self._workers_hint()))
+
+    # -- resuming ----------------------------------------------------------------------------
+
+    def _resume_config(self) -> Dict[str, Any]:
+        """What must be the same when a saved position is loaded (see :meth:`load_state_dict`)."""
+        return {"seed": self.seed, "stages": len(self.pipeline)}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where this pipeline stands: the epoch in progress and how many items it has yielded.
+
+        After an epoch has run to its end, that is the next epoch with nothing consumed.
+        """
+        epoch, consumed = self._position
+        state: Dict[str, Any] = {
+            "version": 1,
+            "epoch": epoch,
+            "consumed": consumed,
+            "config": self._resume_config(),
+        }
+        if self._carry_position is not None and self.repetitions == sys.maxsize:
+            state["stream"] = list(self._carry_position)
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        """Make the next ``iter()`` continue where :meth:`state_dict` was taken.
+
+        The configuration that fixes the order (seed, shards, world size, workers, batch size)
+        must be the same, else this raises; ``strict=False`` resumes at the same epoch and item
+        count anyway, which is then only approximately the rest of the epoch.
+        """
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ArgumentError(f"not a webds pipeline state (from state_dict()): {state!r}")
+        saved, mine = state.get("config") or {}, self._resume_config()
+        changed = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if changed and strict:
+            diffs = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in changed)
+            raise ArgumentError(
+                f"cannot resume exactly: the pipeline changed since the state was saved ({diffs}). "
+                "Restore the same configuration, or pass strict=False to continue approximately"
+            )
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        self.epoch = epoch
+        self._skip = consumed
+        self._position = [epoch, consumed]
+        self._carry = None
+        stream = state.get("stream")
+        self._carry_resume = (int(stream[0]), int(stream[1])) if stream else None
+
+    def _take_skip(self) -> int:
+        """The items to skip in this iteration (and, in a DataLoader worker, which worker to be)."""
+        skip, self._skip = self._skip, 0
+        from .shards import renumber_worker
+
+        if isinstance(skip, dict):
+            # A WebLoader resuming mid-epoch: see loader._LoaderOrigin.skip.
+            worker = renumber_worker(skip["shift"])
+            shares = skip["shares"]
+            skip = shares[worker] if worker < len(shares) else 0
+        else:
+            renumber_worker(0)
+        return max(0, int(skip))
+
+    def _skip_point(self, count: int) -> Tuple[int, int, Any]:
+        """Where to skip ``count`` output items: (stage position, items there, origin or None).
+
+        Walks back over stages that can say which inputs made their first outputs (map, batched)
+        and stops at one that cannot (shuffle), where skipping means replaying and dropping.
+        When it reaches the origin, the origin skips without reading.
+        """
+        origin = self._origin()
+        floor = origin[0] if origin else 0
+        at = len(self.pipeline) - 1
+        while at > floor:
+            s = self.pipeline[at]
+            rule = getattr(s, "count", None)
+            back = rule.backward(count, s) if isinstance(rule, Count) else None
+            if back is None:
+                return at, count, None
+            count, at = back, at - 1
+        if origin is not None:
+            return at, count, origin[1]
+        source = self.pipeline[0] if self.pipeline else None
+        return at, count, source if at == 0 and hasattr(source, "skip") else None
+
+    def _exact_count(self) -> Optional[int]:
+        """The items this process must yield this epoch, for sources that promise it."""
+        origin = self._origin()
+        if origin is None or not getattr(origin[1], "exact", False):
+            return None
+        try:
+            lengths = self.stream_lengths(None)
+        except LengthError as exn:
+            if not self._warned_inexact:
+                self._warned_inexact = True
+                log.warning(
+                    "webds: ranks may yield different numbers of items (and DDP may hang): %s",
+                    exn,
+                )
+            return None
+        return lengths[origin[1].stream_index()]
 
     # -- running -----------------------------------------------------------------------------
 
-    def _one_pass(self, epoch: int) -> Iterator[Any]:
+    def _one_pass(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         """Run the stages once over the source, closing every stage when done or abandoned."""
         for s in self.pipeline:
             if hasattr(s, "set_epoch"):
                 s.set_epoch(epoch)
+            if isinstance(s, Stage):
+                s.set_seed(self.seed)
+        at, n = -1, 0
+        if skip:
+            at, n, origin = self._skip_point(skip)
+            if origin is not None and origin.skip(n) is not False:
+                at = -1
         its: List[Any] = []
         it = _as_iterator(self.pipeline[0]) if self.pipeline else iter(())
         its.append(it)
-        for s in self.pipeline[1:]:
-            it = iter(s(it))
-            its.append(it)
+        for i, s in enumerate(self.pipeline):
+            if i > 0:
+                it = iter(s(it))
+                its.append(it)
+            if i == at:
+                it = itertools.islice(it, n, None)
         try:
             yield from it
         finally:
@@ -221,28 +519,56 @@ class DataPipeline(IterableDataset):
                 if close is not None:
                     close()
 
-    def _passes(self, first_epoch: int) -> Iterator[Any]:
-        """Chain up to ``repetitions`` passes; stop at a pass that yields nothing."""
+    def _passes(self, first_epoch: int, skip: int = 0, track: bool = False) -> Iterator[Any]:
+        """Chain up to ``repetitions`` passes; stop at a pass that yields nothing.
+
+        ``skip`` items of the first pass are skipped; ``track`` records the pass and the items
+        yielded in it (with_epoch's stream position).
+        """
         for i in range(self.repetitions):
+            epoch, n = first_epoch + i, skip if i == 0 else 0
+            pos = [epoch, n]
+            if track:
+                self._carry_position = pos
             empty = True
-            for item in self._one_pass(first_epoch + i):
+            for item in self._one_pass(epoch, n):
                 empty = False
+                pos[1] += 1
                 yield item
-            if empty:
+            if empty and n == 0:
                 return
 
     def iterator(self) -> Iterator[Any]:
         """One epoch's items (what ``iter(self)`` returns)."""
         epoch = self.epoch
         self.epoch += 1
+        skip = self._take_skip()
         if self.nsamples is None:
-            return self._passes(epoch)
-        if self.repetitions == sys.maxsize:
+            if self.repetitions == 1:
+                it: Iterator[Any] = self._passes(epoch, skip)
+                exact = self._exact_count()
+                if exact is not None:
+                    it = _exactly(it, exact - skip, self)
+            else:
+                it = itertools.islice(self._passes(epoch), skip, None)
+        elif self.repetitions == sys.maxsize:
             # with_epoch: continue the same endless stream across epochs.
             if self._carry is None:
-                self._carry = self._passes(epoch)
-            return itertools.islice(self._carry, self.nsamples)
-        return itertools.islice(self._passes(epoch), self.nsamples)
+                start, done = self._carry_resume or (epoch, 0)
+                self._carry_resume = None
+                self._carry = self._passes(start, done, track=True)
+            it = itertools.islice(self._carry, max(0, self.nsamples - skip))
+        else:
+            it = itertools.islice(self._passes(epoch), skip, self.nsamples)
+        position = self._position = [epoch, skip]
+        return self._counted(it, position)
+
+    def _counted(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
+        for item in it:
+            position[1] += 1
+            yield item
+        if position is self._position:
+            self._position = [position[0] + 1, 0]
 
     def __iter__(self) -> Iterator[Any]:
         return self.iterator()
@@ -271,3 +597,41 @@ class DataPipeline(IterableDataset):
     def __repr__(self) -> str:
         inner = ",\n  ".join(repr(s) for s in self.pipeline)
         return f"{type(self).__name__}(\n  {inner}\n)"
+
+
+def _exactly(it: Iterator[Any], count: int, where: Any) -> Iterator[Any]:
+    """Yield exactly ``count`` items: pad a short stream by repeating its last item, cut a long one.
+
+    Every rank must yield the same number of batches or DDP hangs; a sample dropped by an error
+    handler (or a shard shorter than its index says, under a skipping handler) must not break
+    that, so the shortfall is made up, and said.
+    """
+    n = 0
+    last: Any = None
+    for item in it:
+        if n >= count:
+            log.warning(
+                "webds: %s yielded more items than its plan (%d); the rest of this epoch's items "
+                "are dropped to keep ranks equal",
+                type(where).__name__,
+                count,
+            )
+            return
+        n += 1
+        last = item
+        yield item
+    if n < count:
+        if n == 0:
+            raise LengthError(
+                f"{type(where).__name__} yielded no item but its plan promised {count}: every "
+                "shard of this worker failed; see the errors logged above"
+            )
+        log.warning(
+            "webds: %s yielded %d items, %d fewer than planned (samples dropped by an error "
+            "handler?); repeating its last item to keep every rank's count equal",
+            type(where).__name__,
+            n,
+            count - n,
+        )
+        for _ in range(count - n):
+            yield last

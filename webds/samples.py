@@ -31,9 +31,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
-from .errors import ArgumentError, OpenError, SampleError, WebdsError
+from .errors import ArgumentError, OpenError, SampleError, ShardReadError, WebdsError
 from .handlers import ErrorPolicy, Handler, reraise_exception
 from .pipeline import stage
 from .tario import read_members
@@ -376,6 +377,9 @@ def tarfile_to_samples(
             cur_key: Optional[str] = None
             dotless, first_dotless = 0, None
             stop = False
+            # A planned segment (see webds.plan) reads samples [first, last) of the shard.
+            first, last, indexed = _sample_range(shard)
+            n = 0  # samples of this shard seen so far
             try:
                 for name, data, offset in read_members(stream, url):
                     if name[:2] == "__" and _meta_match(name):
@@ -404,7 +408,14 @@ def tarfile_to_samples(
                             continue
                     if key != cur_key:
                         if cur is not None:
-                            yield cur
+                            if n >= first:
+                                yield cur
+                            n += 1
+                        if n >= last:
+                            cur = None
+                            if last < indexed:
+                                break  # the rest of the shard belongs to another reader
+                            raise _stale_index(url, indexed, more=True)
                         cur = {"__key__": key, "__url__": url}
                         if lpath is not None:
                             cur["__local_path__"] = lpath
@@ -419,8 +430,13 @@ def tarfile_to_samples(
                         stop = True
                         break
                     cur[ext] = data
+                if cur is not None:
+                    n += 1
+                if not stop and n < last < _NO_RANGE:
+                    cur = None
+                    raise _stale_index(url, indexed, more=False, seen=n)
                 s, stream = stream, None
-                if stop:
+                if stop or n >= last:
                     _close_quietly(s)
                 else:
                     s.close()
@@ -438,10 +454,29 @@ def tarfile_to_samples(
             _warn_dotless(url, dotless, first_dotless)
             if stop:
                 break
-            if cur is not None:
+            if cur is not None and n > first:
                 yield cur
     finally:
         policy.report()
+
+
+_NO_RANGE = sys.maxsize
+
+
+def _sample_range(shard: Any) -> Tuple[int, int, int]:
+    """(first, last, indexed count) of a planned segment descriptor; the whole shard otherwise."""
+    if isinstance(shard, dict) and "stop" in shard:
+        return int(shard.get("start", 0)), int(shard["stop"]), int(shard.get("samples", -1))
+    return 0, _NO_RANGE, -1
+
+
+def _stale_index(url: str, indexed: int, more: bool, seen: int = 0) -> ShardReadError:
+    found = f"more than {indexed}" if more else f"only {seen}"
+    return ShardReadError(
+        f"the shard has {found} samples but the index says {indexed}: the index is out of date "
+        "(the shard was rewritten after indexing); rebuild it with `webds index`",
+        url=url,
+    )
 
 
 #: webdataset's name for the plain generator function behind :func:`tarfile_to_samples`.

@@ -18,16 +18,20 @@ upload is aborted. A shard larger than memory streams out in parts as the upload
 from __future__ import annotations
 
 import gzip
+import hashlib
 import logging
 import os
+import re
 import tarfile
 from typing import Any, BinaryIO, Callable, List, Mapping, Optional, Union
 
 from . import aliases
 from .encode import EncoderSpec, make_encoder, numpy_dumps, torch_dumps
-from .errors import ArgumentError, EncodeError, WriteError
+from .errors import ArgumentError, EncodeError, WebdsError, WriteError
+from .index import ShardIndex, ShardInfo, default_index_name
+from .samples import META_PATTERN
 from .tario import END_OF_ARCHIVE, member_bytes
-from .urls import CommitOnExit, open_url
+from .urls import CommitOnExit, open_url, url_scheme
 
 # numpy_dumps and torch_dumps are re-exported because webdataset's writer module has them.
 __all__ = ["TarWriter", "ShardWriter", "check_key", "numpy_dumps", "torch_dumps"]
@@ -118,6 +122,8 @@ class TarWriter(CommitOnExit):
     ``storage_options`` go to fsspec for remote URLs (credentials, endpoint, block size). A
     remote shard becomes visible only when ``close()`` completes; ``discard()``, an exception
     inside ``with``, or dropping an unclosed writer aborts the upload, so no object appears.
+    ``checksum=True`` counts and hashes the bytes as written: ``file_bytes`` and ``sha256``
+    (hex) are set by ``close()``.
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class TarWriter(CommitOnExit):
         format: Any = None,
         progress: bool = False,
         storage_options: Optional[Mapping[str, Any]] = None,
+        checksum: bool = False,
     ) -> None:
         self.closed = True  # until the stream is open: nothing for discard() or __del__ to do
         if format not in _FORMATS:
@@ -171,6 +178,13 @@ class TarWriter(CommitOnExit):
                 f"got {type(fileobj).__name__}"
             )
         self._raw = self._stream
+        #: With ``checksum``: the size and sha256 (hex) of the bytes written, as stored (after
+        #: compression), complete once the writer is closed.
+        self.file_bytes: Optional[int] = None
+        self.sha256: Optional[str] = None
+        self._hasher: Optional[_HashingWriter] = None
+        if checksum:
+            self._raw = self._stream = self._hasher = _HashingWriter(self._raw)
         if gz:
             # No file name and mtime 0 in the gzip header: same samples, same bytes.
             self._stream = gzip.GzipFile(
@@ -278,6 +292,9 @@ class TarWriter(CommitOnExit):
 
     def _finish(self) -> None:
         self.closed = True
+        if self._hasher is not None:
+            self.file_bytes = self._hasher.nbytes
+            self.sha256 = self._hasher.sha.hexdigest()
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -309,6 +326,14 @@ class ShardWriter(CommitOnExit):
     Other keywords go to :class:`TarWriter`. Attributes: ``fname`` (current
     or last shard), ``shard`` (the next shard number), ``count``/``size`` (samples and bytes in
     the current shard), ``total`` (all samples), ``shards`` (completed shard names).
+
+    ``index`` writes a shard index (:mod:`webds.index`) of the committed shards, with their
+    sample counts, sizes and sha256 computed while writing, when the writer stops (``close()``,
+    ``discard()``, an error), if any shard was committed: ``True`` (the default) writes it next
+    to the shards as :func:`~webds.index.default_index_name` of the pattern
+    (``out/train-%06d.tar`` -> ``out/train.index.json``; none with an ``opener`` or into a
+    ``pipe:``), a str is its path or URL, ``False`` writes none (and skips the hashing).
+    The ``index`` attribute is the :class:`~webds.index.ShardIndex` of the shards so far.
     """
 
     def __init__(
@@ -322,6 +347,7 @@ class ShardWriter(CommitOnExit):
         opener: Optional[Callable[[str], BinaryIO]] = None,
         progress: bool = False,
         storage_options: Optional[Mapping[str, Any]] = None,
+        index: Union[bool, str, "os.PathLike[str]", None] = True,
         **kw: Any,
     ) -> None:
         pattern = os.fspath(pattern)
@@ -366,6 +392,25 @@ class ShardWriter(CommitOnExit):
         self.kw = kw
         # Fail now on bad TarWriter options rather than at the first write.
         self._check_writer_kw()
+        if index is True:
+            # With an opener (or into a pipe: command, or stdout) we don't know where the shards
+            # live, so not where an index should go either.
+            elsewhere = opener is not None or pattern == "-" or url_scheme(pattern) == "pipe"
+            index_url = None if elsewhere else default_index_name(pattern)
+        elif index is False or index is None:
+            index_url = None
+        elif isinstance(index, (str, os.PathLike)) and os.fspath(index):
+            index_url = os.fspath(index)
+        else:
+            raise ArgumentError(
+                f"index must be True, False or the path/URL of the index file, got {index!r}"
+            )
+        self._index_url = index_url
+        #: The shard index of the committed shards (None with ``index=False``).
+        self.index: Optional[ShardIndex] = None if index_url is None else ShardIndex()
+        self._samples = 0  # samples in the current shard as a reader will group them
+        self._last_key: Optional[str] = None
+        self._ended = False
         self.shard = start_shard
         self.fname: Optional[str] = None
         self.count = 0
@@ -417,17 +462,24 @@ class ShardWriter(CommitOnExit):
             # The opener's stream has no useful name; take gzip-or-not from the shard name.
             kw.setdefault("compress", _compression(None, fname))
             try:
-                self.tarstream = TarWriter(stream, **kw)
+                self.tarstream = TarWriter(stream, checksum=self.index is not None, **kw)
             except BaseException:
                 _discard_stream(stream)
                 raise
         else:
             self._stream = None
-            self.tarstream = TarWriter(fname, storage_options=self.storage_options, **self.kw)
+            self.tarstream = TarWriter(
+                fname,
+                storage_options=self.storage_options,
+                checksum=self.index is not None,
+                **self.kw,
+            )
         self.fname = fname
         self.shard += 1
         self.count = 0
         self.size = 0
+        self._samples = 0
+        self._last_key = None
 
     def _commit(self) -> None:
         tarstream, stream = self.tarstream, self._stream
@@ -441,10 +493,13 @@ class ShardWriter(CommitOnExit):
         except BaseException:
             if stream is not None:
                 _discard_stream(stream)
-            self.closed = True  # the shard's samples are lost; don't carry on silently
+            self._end(failing=True)  # the shard's samples are lost; don't carry on silently
             raise
         assert self.fname is not None
         self.shards.append(self.fname)
+        if self.index is not None:
+            info = ShardInfo(self.fname, self._samples, tarstream.file_bytes, tarstream.sha256)
+            self.index.shards.append(info)
         if self.verbose:
             log.info("webds: wrote %s (%d samples, %d bytes)", self.fname, self.count, self.size)
         if self.post is not None:
@@ -475,8 +530,13 @@ class ShardWriter(CommitOnExit):
         except WriteError:
             # The shard and the samples already in it are gone: stop rather than carry on.
             self._discard()
-            self.closed = True
+            self._end(failing=True)
             raise
+        # A reader merges consecutive samples with one key, and skips meta names (__x__/...).
+        key = obj["__key__"]
+        if key != self._last_key and not _meta_key(key + "."):
+            self._samples += 1
+        self._last_key = key
         self.count += 1
         self.size += n
         self.total += 1
@@ -502,14 +562,71 @@ class ShardWriter(CommitOnExit):
             return
         try:
             last_step()
-        finally:
-            self.closed = True
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
+        except BaseException:
+            self._end(failing=True)
+            raise
+        self._end(failing=False)
+
+    def _end(self, failing: bool) -> None:
+        """Stop for good: close the progress bar and write the index of committed shards."""
+        self.closed = True
+        if self._ended:
+            return
+        self._ended = True
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self.index is None or not self.index.shards:
+            return
+        assert self._index_url is not None
+        try:
+            self.index.save(self._index_url, self.storage_options)
+        except Exception as exn:
+            message = f"writing the shard index {self._index_url!r} failed: {exn}"
+            if failing:  # an error is on its way already; don't replace it with this one
+                log.warning("webds: %s", message)
+                return
+            if isinstance(exn, WebdsError):
+                raise
+            raise WriteError(message) from exn
 
     def __repr__(self) -> str:
         return f"<ShardWriter {self.pattern!r}: {len(self.shards)} shards, {self.total} samples>"
+
+
+_meta_key = re.compile(META_PATTERN).match
+
+
+class _HashingWriter:
+    """Passes writes through to ``raw``, counting and hashing (sha256) the bytes; ``close()``
+    and ``discard()`` go to ``raw``, so commit and abort work as without it."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data: Any) -> int:
+        n = self.raw.write(data)
+        self.sha.update(data)
+        self.nbytes += memoryview(data).nbytes
+        return n
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.close()
+
+    def discard(self) -> None:
+        _discard_stream(self.raw)
+
+    @property
+    def closed(self) -> bool:
+        return bool(getattr(self.raw, "closed", False))
+
+    def __repr__(self) -> str:
+        return repr(self.raw)
 
 
 def _discard_stream(stream: Any) -> None:

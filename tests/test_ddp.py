@@ -1,0 +1,102 @@
+"""Real torch.distributed (gloo) processes reading a balanced dataset with DataLoader workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import sample_members, write_tar
+
+from webds.index import ShardIndex
+
+SIZES = [13, 4, 9, 21, 6, 3, 17]  # 73 samples: divides by neither 2 nor 3
+ALL = {f"s{i}-{j:06d}" for i, n in enumerate(SIZES) for j in range(n)}
+JOB = Path(__file__).with_name("ddp_job.py")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    urls = [
+        str(write_tar(root / f"train-{i:03d}.tar", sample_members(n, prefix=f"s{i}-")))
+        for i, n in enumerate(SIZES)
+    ]
+    ShardIndex.build(urls).save(str(root / "index.json"))
+    return str(root / "index.json")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, resume_at=3):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "WDS_SEED")}
+    env["PYTHONPATH"] = os.pathsep.join([str(JOB.parents[1]), env.get("PYTHONPATH", "")])
+    port = free_port()
+    outs = [tmp_path / f"rank{r}-{port}.json" for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), "--index", index, "--balance", balance, "--out",
+             str(outs[r]), "--context", context, "--rank", str(r), "--world", str(world),
+             "--port", str(port), "--workers", str(workers), "--seed", str(seed),
+             "--resume-at", str(resume_at)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    errors = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a DDP rank hung")
+        if p.returncode != 0:
+            errors.append(err[-3000:])
+    assert not errors, "\n".join(errors)
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.mark.parametrize(
+    "world,balance,context", [(2, "pad", "fork"), (3, "drop", "spawn")]
+)
+def test_every_rank_same_batches_union_is_the_dataset_resume_exact(
+    index, tmp_path, world, balance, context
+):
+    ranks = run_job(index, tmp_path, world, balance, context=context)
+    per_rank = -(-len(ALL) // world) if balance == "pad" else len(ALL) // world
+    batches = -(-per_rank // 4)
+    for r in ranks:
+        assert r["len"] == batches
+        for epoch in r["epochs"]:
+            assert len(epoch) == batches
+            assert sum(len(b) for b in epoch) == per_rank
+    for e in range(2):
+        seen = Counter(k for r in ranks for b in r["epochs"][e] for k in b)
+        if balance == "pad":
+            assert set(seen) == ALL
+            assert sum(seen.values()) - len(ALL) == world * per_rank - len(ALL)
+        else:
+            assert max(seen.values()) == 1 and len(ALL) - len(seen) < world
+    assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # a new order every epoch
+    for r in ranks:
+        assert r["resumed"] == r["epochs"][1]
+
+
+def test_same_seed_same_order_across_runs(index, tmp_path):
+    first = run_job(index, tmp_path, 2, "pad", workers=1)
+    again = run_job(index, tmp_path, 2, "pad", workers=1)
+    assert [r["epochs"] for r in first] == [r["epochs"] for r in again]

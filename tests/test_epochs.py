@@ -1,0 +1,212 @@
+"""Indexed datasets: exact len(), deterministic epochs, mid-epoch resume, resumable mixing."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import sample_members, write_tar
+
+import webds
+from webds.errors import ArgumentError, LengthError, ShardReadError
+from webds.index import ShardIndex
+
+SIZES = [7, 3, 11, 5, 9]  # 35 samples
+
+
+@pytest.fixture
+def indexed(tmp_path):
+    urls = [
+        str(write_tar(tmp_path / f"shard-{i}.tar", sample_members(n, prefix=f"s{i}-")))
+        for i, n in enumerate(SIZES)
+    ]
+    path = tmp_path / "index.json"
+    ShardIndex.build(urls).save(str(path))
+    return str(path)
+
+
+def keys(batches):
+    return [list(b[0]) for b in batches]
+
+
+def make_loader(index, workers, *, seed=3, batch=4, persistent=False, **kw):
+    ds = (
+        webds.WebDataset(index, shardshuffle=True, seed=seed, **kw)
+        .shuffle(5)
+        .to_tuple("__key__", "cls")
+        .batched(batch)
+    )
+    return webds.WebLoader(
+        ds, batch_size=None, num_workers=workers, persistent_workers=persistent and workers > 0
+    )
+
+
+def test_len_is_exact_and_every_sample_once(indexed):
+    ds = webds.WebDataset(indexed)
+    assert len(ds) == 35
+    assert sorted(s["__key__"] for s in ds) == sorted(
+        f"s{i}-{j:06d}" for i, n in enumerate(SIZES) for j in range(n)
+    )
+    batched = webds.WebDataset(indexed).decode().batched(4)
+    assert len(batched) == 9 == sum(1 for _ in batched)
+    assert len(webds.WebDataset(indexed).batched(4, partial=False)) == 8
+    rebatched = webds.WebDataset(indexed).batched(4).unbatched().batched(6)
+    assert len(rebatched) == 6 == sum(1 for _ in rebatched)
+
+
+def test_len_is_refused_where_it_cannot_be_known(indexed, tmp_path):
+    with pytest.raises(LengthError, match="select"):
+        len(webds.WebDataset(indexed).select(lambda s: True))
+    with pytest.raises(TypeError, match="unknown"):  # what frameworks catch
+        len(webds.WebDataset(str(tmp_path / "shard-{0..4}.tar")))
+    assert len(webds.WebDataset(indexed).select(bool).with_epoch(5)) == 5
+
+
+@pytest.mark.parametrize("world,balance,expect", [(2, "pad", 18), (2, "drop", 17), (3, "pad", 12)])
+def test_rank_share(indexed, monkeypatch, world, balance, expect):
+    seen = []
+    for rank in range(world):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        ds = webds.WebDataset(indexed, balance=balance, shardshuffle=True, seed=1)
+        assert len(ds) == expect
+        got = [s["__key__"] for s in ds]
+        assert len(got) == expect
+        seen += got
+    assert len(set(seen)) == (35 if balance == "pad" else expect * world)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_len_and_same_seed_same_order(indexed, workers):
+    a, b = make_loader(indexed, workers), make_loader(indexed, workers)
+    assert len(a) == 9
+    first = keys(a)
+    assert len(first) == 9 and first == keys(b)
+    second = keys(a)  # the next epoch: another order, same samples
+    assert second != first
+    assert sorted(sum(second, [])) == sorted(sum(first, []))
+    a.set_epoch(0)
+    assert keys(a) == first
+    assert keys(make_loader(indexed, workers, seed=4)) != first
+
+
+@pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (3, True)])
+def test_resume_mid_epoch_gives_the_remaining_batches(indexed, workers, persistent):
+    def run(loader, epochs=2):
+        return [keys(loader) for _ in range(epochs)]
+
+    full = run(make_loader(indexed, workers, persistent=persistent), 3)
+    for k in (1, 4, 8):
+        loader = make_loader(indexed, workers, persistent=persistent)
+        assert keys(loader) == full[0]
+        it = iter(loader)
+        got = [list(next(it)[0]) for _ in range(k)]
+        state = loader.state_dict()
+        assert (state["epoch"], state["consumed"]) == (1, k)
+        del it
+        fresh = make_loader(indexed, workers, persistent=persistent)
+        fresh.load_state_dict(state)
+        assert got + keys(fresh) == full[1]
+        assert keys(fresh) == full[2]  # and the epochs after go on as before
+
+
+def test_state_after_a_whole_epoch_is_the_next_epoch(indexed):
+    loader = make_loader(indexed, 0)
+    keys(loader)
+    assert (loader.state_dict()["epoch"], loader.state_dict()["consumed"]) == (1, 0)
+
+
+def test_resume_refuses_a_changed_configuration(indexed):
+    loader = make_loader(indexed, 2)
+    state = loader.state_dict()
+    with pytest.raises(ArgumentError, match="num_workers"):
+        make_loader(indexed, 0).load_state_dict(state)
+    with pytest.raises(ArgumentError, match="seed"):
+        make_loader(indexed, 2, seed=9).load_state_dict(state)
+    make_loader(indexed, 0).load_state_dict(state, strict=False)
+    with pytest.raises(ArgumentError, match="not a webds pipeline state"):
+        loader.load_state_dict({"epoch": 1})
+
+
+def test_resume_with_epoch_continues_the_stream(tmp_path):
+    urls = str(write_tar(tmp_path / "a.tar", sample_members(10)))
+    ds = webds.WebDataset(urls).with_epoch(4)
+    whole = [[s["__key__"] for s in ds] for _ in range(4)]
+    again = webds.WebDataset(urls).with_epoch(4)
+    [s for s in again]
+    it = iter(again)
+    got = [next(it)["__key__"] for _ in range(3)]
+    state = again.state_dict()
+    fresh = webds.WebDataset(urls).with_epoch(4)
+    fresh.load_state_dict(state)
+    assert got + [s["__key__"] for s in fresh] == whole[1]
+    assert [s["__key__"] for s in fresh] == whole[2]
+
+
+def test_seed_reaches_the_sample_shuffle(indexed):
+    def order(seed):
+        return [s["__key__"] for s in webds.WebDataset(indexed, seed=seed).shuffle(10)]
+
+    assert order(1) == order(1) != order(2)
+
+
+def test_balance_needs_an_index_and_excludes_splitters(indexed, tmp_path):
+    with pytest.raises(ArgumentError, match="webds index"):
+        webds.WebDataset(str(tmp_path / "shard-0.tar"), balance="pad")
+    with pytest.raises(ArgumentError, match="balance must be"):
+        webds.WebDataset(indexed, balance="even")
+    with pytest.raises(ArgumentError, match="resampled"):
+        webds.WebDataset(indexed, resampled=True)
+
+
+def test_index_true_counts_now_and_subsets_must_be_indexed(indexed, tmp_path):
+    spec = str(tmp_path / "shard-{0..1}.tar")
+    assert len(webds.WebDataset(spec, index=True)) == 10
+    assert len(webds.WebDataset(spec, index=indexed)) == 10
+    write_tar(tmp_path / "other.tar", sample_members(2))
+    with pytest.raises(ArgumentError, match="not in the index"):
+        webds.WebDataset(str(tmp_path / "other.tar"), index=indexed)
+
+
+def test_stale_index_is_an_error_naming_the_shard(indexed, tmp_path):
+    write_tar(tmp_path / "shard-1.tar", sample_members(2, prefix="s1-"))  # was 3
+    with pytest.raises(ShardReadError, match="index is out of date.*shard-1.tar"):
+        list(webds.WebDataset(indexed))
+    write_tar(tmp_path / "shard-1.tar", sample_members(4, prefix="s1-"))  # more than indexed
+    with pytest.raises(ShardReadError, match="more than 3"):
+        list(webds.WebDataset(indexed))
+
+
+def test_dropped_samples_are_padded_to_keep_the_count(indexed, caplog):
+    def fail_some(sample):
+        if sample["__key__"].endswith("2"):
+            raise ValueError("bad sample")
+        return sample
+
+    ds = webds.WebDataset(indexed).map(fail_some, handler=webds.ignore_and_continue)
+    got = list(ds)
+    assert len(got) == 35
+    assert "fewer than planned" in caplog.text
+
+
+@pytest.mark.parametrize("skip", [0, 5, 17])
+def test_random_mix_resumes(tmp_path, skip):
+    a = str(write_tar(tmp_path / "a.tar", sample_members(20, prefix="a")))
+    b = str(write_tar(tmp_path / "b.tar", sample_members(20, prefix="b")))
+
+    def mix():
+        return webds.WebDataset(a, seed=1).mix(webds.WebDataset(b), probs=[2, 1], seed=7)
+
+    whole = [s["__key__"] for s in mix()]
+    m = mix()
+    it = iter(m)
+    got = [next(it)["__key__"] for _ in range(skip)]
+    fresh = mix()
+    fresh.load_state_dict(m.state_dict())
+    assert got + [s["__key__"] for s in fresh] == whole
+
+
+def test_round_robin_resumes():
+    rr = webds.RoundRobin([webds.FluidWrapper(list(range(5))), list(range(10, 14))])
+    whole = list(rr)
+    rr2 = webds.RoundRobin([webds.FluidWrapper(list(range(5))), list(range(10, 14))])
+    rr2.load_state_dict({"version": 1, "epoch": 0, "consumed": 3})
+    assert list(rr2) == whole[3:]

@@ -1,0 +1,74 @@
+"""The ``webds`` command: ``webds COMMAND ...``; ``webds COMMAND --help`` explains each one.
+
+Each family of subcommands lives in its own module here with a ``register(subparsers)`` function
+that adds its parsers, each with ``set_defaults(run=fn)`` where ``fn(args) -> int`` is the exit
+status. Errors: a :class:`~webds.errors.WebdsError` (or an ``OSError``) prints one line,
+``webds CMD: error: MESSAGE``, on stderr and exits with 2 for bad arguments
+(:class:`~webds.errors.ArgumentError`) or 1 for data problems; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from typing import List, Optional, Sequence
+
+from ..errors import ArgumentError, WebdsError
+
+__all__ = ["main", "build_parser", "COMMAND_MODULES"]
+
+#: The modules that register subcommands, in the order ``webds --help`` lists them.
+COMMAND_MODULES: List[str] = ["index"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``webds`` argument parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="webds",
+        description="Create, inspect and check WebDataset tar shards.",
+        epilog="Run 'webds COMMAND --help' for the options and an example of each command.",
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback when a command fails"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__name__}.{name}").register(subparsers)
+    return parser
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    """Options every subcommand takes (also accepted after the command name)."""
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,  # keep a --debug given before the command name
+        help="show the full traceback when the command fails",
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run ``webds`` with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    logging.basicConfig(format="%(message)s", level=logging.WARNING, stream=sys.stderr)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"webds {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (WebdsError, OSError) as exn:
+        if args.debug:
+            raise
+        print(f"webds {args.command}: error: {_one_line(exn)}", file=sys.stderr)
+        return 2 if isinstance(exn, ArgumentError) else 1
+
+
+def _one_line(exn: BaseException) -> str:
+    text = str(exn) if isinstance(exn, WebdsError) else f"{type(exn).__name__}: {exn}"
+    return " ".join(text.split())

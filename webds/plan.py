@@ -1,0 +1,339 @@
+"""Epoch plans: which samples each rank and DataLoader worker reads, so that every rank yields
+exactly the same number of samples, and of batches, in every epoch.
+
+Given the sample count of every shard (a :class:`~webds.index.ShardIndex`), an epoch's *global
+order* is the shard list, shuffled by (seed, epoch) when asked, laid end to end: ``N`` sample
+positions. Then:
+
+- rank ``r`` of ``W`` takes positions ``[r*M, (r+1)*M)``. With ``balance="pad"``,
+  ``M = ceil(N/W)`` and positions past ``N`` wrap round to the start of the order, so up to
+  ``W-1`` samples are read twice; with ``balance="drop"``, ``M = floor(N/W)`` and the last
+  ``N - W*M`` positions (fewer than ``W`` samples, different ones each shuffled epoch) are
+  left out;
+- a rank's ``M`` positions are cut into chunks of ``granule`` samples (the batch size, so every
+  batch but the rank's last is full), and the chunks into ``K`` near-equal contiguous runs, one
+  per DataLoader worker. A rank therefore yields ``ceil(M/granule)`` batches whatever ``K``;
+- each run maps back to *segments* of shards, ``{"url", "start", "stop"}`` in sample numbers:
+  mostly whole shards, part of one at each cut. A worker reads the part it needs; the samples
+  before ``start`` are read and skipped, which is why a split costs extra reading when there are
+  fewer shards than ranks times workers (a warning says how much).
+
+The plan depends only on (counts, seed, epoch, W, r, K, k, balance, granule): every process
+computes its own and they fit together, with no communication.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+from .errors import ArgumentError
+from .shards import derive_seed
+
+__all__ = ["BALANCE_MODES", "Segment", "rank_size", "worker_spans", "epoch_order", "plan_worker"]
+
+log = logging.getLogger("webds")
+
+#: The values of ``WebDataset(balance=...)``.
+BALANCE_MODES = ("pad", "drop")
+
+
+class Segment(NamedTuple):
+    """Samples ``start`` to ``stop`` (exclusive) of shard number ``shard`` (``url``)."""
+
+    shard: int
+    url: str
+    start: int
+    stop: int
+
+    def descriptor(self, samples: int) -> Dict[str, Any]:
+        """The shard descriptor the tar stage reads; ``samples`` is the shard's indexed count."""
+        return {"url": self.url, "start": self.start, "stop": self.stop, "samples": samples}
+
+
+def check_balance(balance: Optional[str]) -> Optional[str]:
+    """Return ``balance`` if it is None or one of :data:`BALANCE_MODES`, else raise."""
+    if balance is not None and balance not in BALANCE_MODES:
+        raise ArgumentError(
+            f"balance must be 'pad' (repeat samples so every rank gets as many) or 'drop' "
+            f"(leave out the excess), got {balance!r}"
+        )
+    return balance
+
+
+def rank_size(total: int, world_size: int, balance: str) -> int:
+    """The number of samples each rank reads per epoch: ``ceil`` (pad) or ``floor`` (drop)."""
+    check_balance(balance)
+    if balance == "pad":
+        return -(-total // world_size)
+    return total // world_size
+
+
+def worker_spans(size: int, num_workers: int, granule: int = 1) -> List[Tuple[int, int]]:
+    """Cut ``range(size)`` into ``num_workers`` contiguous runs made of whole ``granule`` chunks.
+
+    ``worker_spans(10, 3, 4) == [(0, 4), (4, 8), (8, 10)]``: three chunks of (up to) 4, one each.
+    """
+    if num_workers < 1 or granule < 1:
+        raise ArgumentError(f"need num_workers >= 1 and granule >= 1, got {num_workers}, {granule}")
+    chunks = -(-size // granule)
+    per, extra = divmod(chunks, num_workers)
+    spans = []
+    first = 0
+    for k in range(num_workers):
+        n = per + (1 if k < extra else 0)
+        start = min(first * granule, size)
+        spans.append((start, min((first + n) * granule, size)))
+        first += n
+    return spans
+
+
+def epoch_order(count: int, seed: Optional[int], epoch: int) -> List[int]:
+    """Shard numbers in this epoch's order: as listed, or shuffled by (seed, epoch).
+
+    The same rule as :class:`~webds.shards.SimpleShardList`, so an index does not change the
+    shard order of a dataset.
+    """
+    order = list(range(count))
+    if seed is not None:
+        random.Random(derive_seed("shards", seed, epoch)).shuffle(order)
+    return order
+
+
+def _segments(
+    counts: Sequence[int], urls: Sequence[str], order: Sequence[int], start: int, stop: int
+) -> Iterator[Segment]:
+    """Map global positions ``[start, stop)`` of the epoch order to shard segments.
+
+    Positions at or past the total wrap round (modulo the total), which is how padding repeats
+    samples from the start of the epoch's order.
+    """
+    total = sum(counts)
+    if total == 0 or start >= stop:
+        return
+    offsets = []
+    acc = 0
+    for i in order:
+        offsets.append(acc)
+        acc += counts[i]
+    pos = start
+    while pos < stop:
+        p = pos % total
+        # Binary search for the shard holding position p.
+        lo, hi = 0, len(order) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if offsets[mid] <= p:
+                lo = mid
+            else:
+                hi = mid - 1
+        while counts[order[lo]] == 0:  # empty shards hold no position
+            lo += 1
+        i = order[lo]
+        first = p - offsets[lo]
+        n = min(counts[i] - first, stop - pos)
+        yield Segment(i, urls[i], first, first + n)
+        pos += n
+
+
+class WorkerPlan(NamedTuple):
+    """What one worker of one rank reads in one epoch."""
+
+    segments: List[Segment]
+    samples: int  # this worker's samples
+    rank_samples: int  # all of this rank's samples (every rank has the same number)
+    skipped_reads: int  # samples read only to reach a segment's start
+
+
+def plan_worker(
+    counts: Sequence[int],
+    urls: Sequence[str],
+    *,
+    seed: Optional[int],
+    epoch: int,
+    world_size: int,
+    rank: int,
+    num_workers: int,
+    worker: int,
+    balance: str,
+    granule: int = 1,
+    skip: int = 0,
+) -> WorkerPlan:
+    """The segments worker ``worker`` of rank ``rank`` reads in ``epoch`` (see the module doc).
+
+    ``seed`` None keeps the listed shard order; ``skip`` drops that many of the worker's first
+    samples (to resume mid-epoch).
+    """
+    if len(counts) != len(urls):
+        raise ArgumentError(f"{len(counts)} sample counts for {len(urls)} shards")
+    if not 0 <= rank < world_size:
+        raise ArgumentError(f"rank {rank} is not in range for world_size {world_size}")
+    if not 0 <= worker < num_workers:
+        raise ArgumentError(f"worker {worker} is not in range for num_workers {num_workers}")
+    total = sum(counts)
+    size = rank_size(total, world_size, balance)
+    lo, hi = worker_spans(size, num_workers, granule)[worker]
+    lo = min(lo + max(0, skip), hi)
+    order = epoch_order(len(counts), seed, epoch)
+    base = rank * size
+    segments = list(_segments(counts, urls, order, base + lo, base + hi))
+    return WorkerPlan(segments, hi - lo, size, sum(s.start for s in segments))
+
+
+def split_warning(
+    counts: Sequence[int], world_size: int, num_workers: int, balance: str, granule: int
+) -> Optional[str]:
+    """A sentence saying why this split is poor, or None if it is fine.
+
+    Poor means: workers that get nothing (fewer batches than workers), or more than a quarter
+    of the data read twice because shards are cut among more workers than there are shards.
+    """
+    total = sum(counts)
+    if total == 0:
+        return None
+    size = rank_size(total, world_size, balance)
+    spans = worker_spans(size, num_workers, granule)
+    idle = sum(1 for a, b in spans if a == b)
+    if idle and size > 0:
+        return (
+            f"{idle} of {num_workers} DataLoader workers per rank get no samples: each rank has "
+            f"{size} samples, {-(-size // granule)} batches of {granule}; use fewer workers"
+        )
+    wasted = 0
+    urls = [str(i) for i in range(len(counts))]
+    order = list(range(len(counts)))
+    for r in range(world_size):
+        for a, b in spans:
+            for seg in _segments(counts, urls, order, r * size + a, r * size + b):
+                wasted += seg.start
+    if wasted > total // 4:
+        shards = len(counts)
+        return (
+            f"shards are split among {world_size * num_workers} readers ({world_size} ranks x "
+            f"{num_workers} workers) but there are only {shards}: about "
+            f"{100 * wasted // total}% of the data is read twice to reach the cuts; write more, "
+            f"smaller shards (at least {world_size * num_workers})"
+        )
+    return None
+
+
+class PlannedShards:
+    """A shard source that reads an epoch plan: this rank's and this worker's shard segments.
+
+    Made by ``WebDataset(index, balance=...)``; it yields ``{"url", "start", "stop",
+    "samples"}`` descriptors, which :func:`~webds.samples.tarfile_to_samples` reads as sample
+    ranges. ``granule`` is the batch size the plan aligns workers to (set by the pipeline).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        counts: Sequence[int],
+        *,
+        balance: str,
+        seed: Optional[int] = None,
+        shuffle: bool = False,
+    ) -> None:
+        self.urls = list(urls)
+        self.counts = [int(c) for c in counts]
+        if len(self.urls) != len(self.counts):
+            raise ArgumentError(f"{len(self.counts)} sample counts for {len(self.urls)} shards")
+        self.balance = check_balance(balance) or "pad"
+        self.seed = seed
+        self.shuffle = bool(shuffle)
+        self.epoch = 0
+        self.granule = 1
+        self._skip = 0  # samples to skip at the next iteration
+        self._warned = False
+        self._where: Optional[Tuple[int, int]] = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose plan the next iteration reads."""
+        self.epoch = int(epoch)
+
+    def skip(self, n: int) -> None:
+        """Start the next iteration ``n`` samples into this worker's share."""
+        self._skip = n
+
+    def where(self) -> Tuple[int, int, int, int]:
+        """(rank, world_size, worker, num_workers) of this process."""
+        from .shards import worker_info
+
+        info = worker_info()
+        rank, world = info.rank, info.world_size
+        if world == 1 and self._where is not None:
+            # A DataLoader worker started by "spawn" has no torch.distributed of its own: use
+            # the rank its parent had when it pickled this object.
+            rank, world = self._where
+        return rank, world, info.worker, info.num_workers
+
+    def __getstate__(self) -> Dict[str, Any]:
+        from .shards import worker_info
+
+        state = self.__dict__.copy()
+        info = worker_info()
+        if info.world_size > 1:
+            state["_where"] = (info.rank, info.world_size)
+        return state
+
+    def plan(self, epoch: Optional[int] = None, skip: int = 0) -> WorkerPlan:
+        """This process's plan for ``epoch`` (default: the current one)."""
+        rank, world, worker, workers = self.where()
+        return plan_worker(
+            self.counts,
+            self.urls,
+            seed=self.seed if self.shuffle else None,
+            epoch=self.epoch if epoch is None else epoch,
+            world_size=world,
+            rank=rank,
+            num_workers=workers,
+            worker=worker,
+            balance=self.balance,
+            granule=self.granule,
+            skip=skip,
+        )
+
+    #: The pipeline must yield exactly the planned count (see DataPipeline._exact_count).
+    exact = True
+
+    def stream_lengths(self, num_workers: Optional[int] = None) -> List[int]:
+        """Samples per DataLoader worker of this rank (``num_workers`` default: this process's)."""
+        rank, world, _, workers = self.where()
+        size = rank_size(sum(self.counts), world, self.balance)
+        return [b - a for a, b in worker_spans(size, num_workers or workers, self.granule)]
+
+    def warn_split(self, num_workers: int) -> None:
+        """Log, once per dataset object and on rank 0, if the split is poor (see split_warning).
+
+        A WebLoader calls this before its workers start, so they inherit the "said it" flag.
+        """
+        rank, world, _, _ = self.where()
+        if self._warned or rank != 0:
+            return
+        self._warned = True
+        problem = split_warning(self.counts, world, num_workers, self.balance, self.granule)
+        if problem:
+            log.warning("webds: %s", problem)
+
+    def stream_index(self) -> int:
+        """This process's DataLoader worker number."""
+        return self.where()[2]
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        rank, world, worker, workers = self.where()
+        skip, self._skip = self._skip, 0
+        if worker == 0:
+            self.warn_split(workers)
+        plan = self.plan(skip=skip)
+        for seg in plan.segments:
+            yield seg.descriptor(self.counts[seg.shard])
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __repr__(self) -> str:
+        return (
+            f"PlannedShards({len(self.urls)} shards, {sum(self.counts)} samples, "
+            f"balance={self.balance!r}, seed={self.seed!r}, shuffle={self.shuffle})"
+        )
