@@ -46,10 +46,30 @@ def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, 
     outs = [tmp_path / f"rank{r}-{port}.json" for r in range(world)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(JOB), "--index", index, "--balance", balance, "--out",
-             str(outs[r]), "--context", context, "--rank", str(r), "--world", str(world),
-             "--port", str(port), "--workers", str(workers), "--seed", str(seed),
-             "--resume-at", str(resume_at)],
+            [
+                sys.executable,
+                str(JOB),
+                "--index",
+                index,
+                "--balance",
+                balance,
+                "--out",
+                str(outs[r]),
+                "--context",
+                context,
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+                "--seed",
+                str(seed),
+                "--resume-at",
+                str(resume_at),
+            ],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
@@ -70,9 +90,7 @@ def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, 
     return [json.loads(o.read_text()) for o in outs]
 
 
-@pytest.mark.parametrize(
-    "world,balance,context", [(2, "pad", "fork"), (3, "drop", "spawn")]
-)
+@pytest.mark.parametrize("world,balance,context", [(2, "pad", "fork"), (3, "drop", "spawn")])
 def test_every_rank_same_batches_union_is_the_dataset_resume_exact(
     index, tmp_path, world, balance, context
 ):

@@ -102,8 +102,17 @@ def test_worker_spans_and_errors():
     with pytest.raises(ArgumentError, match="balance must be"):
         rank_size(10, 2, "even")
     with pytest.raises(ArgumentError, match="rank 2"):
-        plan_worker(COUNTS, URLS, seed=0, epoch=0, world_size=2, rank=2, num_workers=1,
-                    worker=0, balance="pad")
+        plan_worker(
+            COUNTS,
+            URLS,
+            seed=0,
+            epoch=0,
+            world_size=2,
+            rank=2,
+            num_workers=1,
+            worker=0,
+            balance="pad",
+        )
 
 
 def test_split_warning_names_the_problem():
