@@ -287,7 +287,13 @@ class DataPipeline(IterableDataset):
     # -- epochs and length -------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` run epoch ``epoch`` (like ``DistributedSampler.set_epoch``)."""
+        """Make the next ``iter()`` run epoch ``epoch`` (like ``DistributedSampler.set_epoch``).
+
+        Setting the epoch a :meth:`load_state_dict` just chose keeps its resume position, so a
+        training loop can call ``set_epoch(e)`` at the top of every epoch, resumed or not.
+        """
+        if int(epoch) == self.epoch and self._skip:
+            return
         self.epoch = int(epoch)
         self._carry = None
         self._skip = 0
