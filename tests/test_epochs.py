@@ -211,3 +211,24 @@ def test_round_robin_resumes():
     rr2 = webds.RoundRobin([webds.FluidWrapper(list(range(5))), list(range(10, 14))])
     rr2.load_state_dict({"version": 1, "epoch": 0, "consumed": 3})
     assert list(rr2) == whole[3:]
+
+
+def test_mix_in_workers_resumes(tmp_path):
+    write_tar(tmp_path / "a-0.tar", sample_members(30, prefix="a"))
+    write_tar(tmp_path / "a-1.tar", sample_members(30, prefix="c"))
+    b = str(write_tar(tmp_path / "b.tar", sample_members(40, prefix="b")))
+    spec = str(tmp_path / "a-{0..1}.tar")
+
+    def loader():
+        mixed = webds.WebDataset(spec, index=True, seed=1).mix(
+            webds.WebDataset(b, index=True, seed=1), probs=[1, 1], seed=5
+        )
+        return webds.WebLoader(mixed.map(lambda s: s["__key__"]), batch_size=None, num_workers=2)
+
+    whole = list(loader())
+    interrupted = loader()
+    it = iter(interrupted)
+    got = [next(it) for _ in range(6)]
+    fresh = loader()
+    fresh.load_state_dict(interrupted.state_dict())
+    assert got + list(fresh) == whole

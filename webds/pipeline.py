@@ -443,15 +443,21 @@ class DataPipeline(IterableDataset):
     def _take_skip(self) -> int:
         """The items to skip in this iteration (and, in a DataLoader worker, which worker to be)."""
         skip, self._skip = self._skip, 0
+        from torch.utils.data import get_worker_info
+
         from .shards import renumber_worker
 
-        if isinstance(skip, dict):
-            # A WebLoader resuming mid-epoch: see loader._LoaderOrigin.skip.
-            worker = renumber_worker(skip["shift"])
-            shares = skip["shares"]
-            skip = shares[worker] if worker < len(shares) else 0
-        else:
-            renumber_worker(0)
+        info = get_worker_info()
+        if info is not None and info.dataset is self:
+            # Only the DataLoader's own dataset renumbers its worker (a WebLoader resuming
+            # mid-epoch, see loader._LoaderOrigin.skip), and undoes that in the epochs after.
+            shift = skip["shift"] if isinstance(skip, dict) else 0
+            worker = renumber_worker(shift)
+            if isinstance(skip, dict):
+                shares = skip["shares"]
+                skip = shares[worker] if worker < len(shares) else 0
+        elif isinstance(skip, dict):  # no workers: one share
+            skip = skip["shares"][0]
         return max(0, int(skip))
 
     def _skip_point(self, count: int) -> Tuple[int, int, Any]:
