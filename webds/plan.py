@@ -24,6 +24,8 @@ computes its own and they fit together, with no communication.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import random
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -200,13 +202,15 @@ def split_warning(
             f"{idle} of {num_workers} DataLoader workers per rank get no samples: each rank has "
             f"{size} samples, {-(-size // granule)} batches of {granule}; use fewer workers"
         )
+    # A run that starts inside a shard reads that shard's samples before its start in vain.
+    ends = list(itertools.accumulate(counts))
     wasted = 0
-    urls = [str(i) for i in range(len(counts))]
-    order = list(range(len(counts)))
     for r in range(world_size):
         for a, b in spans:
-            for seg in _segments(counts, urls, order, r * size + a, r * size + b):
-                wasted += seg.start
+            if a < b:
+                p = (r * size + a) % total
+                i = bisect.bisect_right(ends, p)
+                wasted += p - (ends[i] - counts[i])
     if wasted > total // 4:
         shards = len(counts)
         return (
