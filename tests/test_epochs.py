@@ -88,6 +88,8 @@ def test_loader_len_and_same_seed_same_order(indexed, workers):
     assert keys(make_loader(indexed, workers, seed=4)) != first
 
 
+# Three workers on a 2-core machine: torch warns, and that is the point (more workers than cores).
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (3, True)])
 def test_resume_mid_epoch_gives_the_remaining_batches(indexed, workers, persistent):
     def run(loader, epochs=2):
