@@ -74,7 +74,8 @@ def _need(module: str, package: str) -> Any:
     return pytest.importorskip(module, reason=f"{package} is not installed")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
@@ -233,7 +234,7 @@ class GCSServer:
         _need("gcp_storage_emulator", "gcp-storage-emulator")
         exe = shutil.which("gcp-storage-emulator", path=os.path.dirname(sys.executable))
         command = [exe] if exe else [sys.executable, "-m", "gcp_storage_emulator"]
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://{LOOPBACK}:{self.port}"
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import sample_members, write_tar
+from servers import free_port
 
 from webds.index import ShardIndex
 
@@ -31,12 +31,6 @@ def index(tmp_path_factory):
     ]
     ShardIndex.build(urls).save(str(root / "index.json"))
     return str(root / "index.json")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, resume_at=3):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import io
-import socket
 import subprocess
 import sys
 import tarfile
@@ -16,6 +15,7 @@ from typing import Any, Dict, Iterator, List
 from urllib.request import urlopen
 
 import pytest
+from servers import free_port
 
 from webds.fluent import WebDataset
 from webds.writer import ShardWriter, TarWriter
@@ -155,12 +155,6 @@ def test_s3_writer_without_storage_options_uses_the_environment(s3) -> None:
 # --- bounded memory -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_process(tmp_path_factory) -> Iterator[str]:
     """moto's S3 server as a separate process, so tracemalloc here sees only the client.
@@ -169,7 +163,7 @@ def s3_process(tmp_path_factory) -> Iterator[str]:
     uploaded parts would swamp the measurement.)
     """
     pytest.importorskip("moto.server", reason="moto[server] is not installed")
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -347,8 +347,17 @@ class WebDataset(DataPipeline, FluentMixin):
     def _origin(self) -> Optional[Tuple[int, Any]]:
         if self.plan is None:
             return super()._origin()
-        self.plan.granule = self._granule()
-        return self._samples_at, self.plan
+        return self._samples_at, self.aligned_plan()
+
+    def aligned_plan(self) -> Optional[PlannedShards]:
+        """The epoch plan (None without an index), aligned to this pipeline's batch size.
+
+        Composed copies of a dataset share one plan but may batch differently, so the
+        alignment is set here, whenever the plan is about to be used.
+        """
+        if self.plan is not None:
+            self.plan.granule = self._granule()
+        return self.plan
 
     def _granule(self) -> int:
         """The batch size workers' shares are aligned to: the first batching after the samples,

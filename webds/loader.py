@@ -86,9 +86,8 @@ class WebLoader(DataPipeline, FluentMixin):
         dataset = self.loader.dataset
         if hasattr(dataset, "set_epoch"):
             dataset.set_epoch(epoch)
-        plan = getattr(dataset, "plan", None)
-        if plan is not None and hasattr(dataset, "_origin"):
-            dataset._origin()  # aligns the plan to the batch size before the check
+        plan = dataset.aligned_plan() if hasattr(dataset, "aligned_plan") else None
+        if plan is not None:
             plan.warn_split(max(1, self.loader.num_workers))
         return super()._one_pass(epoch, skip)
 

@@ -117,20 +117,31 @@ def _mix(its: List[Iterator[Any]], weights: List[float], longest: bool, rng: Any
         yield item
 
 
-def _forward_epoch(datasets: Sequence[Any], epoch: int) -> None:
-    for d in datasets:
-        if hasattr(d, "set_epoch"):
-            d.set_epoch(epoch)
+class _Mixer(IterableDataset):
+    """What both mixers share: their sources, the epoch (forwarded to the sources), and
+    ``state_dict`` / ``load_state_dict`` (the epoch and the items yielded in it).
+    A mixer defines ``_items(skip)``, its items for this epoch after the first ``skip``."""
 
-
-class _Resumable:
-    """``state_dict`` / ``load_state_dict`` for a mixer: the epoch and the items it yielded."""
-
-    epoch: int
-
-    def _init_position(self) -> None:
+    def __init__(self, datasets: Sequence[Iterable[Any]]) -> None:
+        super().__init__()
+        self.datasets = list(datasets)
+        self.epoch = 0
         self._skip = 0
         self._position = [0, 0]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (it changes a random mix's picks) here and on every source that has
+        ``set_epoch``."""
+        self.epoch = int(epoch)
+        for d in self.datasets:
+            if hasattr(d, "set_epoch"):
+                d.set_epoch(self.epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._run(self._items)
+
+    def _items(self, skip: int) -> Iterator[Any]:
+        raise NotImplementedError
 
     def skip(self, n: int) -> None:
         """Make the next iteration start ``n`` items in."""
@@ -174,26 +185,15 @@ def _skipped_sources(sources: Sequence[Any], shares: Sequence[int]) -> List[Iter
     return its
 
 
-class RoundRobin(_Resumable, IterableDataset):
+class RoundRobin(_Mixer):
     """Alternate between ``datasets``, one item each; stop at the first that runs out, or with
     ``longest=True`` go on with the others until all are done."""
 
     def __init__(self, datasets: Sequence[Iterable[Any]], longest: bool = False) -> None:
-        super().__init__()
-        self.datasets = list(datasets)
+        super().__init__(datasets)
         if not self.datasets:
             raise ArgumentError("RoundRobin needs at least one dataset")
         self.longest = bool(longest)
-        self.epoch = 0
-        self._init_position()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch here and on every source that has ``set_epoch``."""
-        self.epoch = int(epoch)
-        _forward_epoch(self.datasets, self.epoch)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._run(self._items)
 
     def _items(self, skip: int) -> Iterator[Any]:
         if self.longest or skip == 0:
@@ -210,7 +210,7 @@ class RoundRobin(_Resumable, IterableDataset):
         return f"RoundRobin({len(self.datasets)} datasets, longest={self.longest})"
 
 
-class RandomMix(_Resumable, IterableDataset):
+class RandomMix(_Mixer):
     """Mix ``datasets`` at random, picking each item's source with probability ``probs[i]``.
 
     ``RandomMix([a, b], probs=[3, 1], seed=0)`` takes about 75% of its items from ``a``. The
@@ -225,23 +225,12 @@ class RandomMix(_Resumable, IterableDataset):
         longest: bool = False,
         seed: Optional[int] = None,
     ) -> None:
-        super().__init__()
-        self.datasets = list(datasets)
+        super().__init__(datasets)
         self.probs = _normalised(probs, len(self.datasets))
         self.longest = bool(longest)
         if seed is not None and not isinstance(seed, int):
             raise ArgumentError(f"RandomMix seed must be an int or None, got {seed!r}")
         self.seed = seed
-        self.epoch = 0
-        self._init_position()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch (it changes the picks) here and on every source with ``set_epoch``."""
-        self.epoch = int(epoch)
-        _forward_epoch(self.datasets, self.epoch)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._run(self._items)
 
     def _items(self, skip: int) -> Iterator[Any]:
         if skip and (self.seed is None or self.longest):

@@ -31,7 +31,7 @@ import random
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from .errors import ArgumentError
-from .shards import derive_seed
+from .shards import derive_seed, worker_info
 
 __all__ = ["BALANCE_MODES", "Segment", "rank_size", "worker_spans", "epoch_order", "plan_worker"]
 
@@ -114,29 +114,24 @@ def _segments(
     total = sum(counts)
     if total == 0 or start >= stop:
         return
-    offsets = []
-    acc = 0
-    for i in order:
-        offsets.append(acc)
-        acc += counts[i]
+    ordered = [counts[i] for i in order]
+    ends = list(itertools.accumulate(ordered))
     pos = start
     while pos < stop:
-        p = pos % total
-        # Binary search for the shard holding position p.
-        lo, hi = 0, len(order) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if offsets[mid] <= p:
-                lo = mid
-            else:
-                hi = mid - 1
-        while counts[order[lo]] == 0:  # empty shards hold no position
-            lo += 1
-        i = order[lo]
-        first = p - offsets[lo]
+        k, first = _locate(ends, ordered, pos % total)
+        i = order[k]
         n = min(counts[i] - first, stop - pos)
         yield Segment(i, urls[i], first, first + n)
         pos += n
+
+
+def _locate(ends: Sequence[int], counts: Sequence[int], p: int) -> Tuple[int, int]:
+    """(k, sample number in shard k) of position ``p``, given the shards' cumulative ``ends``.
+
+    The first shard ending after ``p`` holds it; empty shards never do.
+    """
+    k = bisect.bisect_right(ends, p)
+    return k, p - (ends[k] - counts[k])
 
 
 class WorkerPlan(NamedTuple):
@@ -204,13 +199,12 @@ def split_warning(
         )
     # A run that starts inside a shard reads that shard's samples before its start in vain.
     ends = list(itertools.accumulate(counts))
-    wasted = 0
-    for r in range(world_size):
-        for a, b in spans:
-            if a < b:
-                p = (r * size + a) % total
-                i = bisect.bisect_right(ends, p)
-                wasted += p - (ends[i] - counts[i])
+    wasted = sum(
+        _locate(ends, counts, (r * size + a) % total)[1]
+        for r in range(world_size)
+        for a, b in spans
+        if a < b
+    )
     if wasted > total // 4:
         shards = len(counts)
         return (
@@ -262,8 +256,6 @@ class PlannedShards:
 
     def where(self) -> Tuple[int, int, int, int]:
         """(rank, world_size, worker, num_workers) of this process."""
-        from .shards import worker_info
-
         info = worker_info()
         rank, world = info.rank, info.world_size
         if world == 1 and self._where is not None:
@@ -273,8 +265,6 @@ class PlannedShards:
         return rank, world, info.worker, info.num_workers
 
     def __getstate__(self) -> Dict[str, Any]:
-        from .shards import worker_info
-
         state = self.__dict__.copy()
         info = worker_info()
         if info.world_size > 1:
