@@ -1,116 +1,257 @@
 """webds: stream deep-learning training data from POSIX tar shards into PyTorch.
 
 ``webds.WebDataset(url).shuffle(1000).decode("pil").to_tuple("jpg", "cls").batched(64)``
+
+The public names below are imported on first use (PEP 562 ``__getattr__``), so ``import webds``
+and the ``webds`` command do not pay for importing torch until something needs it;
+``webds.WebDataset``, ``from webds import WebDataset`` and ``dir(webds)`` work as always.
 """
 
-from . import aliases, cache, compat, mix, tenbin
-from .batching import batched, default_collation_fn, listed, unbatched, unlisted
-from .cache import LRUCleanup, pipe_cleaner
-from .compat import gopen_schemes, reader
-from .decode import (
-    IMAGE_EXTENSIONS,
-    Continue,
-    Decoder,
-    DecodingError,
-    decode,
-    gzfilter,
-    handle_extension,
-    imagehandler,
-    imagespecs,
-    pytorch_weights_only,
-    torch_audio,
-    torch_loads,
-    torch_video,
-    xdecode,
-)
-from .errors import (
-    ArgumentError,
-    DecodeError,
-    EncodeError,
-    LengthError,
-    OpenError,
-    SampleError,
-    ShardReadError,
-    WebdsError,
-    WriteError,
-)
-from .filters import (
-    associate,
-    detshuffle,
-    extract_keys,
-    getfirst,
-    info,
-    map,
-    map_dict,
-    map_tuple,
-    rename,
-    rename_keys,
-    rsample,
-    select,
-    shuffle,
-    slice,
-    to_tuple,
-    transform_with,
-)
-from .fluent import FluentMixin, FluidInterface, FluidWrapper, WebDataset
-from .handlers import (
-    ignore_and_continue,
-    ignore_and_stop,
-    reraise_exception,
-    warn_and_continue,
-    warn_and_stop,
-)
-from .index import Problem as IndexProblem
-from .index import ShardIndex, ShardInfo
-from .legacy import (
-    MockDataset,
-    PipelineStage,
-    repeatedly,
-    with_epoch,
-    with_length,
-)
-from .loader import WebLoader
-from .mix import RandomMix, RoundRobin
-from .pipeline import (
-    BATCH,
-    REORDER,
-    SAME,
-    UNBATCH,
-    Count,
-    DataPipeline,
-    Stage,
-    pipelinefilter,
-    stage,
-)
-from .plan import PlannedShards
-from .replay import Cached, LMDBCached
-from .samples import (
-    base_plus_ext,
-    group_by_keys,
-    tar_file_expander,
-    tarfile_samples,
-    tarfile_to_samples,
-    url_opener,
-)
-from .shards import (
-    ResampledShards,
-    SimpleShardList,
-    expand_urls,
-    non_empty,
-    resampled,
-    single_node_only,
-    split_by_node,
-    split_by_worker,
-    worker_info,
-)
-from .shardsources import DirectoryShardList, MultiShardSample, shardspec
-from .urls import open_url
-from .writer import ShardWriter, TarWriter, numpy_dumps, torch_dumps
+from __future__ import annotations
 
-# webdataset's module names (webds.shardlists, webds.gopen, ...), created on first use.
-__getattr__ = aliases.package_getattr
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+# Installs the import hook that serves webdataset's module names (webds.shardlists, ...); cheap.
+from . import aliases
+
+# The stage webds.decode has the name of the submodule webds/decode.py, and importing that
+# submodule (as fluent.py does) binds the package attribute "decode" to the module. Binding the
+# stage here, after that, keeps webds.decode the stage whatever is imported later. decode.py
+# does not import torch or numpy.
+from .decode import decode
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and __getattr__
+    from . import cache, compat, mix, tenbin
+    from .batching import batched, default_collation_fn, listed, unbatched, unlisted
+    from .cache import LRUCleanup, pipe_cleaner
+    from .compat import gopen_schemes, reader
+    from .decode import (
+        IMAGE_EXTENSIONS,
+        Continue,
+        Decoder,
+        DecodingError,
+        gzfilter,
+        handle_extension,
+        imagehandler,
+        imagespecs,
+        pytorch_weights_only,
+        torch_audio,
+        torch_loads,
+        torch_video,
+        xdecode,
+    )
+    from .errors import (
+        ArgumentError,
+        DecodeError,
+        EncodeError,
+        LengthError,
+        OpenError,
+        SampleError,
+        ShardReadError,
+        WebdsError,
+        WriteError,
+    )
+    from .filters import (
+        associate,
+        detshuffle,
+        extract_keys,
+        getfirst,
+        info,
+        map,
+        map_dict,
+        map_tuple,
+        rename,
+        rename_keys,
+        rsample,
+        select,
+        shuffle,
+        slice,
+        to_tuple,
+        transform_with,
+    )
+    from .fluent import FluentMixin, FluidInterface, FluidWrapper, WebDataset
+    from .handlers import (
+        ignore_and_continue,
+        ignore_and_stop,
+        reraise_exception,
+        warn_and_continue,
+        warn_and_stop,
+    )
+    from .index import Problem as IndexProblem
+    from .index import ShardIndex, ShardInfo
+    from .legacy import (
+        MockDataset,
+        PipelineStage,
+        repeatedly,
+        with_epoch,
+        with_length,
+    )
+    from .loader import WebLoader
+    from .mix import RandomMix, RoundRobin
+    from .parallel import MapShardsError, ShardResult, map_shards
+    from .pipeline import DataPipeline
+    from .plan import PlannedShards
+    from .replay import Cached, LMDBCached
+    from .samples import (
+        base_plus_ext,
+        group_by_keys,
+        tar_file_expander,
+        tarfile_samples,
+        tarfile_to_samples,
+        url_opener,
+    )
+    from .shards import (
+        ResampledShards,
+        SimpleShardList,
+        expand_urls,
+        non_empty,
+        resampled,
+        single_node_only,
+        split_by_node,
+        split_by_worker,
+        worker_info,
+    )
+    from .shardsources import DirectoryShardList, MultiShardSample, shardspec
+    from .stages import BATCH, REORDER, SAME, UNBATCH, Count, Stage, pipelinefilter, stage
+    from .urls import open_url
+    from .writer import ShardWriter, TarWriter, numpy_dumps, torch_dumps
 
 __version__ = "0.1.0"
+
+#: {module: the public names it holds}, imported on first use. "new=old" serves the module's
+#: ``old`` as ``new``; "name=." is the module itself (``webds.cache``).
+_EXPORTS: Dict[str, List[str]] = {
+    "batching": ["batched", "default_collation_fn", "listed", "unbatched", "unlisted"],
+    "cache": ["cache=.", "LRUCleanup", "pipe_cleaner"],
+    "compat": ["compat=.", "gopen_schemes", "reader"],
+    "decode": [
+        "IMAGE_EXTENSIONS",
+        "Continue",
+        "Decoder",
+        "DecodingError",
+        "gzfilter",
+        "handle_extension",
+        "imagehandler",
+        "imagespecs",
+        "pytorch_weights_only",
+        "torch_audio",
+        "torch_loads",
+        "torch_video",
+        "xdecode",
+    ],
+    "errors": [
+        "ArgumentError",
+        "DecodeError",
+        "EncodeError",
+        "LengthError",
+        "OpenError",
+        "SampleError",
+        "ShardReadError",
+        "WebdsError",
+        "WriteError",
+    ],
+    "filters": [
+        "associate",
+        "detshuffle",
+        "extract_keys",
+        "getfirst",
+        "info",
+        "map",
+        "map_dict",
+        "map_tuple",
+        "rename",
+        "rename_keys",
+        "rsample",
+        "select",
+        "shuffle",
+        "slice",
+        "to_tuple",
+        "transform_with",
+    ],
+    "fluent": ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"],
+    "handlers": [
+        "ignore_and_continue",
+        "ignore_and_stop",
+        "reraise_exception",
+        "warn_and_continue",
+        "warn_and_stop",
+    ],
+    "index": ["IndexProblem=Problem", "ShardIndex", "ShardInfo"],
+    "legacy": ["MockDataset", "PipelineStage", "repeatedly", "with_epoch", "with_length"],
+    "loader": ["WebLoader"],
+    "mix": ["mix=.", "RandomMix", "RoundRobin"],
+    "parallel": ["MapShardsError", "ShardResult", "map_shards"],
+    "pipeline": ["DataPipeline"],
+    "plan": ["PlannedShards"],
+    "replay": ["Cached", "LMDBCached"],
+    "samples": [
+        "base_plus_ext",
+        "group_by_keys",
+        "tar_file_expander",
+        "tarfile_samples",
+        "tarfile_to_samples",
+        "url_opener",
+    ],
+    "shards": [
+        "ResampledShards",
+        "SimpleShardList",
+        "expand_urls",
+        "non_empty",
+        "resampled",
+        "single_node_only",
+        "split_by_node",
+        "split_by_worker",
+        "worker_info",
+    ],
+    "shardsources": ["DirectoryShardList", "MultiShardSample", "shardspec"],
+    "stages": ["BATCH", "REORDER", "SAME", "UNBATCH", "Count", "Stage", "pipelinefilter", "stage"],
+    "tenbin": ["tenbin=."],
+    "urls": ["open_url"],
+    "writer": ["ShardWriter", "TarWriter", "numpy_dumps", "torch_dumps"],
+}
+
+
+def _where(exports: Dict[str, List[str]]) -> Dict[str, Tuple[str, Optional[str]]]:
+    """{public name: (module, its attribute, or None for the module itself)}."""
+    where: Dict[str, Tuple[str, Optional[str]]] = {}
+    for module, names in exports.items():
+        for entry in names:
+            name, _, real = entry.partition("=")
+            where[name] = (f"{__name__}.{module}", None if real == "." else real or name)
+    return where
+
+
+_WHERE = _where(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access and keep the value (PEP 562)."""
+    where = _WHERE.get(name)
+    if where is not None:
+        module, attribute = where
+        value = importlib.import_module(module)
+        if attribute is not None:
+            value = getattr(value, attribute)
+        globals()[name] = value  # later lookups find it without calling this function
+        return value
+    if name in aliases.ALIASES:  # webdataset's module names: webds.shardlists, webds.gopen, ...
+        return aliases.package_getattr(name)
+    # Every submodule used to be imported with the package, so code could use webds.filters or
+    # webds.shards after a bare "import webds"; that still works.
+    if (
+        name.isidentifier()
+        and not name.startswith("_")
+        and importlib.util.find_spec(f"{__name__}.{name}") is not None
+    ):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     # errors
@@ -230,4 +371,8 @@ __all__ = [
     "ShardWriter",
     "numpy_dumps",
     "torch_dumps",
+    # processing shards at scale
+    "map_shards",
+    "ShardResult",
+    "MapShardsError",
 ]

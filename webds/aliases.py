@@ -136,7 +136,7 @@ EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
             ["batched", "unbatched", "listed", "unlisted", "default_collation_fn"],
         ),
         ("webds.decode", ["decode", "xdecode", "default_decoders=default_xdecoders"]),
-        ("webds.pipeline", ["pipelinefilter"]),
+        ("webds.stages", ["pipelinefilter"]),
         ("webds.replay", ["Cached", "LMDBCached"]),
     ],
     "writer": [

@@ -30,7 +30,7 @@ import torch
 
 from .errors import ArgumentError, SampleError
 from .filters import _check_callable, _check_int, _where
-from .pipeline import BATCH, UNBATCH, stage
+from .stages import BATCH, UNBATCH, stage
 
 __all__ = ["batched", "listed", "unbatched", "unlisted", "default_collation_fn"]
 

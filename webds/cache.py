@@ -28,8 +28,8 @@ from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, Optional, 
 
 from .errors import ArgumentError, WebdsError
 from .handlers import Handler, reraise_exception
-from .pipeline import stage
 from .samples import open_shards
+from .stages import stage
 from .tario import read_members
 from .urls import ReadStream, local_path, open_url
 

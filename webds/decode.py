@@ -26,10 +26,9 @@ import tempfile
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
-from . import tenbin
 from .errors import ArgumentError, DecodeError
 from .handlers import Handler, apply_each, reraise_exception
-from .pipeline import SAME, stage
+from .stages import SAME, stage
 
 __all__ = [
     "Continue",
@@ -237,6 +236,8 @@ def npz_loads(data: bytes) -> Dict[str, Any]:
 
 def tenbin_loads(data: bytes) -> List[Any]:
     """Decode a tenbin field into a list of arrays."""
+    from . import tenbin  # numpy, only when a tenbin field is decoded
+
     return tenbin.decode_buffer(data)
 
 

@@ -41,8 +41,8 @@ from typing import (
 from . import aliases
 from .errors import ArgumentError, SampleError, WebdsError
 from .handlers import Handler, apply_each, reraise_exception
-from .pipeline import REORDER, SAME, Stage, StageFactory, stage
 from .shards import derive_seed, worker_info
+from .stages import REORDER, SAME, Stage, StageFactory, stage
 
 __all__ = [
     "derive_seed",

@@ -24,22 +24,39 @@ A stage may also say how it changes the number of items (``@stage(count=SAME)``:
 in; ``REORDER``: the same number, reordered; ``BATCH``/``UNBATCH``). From those rules a pipeline
 whose source knows its size computes a truthful ``len()``, and a pipeline resumed mid-epoch
 (:meth:`DataPipeline.load_state_dict`) skips already consumed items as far upstream as it can.
+
+The stage machinery (:func:`stage`, :class:`Stage`, :class:`Count`, ...) is defined in
+:mod:`webds.stages`, which does not import torch, and re-exported here.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
-import importlib
-import inspect
 import itertools
 import logging
 import sys
-from typing import Any, Callable, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import IterableDataset
 
 from .errors import ArgumentError, LengthError
+
+# The stage machinery lives in webds.stages (no torch import); these names stay importable from
+# here, where webdataset code and pickles made before the split look for them (a pickled stage
+# factory refers to webds.pipeline._import_object).
+from .stages import (  # noqa: F401
+    BATCH,
+    REORDER,
+    SAME,
+    UNBATCH,
+    Count,
+    Length,
+    Stage,
+    StageFactory,
+    _import_object,
+    pipelinefilter,
+    stage,
+)
 
 __all__ = [
     "stage",
@@ -55,168 +72,7 @@ __all__ = [
     "UNBATCH",
 ]
 
-
-class Length(NamedTuple):
-    """Items in one stream; ``inner`` is the count before the last batching (for unbatching)."""
-
-    items: int
-    inner: Optional["Length"] = None
-
-
-class Count:
-    """How a stage changes the number of items: ``forward`` for len(), ``backward`` to resume.
-
-    ``forward(n, stage)`` returns the stage's output length for input length ``n``, or None if it
-    cannot know. ``backward(c, stage)`` returns how many input items produce the first ``c``
-    outputs when those inputs can be skipped instead of replayed, else None.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def forward(self, n: Length, stage: "Stage") -> Optional[Length]:
-        return n
-
-    def backward(self, c: int, stage: "Stage") -> Optional[int]:
-        return c
-
-    def __repr__(self) -> str:
-        return self.name
-
-
-class _Reorder(Count):
-    def backward(self, c: int, stage: "Stage") -> Optional[int]:
-        return None  # which inputs made the first c outputs depends on the order: replay
-
-
-class _Batch(Count):
-    def forward(self, n: Length, stage: "Stage") -> Optional[Length]:
-        size, partial = stage.argument("batchsize"), stage.argument("partial")
-        return Length(-(-n.items // size) if partial else n.items // size, n)
-
-    def backward(self, c: int, stage: "Stage") -> Optional[int]:
-        return c * stage.argument("batchsize")
-
-
-class _Unbatch(Count):
-    def forward(self, n: Length, stage: "Stage") -> Optional[Length]:
-        return n.inner
-
-    def backward(self, c: int, stage: "Stage") -> Optional[int]:
-        return None
-
-
-#: One output item per input item, in the same order (map, decode, to_tuple, ...).
-SAME = Count("SAME")
-#: As many outputs as inputs, reordered (shuffle).
-REORDER = _Reorder("REORDER")
-#: Groups of ``batchsize`` items (a stage with ``batchsize`` and ``partial`` parameters).
-BATCH = _Batch("BATCH")
-#: Undoes the last BATCH.
-UNBATCH = _Unbatch("UNBATCH")
-
 log = logging.getLogger("webds")
-
-
-class StageFactory:
-    """What :func:`stage` returns: call it with the stage's parameters to get a :class:`Stage`."""
-
-    def __init__(self, fn: Callable[..., Iterator[Any]], count: Optional[Count] = None) -> None:
-        functools.update_wrapper(self, fn)
-        self.fn = fn
-        self.count = count
-        sig = inspect.signature(fn)
-        params = list(sig.parameters.values())
-        if not params:
-            raise ArgumentError(
-                f"stage function {fn.__qualname__} must take the source iterator first"
-            )
-        self.wants_epoch = "epoch" in sig.parameters
-        self.wants_seed = "pipeline_seed" in sig.parameters
-        # The public signature is the function's without the source and the injected values.
-        injected = ("epoch", "pipeline_seed")
-        self.__signature__ = sig.replace(
-            parameters=[p for p in params[1:] if p.name not in injected]
-        )
-
-    def __call__(self, *args: Any, **kwargs: Any) -> "Stage":
-        try:
-            self.__signature__.bind(*args, **kwargs)
-        except TypeError as exn:
-            raise TypeError(f"{self.__name__}{self.__signature__}: {exn}") from None
-        return Stage(self, args, kwargs)
-
-    def __reduce__(self) -> Any:
-        # Pickle by reference to the module attribute, so DataLoader workers can load stages.
-        return (_import_object, (self.fn.__module__, self.fn.__qualname__))
-
-    def __repr__(self) -> str:
-        return f"<stage {self.__name__}{self.__signature__}>"
-
-
-def _import_object(module: str, qualname: str) -> Any:
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-class Stage:
-    """A stage function with its parameters bound; call it on an iterator to run it."""
-
-    def __init__(self, factory: StageFactory, args: tuple, kwargs: dict) -> None:
-        self.factory = factory
-        self.args = args
-        self.kwargs = kwargs
-        self.epoch = 0
-        self.seed: Optional[int] = None
-
-    @property
-    def count(self) -> Optional[Count]:
-        """How this stage changes the number of items (None: unknown)."""
-        return self.factory.count
-
-    def argument(self, name: str) -> Any:
-        """The value of parameter ``name`` in this stage (its default if not given)."""
-        bound = self.factory.__signature__.bind(*self.args, **self.kwargs)
-        bound.apply_defaults()
-        return bound.arguments[name]
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch passed to stage functions that take an ``epoch`` parameter."""
-        self.epoch = epoch
-
-    def set_seed(self, seed: Optional[int]) -> None:
-        """Set the seed passed to stage functions that take a ``pipeline_seed`` parameter."""
-        self.seed = seed
-
-    def __call__(self, src: Iterable[Any]) -> Iterator[Any]:
-        injected: Dict[str, Any] = {}
-        if self.factory.wants_epoch:
-            injected["epoch"] = self.epoch
-        if self.factory.wants_seed:
-            injected["pipeline_seed"] = self.seed
-        return self.factory.fn(src, *self.args, **injected, **self.kwargs)
-
-    def __repr__(self) -> str:
-        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
-        return f"{self.factory.__name__}({', '.join(parts)})"
-
-
-def stage(
-    fn: Optional[Callable[..., Iterator[Any]]] = None, *, count: Optional[Count] = None
-) -> Any:
-    """Turn a generator function ``fn(src, *params)`` into a curried stage factory.
-
-    Use as ``@stage`` or ``@stage(count=SAME)`` (see :class:`Count`).
-    """
-    if fn is None:
-        return lambda f: StageFactory(f, count)
-    return StageFactory(fn, count)
-
-
-#: webdataset's name for :func:`stage`.
-pipelinefilter = stage
 
 
 def _as_iterator(source: Any) -> Iterator[Any]:

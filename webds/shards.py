@@ -10,6 +10,11 @@ Where each process is (:func:`worker_info`) comes from ``torch.distributed`` and
 ``torch.utils.data.get_worker_info()``. The environment variables ``RANK`` and ``WORLD_SIZE``, and
 ``WORKER`` and ``NUM_WORKERS``, override them when set (read at call time, in this one place), so a
 launcher without ``torch.distributed`` can still split shards.
+
+Importing this module does not import torch (the ``webds`` command lists shards with
+:func:`expand_urls`): :class:`SimpleShardList` and :class:`ResampledShards`, which subclass
+torch's ``IterableDataset``, are defined in :mod:`webds.sharddatasets` and served from here on
+first use (``from webds.shards import SimpleShardList`` works as always).
 """
 
 from __future__ import annotations
@@ -22,15 +27,28 @@ import re
 import sys
 from itertools import islice
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Union,
+)
 from urllib.parse import urlparse
 
 import braceexpand
-from torch.utils.data import IterableDataset
 
 from .errors import ArgumentError, OpenError, WebdsError
-from .pipeline import stage
+from .stages import stage
 from .urls import filesystem_options, local_path, url_scheme
+
+if TYPE_CHECKING:
+    from .sharddatasets import ResampledShardList, ResampledShards, SimpleShardList  # noqa: F401
 
 __all__ = [
     "WorkerInfo",
@@ -290,101 +308,22 @@ def _list_remote(url: str, kind: str, storage_options: Dict[str, Any]) -> List[s
     return sorted(fs.unstrip_protocol(name) for name in names)
 
 
-class SimpleShardList(IterableDataset):
-    """The shards named by ``urls``, in order, or shuffled anew each epoch when ``seed`` is given.
-
-    ``seed=True`` picks a random seed once, at construction. The order for a given (seed, epoch)
-    is the same in every process, so shuffling before :func:`split_by_node` is safe.
-    Directories, prefixes and globs (see :func:`expand_urls`; remote ones listed with
-    ``storage_options``) are listed once, here at construction, so every DataLoader worker and
-    every rank that builds the same dataset splits the same list.
-    """
-
-    def __init__(
-        self,
-        urls: URLs,
-        seed: Union[int, bool, None] = None,
-        *,
-        storage_options: Optional[Dict[str, Any]] = None,
-    ) -> None:
-        super().__init__()
-        self.urls = expand_urls(urls, storage_options=storage_options)
-        if not self.urls:
-            raise ArgumentError(f"no shard URLs in {urls!r}")
-        if seed is True:
-            seed = random.SystemRandom().randrange(2**31)
-        self.seed = None if seed is False else seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose shard order the next iteration uses."""
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return len(self.urls)
-
-    def __iter__(self) -> Iterator[Dict[str, str]]:
-        urls = list(self.urls)
-        if self.seed is not None:
-            random.Random(derive_seed("shards", self.seed, self.epoch)).shuffle(urls)
-        for url in urls:
-            yield {"url": url}
-
-    def __repr__(self) -> str:
-        return f"SimpleShardList({len(self.urls)} shards, seed={self.seed!r})"
+# The torch datasets of this module, defined in webds.sharddatasets (see the module docstring).
+_DATASETS = ("SimpleShardList", "ResampledShards", "ResampledShardList")
 
 
-class ResampledShards(IterableDataset):
-    """An endless (or ``nshards`` long) stream of shards drawn at random with replacement.
+def __getattr__(name: str) -> Any:
+    if name in _DATASETS:
+        from . import sharddatasets
 
-    Each node and worker draws its own sequence. With ``deterministic=True`` the draws depend only
-    on (seed, epoch, rank, worker), so runs are reproducible; otherwise fresh entropy is mixed in.
-    ``urls`` are expanded (and directories or globs listed, with ``storage_options``) once, at
-    construction.
-    """
-
-    def __init__(
-        self,
-        urls: URLs,
-        nshards: int = sys.maxsize,
-        seed: int = 0,
-        worker_seed: Optional[Any] = None,
-        deterministic: bool = False,
-        max_urls: int = int(1e6),
-        empty_check: bool = True,
-        *,
-        storage_options: Optional[Dict[str, Any]] = None,
-    ) -> None:
-        super().__init__()
-        self.urls = expand_urls(urls, storage_options=storage_options)[:max_urls]
-        if empty_check and not self.urls:
-            raise ArgumentError(f"no shard URLs in {urls!r}")
-        if nshards < 1:
-            raise ArgumentError(f"nshards must be >= 1, got {nshards}")
-        self.nshards = nshards
-        self.seed = seed
-        self.worker_seed = worker_seed
-        self.deterministic = deterministic
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose draws the next iteration uses."""
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[Dict[str, str]]:
-        if not self.urls:
-            return
-        where = self.worker_seed() if callable(self.worker_seed) else worker_info()
-        parts: tuple = ("resampled", self.seed, self.epoch, tuple(where) if where else None)
-        if not self.deterministic:
-            parts += (os.urandom(8),)
-        rng = random.Random(derive_seed(*parts))
-        for _ in range(self.nshards):
-            yield {"url": rng.choice(self.urls)}
+        value = getattr(sharddatasets, name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-#: webdataset's other name for ResampledShards.
-ResampledShardList = ResampledShards
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_DATASETS))
 
 
 def split_by_node(src: Iterable[Any], group: Any = None) -> Iterator[Any]:

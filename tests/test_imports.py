@@ -1,0 +1,185 @@
+"""Importing webds is cheap: ``import webds`` and the ``webds`` command do not import torch, and
+every public name still resolves, the same object from every place, in a fresh process."""
+
+from __future__ import annotations
+
+import ast
+import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import webds
+import webds.filters
+import webds.pipeline
+import webds.shards
+import webds.stages
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Modules that must import without torch: what the ``webds`` command and the writers use.
+TORCH_FREE = (
+    "webds webds.cli webds.tario webds.urls webds.writer webds.samples webds.index webds.encode "
+    "webds.errors webds.stages webds.shards webds.filters webds.decode webds.cache webds.plan "
+    "webds.handlers"
+).split()
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (nothing imported yet) from the project root."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_import_does_not_import_torch():
+    out = _python(
+        f"""
+        import sys
+        import {", ".join(TORCH_FREE)}
+        heavy = sorted(m for m in ("torch", "numpy", "PIL") if m in sys.modules)
+        assert not heavy, heavy
+        """
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_cli_help_does_not_import_torch():
+    # `python -m webds.cli --help`, with every subcommand registered, in this very process.
+    out = _python(
+        """
+        import runpy, sys
+        sys.argv = ["webds", "--help"]
+        try:
+            runpy.run_module("webds.cli", run_name="__main__", alter_sys=True)
+        except SystemExit as exit:
+            assert exit.code in (0, None), exit.code
+        assert "torch" not in sys.modules, "webds --help imported torch"
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    assert "usage: webds" in out.stdout
+
+
+def test_every_public_name_resolves_in_a_fresh_process():
+    # Both ways of asking, per name, and each is the object its own module holds.
+    out = _python(
+        """
+        import importlib, sys, webds
+        assert "torch" not in sys.modules
+        for name in webds.__all__:
+            value = getattr(webds, name)
+            namespace = {}
+            exec(f"from webds import {name}", namespace)
+            assert namespace[name] is value, name
+            where = webds._WHERE.get(name)
+            if where is not None:
+                module, attribute = where
+                real = importlib.import_module(module)
+                assert value is (real if attribute is None else getattr(real, attribute)), name
+        assert callable(webds.gopen) and webds.decode is webds.filters.decode
+        print(len(webds.__all__))
+        """
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == len(webds.__all__)
+
+
+def test_decode_stays_the_stage_whatever_is_imported_first():
+    # The submodule webds/decode.py shares the stage's name; importing it (directly, or through
+    # fluent.py) must not turn webds.decode into the module.
+    out = _python(
+        """
+        import webds.decode, webds.fluent
+        import webds as wds
+        from webds.stages import StageFactory
+        assert isinstance(wds.decode, StageFactory), wds.decode
+        wds.decode("pil")
+        ds = wds.WebDataset("a.tar").decode("pil")
+        """
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_submodules_and_webdataset_modules_without_an_import_statement():
+    out = _python(
+        """
+        import sys, webds
+        assert "torch" not in sys.modules
+        assert webds.shards.expand_urls("a-{0..1}.tar") == ["a-0.tar", "a-1.tar"]
+        assert webds.filters.shuffle is webds.shuffle
+        assert webds.tenbin.__name__ == "webds.tenbin" and webds.cache.__name__ == "webds.cache"
+        assert "torch" not in sys.modules
+        assert webds.shardlists.SimpleShardList is webds.shards.SimpleShardList
+        assert webds.compat.WebDataset is webds.WebDataset and webds.mix.RandomMix
+        for missing in ("nope", "_nope"):
+            try:
+                getattr(webds, missing)
+            except AttributeError as exn:
+                assert f"has no attribute {missing!r}" in str(exn), exn
+            else:
+                raise AssertionError(missing)
+        """
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_dir_lists_the_public_names():
+    names = dir(webds)
+    assert set(webds.__all__) <= set(names)
+    assert "__version__" in names
+    assert {"SimpleShardList", "ResampledShards", "expand_urls"} <= set(dir(webds.shards))
+
+
+def test_lazy_table_matches_all_and_the_type_checking_imports():
+    # Three lists name the public API: __all__, the lazy table, and the imports type checkers see.
+    tree = ast.parse((ROOT / "webds" / "__init__.py").read_text())
+    seen: dict = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom) and stmt.level == 1, ast.dump(stmt)
+                for alias in stmt.names:
+                    if stmt.module is None:  # from . import cache
+                        seen[alias.name] = (f"webds.{alias.name}", None)
+                    else:
+                        seen[alias.asname or alias.name] = (f"webds.{stmt.module}", alias.name)
+    assert seen == webds._WHERE
+    assert set(webds.__all__) == set(webds._WHERE) | {"decode", "gopen"}
+    assert len(webds.__all__) == len(set(webds.__all__))
+
+
+def test_pipeline_and_shards_keep_their_names():
+    # webdataset code imports these from webds.pipeline / webds.shards; they are the very objects
+    # now defined in webds.stages / webds.sharddatasets.
+    for name in webds.stages.__all__:
+        assert getattr(webds.pipeline, name) is getattr(webds.stages, name), name
+    from webds.sharddatasets import ResampledShardList, ResampledShards, SimpleShardList
+    from webds.shards import ResampledShards as shards_resampled
+    from webds.shards import SimpleShardList as shards_simple
+
+    assert shards_simple is SimpleShardList and shards_resampled is ResampledShards
+    assert webds.shards.ResampledShardList is ResampledShardList
+
+
+def test_pickles_made_before_the_split_still_load():
+    # What pickle wrote for a stage factory, a Stage and a shard list when they lived in
+    # webds.pipeline and webds.shards (protocol 0 spells the references out).
+    factory = b"cwebds.pipeline\n_import_object\n(Vwebds.filters\nVshuffle\ntR."
+    assert pickle.loads(factory) is webds.filters.shuffle
+    assert pickle.loads(b"cwebds.pipeline\nStage\n.") is webds.stages.Stage
+    assert pickle.loads(b"cwebds.shards\nSimpleShardList\n.") is webds.shards.SimpleShardList
+
+
+def test_stages_and_shard_lists_round_trip_through_pickle(tmp_path):
+    stage = webds.shuffle(10, seed=1)
+    again = pickle.loads(pickle.dumps(stage))
+    assert again.factory is webds.shuffle and again.kwargs == {"seed": 1}
+    shards = webds.SimpleShardList(["a.tar", "b.tar"], seed=3)
+    loaded = pickle.loads(pickle.dumps(shards))
+    assert type(loaded) is webds.shards.SimpleShardList and list(loaded) == list(shards)

@@ -1,0 +1,119 @@
+"""The shard lists that are torch datasets: :class:`SimpleShardList` and :class:`ResampledShards`.
+
+They subclass ``torch.utils.data.IterableDataset`` (so a ``DataLoader`` takes them as iterable
+datasets), which makes this the one part of the shard-list machinery that imports torch. Their
+public home is :mod:`webds.shards`, which serves them from here on first use; everything else
+there (URL expansion, worker info, seeds, splitting) stays importable without torch, for the
+``webds`` command and the writers.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from typing import Any, Dict, Iterator, Optional, Union
+
+from torch.utils.data import IterableDataset
+
+from .errors import ArgumentError
+from .shards import URLs, derive_seed, expand_urls, worker_info
+
+__all__ = ["SimpleShardList", "ResampledShards", "ResampledShardList"]
+
+
+class SimpleShardList(IterableDataset):
+    """The shards named by ``urls``, in order, or shuffled anew each epoch when ``seed`` is given.
+
+    ``seed=True`` picks a random seed once, at construction. The order for a given (seed, epoch)
+    is the same in every process, so shuffling before :func:`split_by_node` is safe.
+    Directories, prefixes and globs (see :func:`expand_urls`; remote ones listed with
+    ``storage_options``) are listed once, here at construction, so every DataLoader worker and
+    every rank that builds the same dataset splits the same list.
+    """
+
+    def __init__(
+        self,
+        urls: URLs,
+        seed: Union[int, bool, None] = None,
+        *,
+        storage_options: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        self.urls = expand_urls(urls, storage_options=storage_options)
+        if not self.urls:
+            raise ArgumentError(f"no shard URLs in {urls!r}")
+        if seed is True:
+            seed = random.SystemRandom().randrange(2**31)
+        self.seed = None if seed is False else seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose shard order the next iteration uses."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.urls)
+
+    def __iter__(self) -> Iterator[Dict[str, str]]:
+        urls = list(self.urls)
+        if self.seed is not None:
+            random.Random(derive_seed("shards", self.seed, self.epoch)).shuffle(urls)
+        for url in urls:
+            yield {"url": url}
+
+    def __repr__(self) -> str:
+        return f"SimpleShardList({len(self.urls)} shards, seed={self.seed!r})"
+
+
+class ResampledShards(IterableDataset):
+    """An endless (or ``nshards`` long) stream of shards drawn at random with replacement.
+
+    Each node and worker draws its own sequence. With ``deterministic=True`` the draws depend only
+    on (seed, epoch, rank, worker), so runs are reproducible; otherwise fresh entropy is mixed in.
+    ``urls`` are expanded (and directories or globs listed, with ``storage_options``) once, at
+    construction.
+    """
+
+    def __init__(
+        self,
+        urls: URLs,
+        nshards: int = sys.maxsize,
+        seed: int = 0,
+        worker_seed: Optional[Any] = None,
+        deterministic: bool = False,
+        max_urls: int = int(1e6),
+        empty_check: bool = True,
+        *,
+        storage_options: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        self.urls = expand_urls(urls, storage_options=storage_options)[:max_urls]
+        if empty_check and not self.urls:
+            raise ArgumentError(f"no shard URLs in {urls!r}")
+        if nshards < 1:
+            raise ArgumentError(f"nshards must be >= 1, got {nshards}")
+        self.nshards = nshards
+        self.seed = seed
+        self.worker_seed = worker_seed
+        self.deterministic = deterministic
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch whose draws the next iteration uses."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Dict[str, str]]:
+        if not self.urls:
+            return
+        where = self.worker_seed() if callable(self.worker_seed) else worker_info()
+        parts: tuple = ("resampled", self.seed, self.epoch, tuple(where) if where else None)
+        if not self.deterministic:
+            parts += (os.urandom(8),)
+        rng = random.Random(derive_seed(*parts))
+        for _ in range(self.nshards):
+            yield {"url": rng.choice(self.urls)}
+
+
+#: webdataset's other name for ResampledShards.
+ResampledShardList = ResampledShards
