@@ -5,6 +5,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
+import logging
 import lzma
 import os
 import shutil
@@ -348,13 +349,20 @@ def test_v7_directory_and_unknown_types_are_skipped() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_archive_ends() -> None:
+def test_archive_ends(caplog: pytest.LogCaptureFixture) -> None:
     members = [("a.txt", b"aaa"), ("b.txt", b"b" * 512)]
     raw = simple_tar(members)
     body = raw[: 512 * 4]  # two members, without any end-of-archive block
-    assert ours(body) == members  # EOF at a header boundary is accepted
-    assert ours(body + b"\0" * 512) == members  # a single zero block
-    assert ours(body + b"\0" * 100) == members  # a cut end-of-archive marker loses nothing
+    with caplog.at_level(logging.WARNING, logger="webds"):
+        # EOF at a header boundary keeps every member but warns: it may be a cut shard.
+        assert ours(body) == members
+    assert "ends without an end-of-archive marker" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="webds"):
+        assert ours(body + b"\0" * 512) == members  # a single zero block
+        assert ours(body + b"\0" * 100) == members  # a cut end-of-archive marker loses nothing
+        assert ours(raw) == members
+    assert caplog.text == ""
     assert ours(raw + b"garbage after the end" * 50) == members
     assert ours(END_OF_ARCHIVE) == []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -227,3 +228,20 @@ def test_sigpipe_status_from_reader_side_is_not_an_error():
     os.killpg(f.proc.pid, signal.SIGPIPE)
     f.proc.wait()
     f.close()
+
+
+def test_writing_to_a_device_or_fifo_writes_through(tmp_path):
+    # Renaming a temporary file over /dev/null would turn the device into a plain file.
+    before = os.stat(os.devnull)
+    with open_url(os.devnull, "wb") as f:
+        f.write(b"x" * 1000)
+    after = os.stat(os.devnull)
+    assert stat.S_ISCHR(after.st_mode) and after.st_ino == before.st_ino
+    assert not [p for p in os.listdir(os.path.dirname(os.devnull)) if ".tmp-" in p]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    with open_url(str(fifo), "wb") as f:
+        f.write(b"through the fifo")
+    assert reader.communicate(timeout=30)[0] == b"through the fifo"
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

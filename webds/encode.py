@@ -20,7 +20,6 @@ import numbers
 import pickle
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
-from . import tenbin
 from .errors import ArgumentError, EncodeError
 
 __all__ = [
@@ -128,6 +127,8 @@ def numpy_npz_dumps(x: Any) -> bytes:
 
 def tenbin_dumps(x: Any) -> bytes:
     """An array, or a list of arrays, in tenbin format (decoded back as a list)."""
+    from . import tenbin  # numpy, only when a tenbin field is encoded
+
     if isinstance(x, (list, tuple)):
         return tenbin.encode_buffer(list(x))
     return tenbin.encode_buffer([x])
@@ -356,12 +357,12 @@ class SampleEncoder:
 
 
 class IdentityEncoder:
-    """``encoder=False``: fields must already be bytes (metadata fields str)."""
+    """``encoder=False``: fields must already be bytes (metadata fields str or bytes)."""
 
     def __call__(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
         for field, value in sample.items():
             if field.startswith("_"):
-                ok, want = isinstance(value, str), "a str"
+                ok, want = isinstance(value, (str,) + _BYTES_LIKE), "str or bytes"
             else:
                 ok, want = (
                     isinstance(value, _BYTES_LIKE),

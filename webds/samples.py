@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from .errors import ArgumentError, OpenError, SampleError, ShardReadError, WebdsError
 from .handlers import ErrorPolicy, Handler, reraise_exception
-from .pipeline import stage
+from .stages import stage
 from .tario import read_members
 from .urls import local_path, open_url
 
@@ -356,12 +356,15 @@ def tarfile_to_samples(
     handler: Handler = reraise_exception,
     select_files: Optional[Callable[[str], bool]] = None,
     rename_files: Optional[Callable[[str], Optional[str]]] = None,
+    lcase: bool = True,
     **storage_options: Any,
 ) -> Iterator[Dict[str, Any]]:
     """Shard descriptors to samples: ``url_opener``, ``tar_file_expander`` and
     ``group_by_keys`` in one fast generator, with the same rules and error handling::
 
         DataPipeline(SimpleShardList("data/shard-{000..009}.tar"), tarfile_to_samples())
+
+    ``lcase=False`` keeps each extension's case (tools that copy shards use it).
     """
     policy = ErrorPolicy(handler, "tarfile_to_samples")
     filtering = select_files is not None or rename_files is not None
@@ -422,7 +425,7 @@ def tarfile_to_samples(
                         cur_key = key
                     elif cur is None:
                         continue  # the rest of a sample dropped for a duplicate
-                    ext = name[dot + 1 :].lower()
+                    ext = name[dot + 1 :].lower() if lcase else name[dot + 1 :]
                     if ext in cur:
                         cur = None
                         if policy(_duplicate(key, ext, url, name, offset)):

@@ -18,12 +18,15 @@ does not fit ustar. GNU tar and Python's ``tarfile`` read them.
 from __future__ import annotations
 
 import bz2
+import logging
 import lzma
 import struct
 import zlib
 from typing import BinaryIO, Callable, Dict, Iterator, Optional, Tuple
 
 from .errors import ArgumentError, ShardReadError, WebdsError
+
+log = logging.getLogger("webds")
 
 __all__ = [
     "read_members",
@@ -661,7 +664,16 @@ def _end_of_stream(
             url=url,
             offset=ext_offset,
         )
-    # A clean end at a header boundary (with or without end-of-archive blocks) is accepted.
+    if not rest:
+        # Every writer ends an archive with zero blocks; a stream that stops exactly at a header
+        # boundary without them was most likely cut there, taking whole members with it. Its
+        # members are all intact, so read on, but say so: only a size or sample-count check
+        # (`webds verify`, a shard index) can tell what is missing.
+        log.warning(
+            "shard %s ends without an end-of-archive marker: it may be truncated at a member "
+            "boundary (check it with `webds verify` against a shard index, or re-create it)",
+            url if url is not None else "<stream>",
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -173,10 +174,23 @@ def _open_registered(
     return stream
 
 
+def _special_file(path: str) -> bool:
+    """Whether ``path`` exists and is neither a regular file nor a directory."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode))
+
+
 def _open_local(url: str, path: str, mode: str) -> BinaryIO:
     try:
         if mode == "rb":
             return open(path, "rb")
+        if _special_file(path):
+            # /dev/null, a FIFO, a terminal: renaming a temporary file over it would replace
+            # the device with a plain file. Write to it directly; there is nothing to commit.
+            return open(path, "wb")
         return AtomicFile(path)  # type: ignore[return-value]
     except FileNotFoundError:
         what = "file" if mode == "rb" else "directory for"

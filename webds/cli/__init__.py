@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -20,7 +21,7 @@ from ..errors import ArgumentError, WebdsError
 __all__ = ["main", "build_parser", "COMMAND_MODULES"]
 
 #: The modules that register subcommands, in the order ``webds --help`` lists them.
-COMMAND_MODULES: List[str] = ["index"]
+COMMAND_MODULES: List[str] = ["create", "reshard", "inspect", "proc", "index"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,10 +64,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"webds {args.command}: interrupted", file=sys.stderr)
         return 130
     except (WebdsError, OSError) as exn:
+        if _broken_pipe(exn) and not args.debug:
+            # The reader went away (`webds ls big.tar | head`): stop quietly, as cat and ls
+            # do. stdout goes to devnull so the interpreter's final flush does not complain.
+            _silence_stdout()
+            return 141
         if args.debug:
             raise
         print(f"webds {args.command}: error: {_one_line(exn)}", file=sys.stderr)
         return 2 if isinstance(exn, ArgumentError) else 1
+
+
+def _broken_pipe(exn: Optional[BaseException]) -> bool:
+    """Whether ``exn`` comes from writing to a pipe whose reader is gone (maybe wrapped)."""
+    while exn is not None:
+        if isinstance(exn, BrokenPipeError):
+            return True
+        exn = exn.__cause__ or exn.__context__
+    return False
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass  # stdout is not a real file (tests capture it): nothing will flush to a pipe
 
 
 def _one_line(exn: BaseException) -> str:

@@ -1,0 +1,566 @@
+"""``webds split``, ``webds cat`` and ``webds sort``: rewrite a stream of samples as other tars.
+
+All three copy samples unchanged (member names as in the input, see :mod:`webds.cli.shardio`),
+read any input the library reads (paths, URLs, patterns, ``pipe:``, ``-`` for stdin) and write
+outputs atomically. ``split`` cuts the stream into numbered shards (with a shard index),
+``cat`` concatenates, shuffles (``--shuffle``) or interleaves (``--parallel``) shards, and
+``sort`` orders samples by key or by a field in bounded memory, spilling sorted runs to
+temporary tars and merging them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import os
+import queue
+import random
+import re
+import shutil
+import tempfile
+import threading
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from ..errors import ArgumentError
+from ..filters import shuffle
+from ..index import default_index_name
+from ..urls import local_path
+from ..writer import ShardWriter, TarWriter
+from .common import (
+    add_inputs,
+    add_output,
+    add_quiet,
+    byte_size,
+    input_urls,
+    open_output,
+    positive_int,
+    progress,
+    read_samples,
+    say,
+)
+from .fields import MISSING, field_value
+from .shardio import (
+    require_shard_pattern,
+    shard_range,
+    tar_fields,
+    warn,
+    write_samples,
+)
+
+__all__ = ["register", "interleave_shards", "SortKey", "external_sort"]
+
+Sample = Dict[str, Any]
+
+EXAMPLE_SPLIT = """example:
+  webds split big.tar -o 'shards/train-%06d.tar' --maxcount 10000
+  webds cat 'old-{000..099}.tar' | webds split - -o 'new-%04d.tar' --maxsize 1e9
+
+OUT must have one %-field for the shard number ('%06d'). A new shard starts when the current one
+holds --maxcount samples or --maxsize bytes of member data (tar headers not counted; a larger
+sample gets a shard of its own). A shard index (docs/index-format.md) is written next to the
+shards, named after the pattern up to its %-field ('shards/train.index.json'), unless
+--no-index. Each shard written is listed on stderr."""
+
+EXAMPLE_CAT = """example:
+  webds cat a.tar b.tar c.tar.gz > all.tar
+  webds cat 'train-{000..099}.tar' --shuffle 5000 --seed 1 -o shuffled.tar
+  webds cat 'train-{000..099}.tar' --parallel 8 --count 1000 -o sample.tar
+
+--shuffle BUF passes the samples through a buffer of BUF samples and writes a random one of them
+at each step (the same --seed and inputs give the same order). --parallel P reads P shards at
+a time, each on its own thread, and writes their samples in turn (round robin), a finished shard
+giving its turn to the next input; the order depends only on the inputs and P."""
+
+EXAMPLE_SORT = """example:
+  webds sort train.tar -o sorted.tar
+  webds sort 'train-{000..009}.tar' --by json.label --numeric -o by-label.tar --memory 2G
+
+--by takes 'key' (the default) or a field spec: 'cls', 'seg.png', 'json.label', 'json.boxes.0'.
+Values are decoded as 'webds tsv' shows them (cls and numeric text are numbers, JSON is parsed).
+Numbers sort before text, text before binary data, and samples without the field (or with a
+JSON null) always come last, also with --reverse. --numeric also reads numeric text as numbers
+and orders text with digits naturally ('img9' before 'img10'). Equal values keep their input
+order (the sort is stable). When the samples read exceed --memory, sorted runs are written to
+temporary tars (in a hidden folder next to OUT, or in $TMPDIR when OUT is '-' or remote, or in
+--tmpdir) and merged at the end, so memory stays bounded; the folder is removed afterwards."""
+
+# Runs merged at once: each needs an open file and a sample in memory.
+MERGE_FANIN = 64
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``split``, ``cat`` and ``sort`` subcommands."""
+    from . import add_common
+
+    raw = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser(
+        "split",
+        help="split a stream of samples into numbered shards",
+        description="Read samples from the inputs and write them to numbered shards of at\n"
+        "most --maxcount samples and --maxsize bytes each, with a shard index.",
+        epilog=EXAMPLE_SPLIT,
+        formatter_class=raw,
+    )
+    add_inputs(p)
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="PATTERN",
+        help="shard name pattern with a %%-field for the shard number, e.g. 'out-%%06d.tar' "
+        "(a path or URL; '.tar.gz' shards are gzipped)",
+    )
+    p.add_argument(
+        "--maxcount", type=positive_int, default=100000, help="samples per shard (default 100000)"
+    )
+    p.add_argument(
+        "--maxsize",
+        type=byte_size,
+        default=int(3e9),
+        help="member bytes per shard, e.g. 1e9, 500M (default 3e9)",
+    )
+    p.add_argument(
+        "--start", type=int, default=0, metavar="K", help="number of the first shard (default 0)"
+    )
+    p.add_argument("--no-index", action="store_true", help="do not write a shard index")
+    add_quiet(p)
+    add_common(p)
+    p.set_defaults(run=run_split)
+
+    p = subparsers.add_parser(
+        "cat",
+        help="concatenate shards, optionally shuffled or interleaved",
+        description="Write the samples of all inputs to one tar: in order, shuffled through a\n"
+        "buffer (--shuffle), or interleaved from shards read in parallel (--parallel).",
+        epilog=EXAMPLE_CAT,
+        formatter_class=raw,
+    )
+    add_inputs(p)
+    add_output(p)
+    p.add_argument(
+        "--shuffle",
+        type=positive_int,
+        metavar="BUF",
+        help="shuffle through a buffer of BUF samples",
+    )
+    p.add_argument("--seed", type=int, help="seed for --shuffle (default: a fresh random order)")
+    p.add_argument("--count", type=positive_int, metavar="N", help="stop after N samples")
+    p.add_argument(
+        "--parallel",
+        type=positive_int,
+        default=1,
+        metavar="P",
+        help="read P shards at a time and interleave their samples (default 1)",
+    )
+    add_quiet(p)
+    add_common(p)
+    p.set_defaults(run=run_cat)
+
+    p = subparsers.add_parser(
+        "sort",
+        help="sort samples by key or by a field, in bounded memory",
+        description="Write the samples of the inputs to one tar, sorted by key or by a field.",
+        epilog=EXAMPLE_SORT,
+        formatter_class=raw,
+    )
+    add_inputs(p)
+    add_output(p)
+    p.add_argument(
+        "--by", default="key", metavar="FIELD", help="'key' (default) or a field spec: cls, json.x"
+    )
+    p.add_argument("-n", "--numeric", action="store_true", help="compare numeric text as numbers")
+    p.add_argument("-r", "--reverse", action="store_true", help="largest first")
+    p.add_argument(
+        "--memory",
+        type=byte_size,
+        default=int(500e6),
+        metavar="SIZE",
+        help="samples held in memory before spilling a sorted run to disk (default 500M)",
+    )
+    p.add_argument("--tmpdir", metavar="DIR", help="folder for the spilled runs")
+    add_quiet(p)
+    add_common(p)
+    p.set_defaults(run=run_sort)
+
+
+# -- split --------------------------------------------------------------------------------------
+
+
+def run_split(args: argparse.Namespace) -> int:
+    pattern = require_shard_pattern(args.output)
+    urls = input_urls(args.inputs)
+    if args.start < 0:
+        raise ArgumentError(f"--start must be 0 or more, got {args.start}")
+    writer: Optional[ShardWriter] = None
+    written: List[str] = []  # listed at the end: a line printed now would break the progress bar
+
+    def done(fname: str) -> None:
+        assert writer is not None
+        written.append(f"{fname}: {writer.count} samples")
+
+    writer = ShardWriter(
+        pattern,
+        maxcount=args.maxcount,
+        maxsize=args.maxsize,
+        start_shard=args.start,
+        index=not args.no_index,
+        post=done,
+        encoder=False,
+        keep_meta=True,
+    )
+    try:
+        with writer:
+            count = write_samples(
+                writer, progress(read_samples(urls), "split", args.quiet), "split"
+            )
+    finally:
+        for line in written:  # also when a later shard failed: these are complete
+            say(args, line)
+    if not writer.shards:
+        warn("split", "the inputs hold no samples; no shard was written")
+        return 0
+    index = "" if writer.index is None else f"; index {default_index_name(pattern)}"
+    say(args, f"split {count} samples into {shard_range(writer.shards)}{index}")
+    return 0
+
+
+# -- cat ----------------------------------------------------------------------------------------
+
+
+def run_cat(args: argparse.Namespace) -> int:
+    urls = input_urls(args.inputs)
+    if args.seed is not None and args.shuffle is None:
+        warn("cat", "--seed has no effect without --shuffle")
+    writer = open_output(args.output, keep_meta=True)
+    with writer:
+        if args.parallel > 1:
+            source: Iterator[Sample] = interleave_shards(urls, args.parallel)
+        else:
+            source = read_samples(urls)
+        samples = source
+        try:
+            if args.shuffle is not None:
+                rng = random.Random(args.seed) if args.seed is not None else None
+                samples = shuffle.fn(samples, args.shuffle, args.shuffle, rng=rng)
+            if args.count is not None:
+                samples = itertools.islice(samples, args.count)
+            count = write_samples(writer, progress(samples, "cat", args.quiet), "cat")
+        finally:
+            # Stopping early (--count, an error) closes the shards now: pipe: commands end.
+            _close(samples)
+            _close(source)
+    if args.count is not None and count < args.count:
+        warn("cat", f"--count {args.count}: the inputs hold only {count} samples")
+    say(args, f"wrote {count} samples from {len(urls)} shard(s) to {_name(args.output)}")
+    return 0
+
+
+def _close(iterator: Any) -> None:
+    close = getattr(iterator, "close", None)
+    if callable(close):
+        close()
+
+
+def _name(output: str) -> str:
+    return "standard output" if output == "-" else output
+
+
+def interleave_shards(
+    urls: List[str],
+    parallel: int,
+    read: Callable[[List[str]], Iterator[Sample]] = read_samples,
+    queue_size: int = 16,
+) -> Iterator[Sample]:
+    """Samples of ``parallel`` shards at a time, one from each in turn (round robin).
+
+    Each shard is read on its own thread into a queue of ``queue_size`` samples; when a shard
+    ends, the next input takes its place. The order depends only on the inputs and ``parallel``,
+    not on thread timing. An error in a shard is raised here, when its turn comes. Closing the
+    iterator stops the threads (and closes their shards).
+    """
+    stop = threading.Event()
+    pending = iter(urls)
+    slots: List[Tuple["queue.Queue[Tuple[str, Any]]", threading.Thread]] = []
+
+    def start(url: str) -> Tuple["queue.Queue[Tuple[str, Any]]", threading.Thread]:
+        q: "queue.Queue[Tuple[str, Any]]" = queue.Queue(queue_size)
+        thread = threading.Thread(
+            target=_pump, args=(read, url, q, stop), name=f"webds-cat {url}", daemon=True
+        )
+        thread.start()
+        return q, thread
+
+    try:
+        for url in itertools.islice(pending, parallel):
+            slots.append(start(url))
+        i = 0
+        while slots:
+            i %= len(slots)
+            kind, value = slots[i][0].get()
+            if kind == "sample":
+                yield value
+                i += 1
+            elif kind == "end":
+                nxt = next(pending, None)
+                if nxt is None:
+                    del slots[i]
+                else:
+                    slots[i] = start(nxt)
+            else:
+                raise value
+    finally:
+        stop.set()
+        for _, thread in slots:
+            thread.join(timeout=30)
+
+
+def _pump(
+    read: Callable[[List[str]], Iterator[Sample]],
+    url: str,
+    q: "queue.Queue[Tuple[str, Any]]",
+    stop: threading.Event,
+) -> None:
+    """Thread body: put ("sample", s)... then ("end", None) or ("error", exn) on ``q``."""
+
+    def put(item: Tuple[str, Any]) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        samples = read([url])
+        try:
+            for sample in samples:
+                if not put(("sample", sample)):
+                    return
+        finally:
+            _close(samples)
+        put(("end", None))
+    except BaseException as exn:  # handed to the reading thread, which raises it
+        put(("error", exn))
+
+
+# -- sort ---------------------------------------------------------------------------------------
+
+
+class SortKey:
+    """The sort key of a sample for ``--by``/``--numeric``/``--reverse``: a tuple that orders
+    numbers < NaN < text < bytes < other JSON values, with missing values last (first in the
+    tuple order when ``reverse``, so that a reversed sort still puts them last)."""
+
+    def __init__(self, by: str = "key", numeric: bool = False, reverse: bool = False) -> None:
+        self.by = by
+        self.numeric = numeric
+        self.reverse = reverse
+        self._missing = (-1,) if reverse else (5,)
+
+    def value(self, sample: Sample) -> Any:
+        """The raw value sorted on (:data:`~webds.cli.fields.MISSING` when absent)."""
+        return field_value(sample, self.by)
+
+    def __call__(self, sample: Sample) -> Tuple[Any, ...]:
+        value = self.value(sample)
+        if value is MISSING or value is None:
+            return self._missing
+        if isinstance(value, (int, float)):  # bool included: JSON true/false
+            return (1,) if isinstance(value, float) and math.isnan(value) else (0, value)
+        if isinstance(value, str):
+            if self.numeric:
+                number = _number(value)
+                if number is not None:
+                    return (0, number) if not math.isnan(number) else (1,)
+                return (2, _natural(value))
+            return (2, value)
+        if isinstance(value, (bytes, bytearray)):
+            return (3, bytes(value))
+        return (4, json.dumps(value, sort_keys=True, default=str))
+
+
+def _number(text: str) -> Optional[float]:
+    text = text.strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural(text: str) -> Tuple[Any, ...]:
+    """'img10' -> ('img', 10, ''): text and numbers alternate, so tuples always compare."""
+    parts: List[Any] = _DIGITS.split(text)
+    for j in range(1, len(parts), 2):
+        parts[j] = int(parts[j])
+    return tuple(parts)
+
+
+def run_sort(args: argparse.Namespace) -> int:
+    urls = input_urls(args.inputs)
+    key = SortKey(args.by, args.numeric, args.reverse)
+    writer = open_output(args.output, keep_meta=True)
+    stats: Dict[str, Any] = {}
+    missing = [0]
+
+    def count_missing(samples: Iterable[Sample]) -> Iterator[Sample]:
+        for sample in samples:
+            if key.value(sample) in (MISSING, None):
+                missing[0] += 1
+            yield sample
+
+    samples = read_samples(urls)
+    if args.by not in ("key", "__key__"):
+        samples = count_missing(samples)
+    with writer:
+        ordered = external_sort(
+            progress(samples, "sort", args.quiet),
+            key,
+            reverse=args.reverse,
+            memory=args.memory,
+            tmp_parent=_tmp_parent(args),
+            stats=stats,
+        )
+        try:
+            count = write_samples(writer, ordered, "sort")
+        finally:
+            ordered.close()
+    spilled = stats.get("runs", 0)
+    how = f" ({spilled} sorted runs spilled to disk and merged)" if spilled else ""
+    say(args, f"sorted {count} samples by {args.by} to {_name(args.output)}{how}")
+    if missing[0]:
+        warn("sort", f"{missing[0]} sample(s) have no {args.by!r}; they come last")
+    return 0
+
+
+def _tmp_parent(args: argparse.Namespace) -> Optional[str]:
+    """Where the spill folder goes: --tmpdir, else next to a local OUT, else $TMPDIR."""
+    if args.tmpdir:
+        return str(args.tmpdir)
+    path = None if args.output == "-" else local_path(args.output)
+    if path is not None:
+        return os.path.dirname(os.path.abspath(path))
+    return None  # tempfile's default: $TMPDIR, /tmp, ...
+
+
+def _footprint(sample: Sample) -> int:
+    """About the bytes a sample holds: its fields plus a tar header each."""
+    total = 0
+    for name, value in sample.items():
+        total += 512
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            total += len(value)
+        elif isinstance(value, str):
+            total += len(name) + len(value)
+    return total
+
+
+def external_sort(
+    samples: Iterable[Sample],
+    key: Callable[[Sample], Any],
+    reverse: bool = False,
+    memory: int = int(500e6),
+    tmp_parent: Optional[str] = None,
+    stats: Optional[Dict[str, Any]] = None,
+) -> Iterator[Sample]:
+    """The samples sorted (stably) by ``key``, holding about ``memory`` bytes of samples.
+
+    When more is read, the buffer is sorted and written as a run (a tar) to a temporary
+    folder under ``tmp_parent`` (default: $TMPDIR), and the runs are merged with
+    :func:`heapq.merge` at the end, ``MERGE_FANIN`` at a time. The folder is removed when the
+    iterator is exhausted or closed. ``stats["runs"]`` is set to the number of runs spilled.
+    """
+    stats = {} if stats is None else stats
+    stats["runs"] = 0
+    tmpdir: Optional[str] = None
+    runs: List[str] = []
+    buffer: List[Sample] = []
+    held = 0
+    try:
+        for sample in samples:
+            buffer.append(sample)
+            held += _footprint(sample)
+            if held > memory:
+                if tmpdir is None:
+                    prefix = ".webds-sort-" if tmp_parent is not None else "webds-sort-"
+                    tmpdir = tempfile.mkdtemp(prefix=prefix, dir=tmp_parent)
+                buffer.sort(key=key, reverse=reverse)
+                runs.append(_write_run(tmpdir, len(runs), buffer))
+                buffer, held = [], 0
+        buffer.sort(key=key, reverse=reverse)
+        stats["runs"] = len(runs)
+        if not runs:
+            yield from buffer
+            return
+        assert tmpdir is not None
+        # Merge runs a fan-in at a time, keeping them in input order so the result is stable.
+        generation = 0
+        while len(runs) + 1 > MERGE_FANIN:
+            generation += 1
+            merged = []
+            for start in range(0, len(runs), MERGE_FANIN):
+                group = runs[start : start + MERGE_FANIN]
+                name = f"merge{generation}-{len(merged):06d}"
+                merged.append(
+                    _write_run(tmpdir, name, _merge([_read_run(r) for r in group], key, reverse))
+                )
+                for r in group:
+                    os.unlink(r)
+            runs = merged
+        sources = [_read_run(r) for r in runs] + [iter(buffer)]
+        try:
+            yield from _merge(sources, key, reverse)
+        finally:
+            for source in sources:
+                _close(source)
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _merge(sources: List[Iterator[Sample]], key: Callable, reverse: bool) -> Iterator[Sample]:
+    # heapq.merge breaks ties by source position: earlier runs first, which keeps it stable.
+    return heapq.merge(*sources, key=key, reverse=reverse)
+
+
+# The samples of a run are numbered in their keys ("0000000007/orig-key"), so that two
+# neighbours with the same key stay two samples when the run is read back; the original
+# __url__ travels in a field of its own.
+_URL_FIELD = "__webds_url__"
+_SEQ_WIDTH = 12
+
+
+def _write_run(tmpdir: str, name: Any, samples: Iterable[Sample]) -> str:
+    label = f"{name:06d}" if isinstance(name, int) else str(name)
+    path = os.path.join(tmpdir, f"run-{label}.tar")
+    with TarWriter(path, encoder=False, keep_meta=True) as writer:
+        for seq, sample in enumerate(samples):
+            out = tar_fields(sample)
+            out["__key__"] = f"{seq:0{_SEQ_WIDTH}d}/{sample['__key__']}"
+            url = sample.get("__url__")
+            if isinstance(url, str):
+                out[_URL_FIELD] = url
+            writer.write(out)
+    return path
+
+
+def _read_run(path: str) -> Iterator[Sample]:
+    for sample in read_samples([path]):
+        sample["__key__"] = sample["__key__"][_SEQ_WIDTH + 1 :]
+        url = sample.pop(_URL_FIELD, None)
+        if url is not None:
+            sample["__url__"] = bytes(url).decode("utf-8")
+        else:
+            sample.pop("__url__", None)
+        sample.pop("__local_path__", None)
+        yield sample
