@@ -90,6 +90,20 @@ def test_verify_good_and_truncated(tmp_path: Path, shards: List[Path]) -> None:
     assert quiet.stderr == ""
 
 
+def test_verify_flipped_byte_and_missing_shard(tmp_path: Path, shards: List[Path]) -> None:
+    assert webds("index", "data/", "-o", "data/index.json", "-q", cwd=tmp_path).returncode == 0
+    raw = bytearray(shards[0].read_bytes())
+    raw[512] ^= 0x01  # the first byte of the first member's data: the tar still parses
+    shards[0].write_bytes(bytes(raw))
+    shards[2].unlink()
+    out = webds("verify", "data/index.json", cwd=tmp_path)
+    assert out.returncode == 1, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("data/train-000.tar: sha256: ")
+    assert lines[1].startswith("data/train-002.tar: missing: ")
+    assert lines[-1] == "2 problem(s) in 2 of 4 shards listed in data/index.json"
+
+
 def test_help_has_examples(tmp_path: Path) -> None:
     for command in ("index", "verify"):
         out = webds(command, "--help", cwd=tmp_path)

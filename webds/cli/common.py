@@ -33,6 +33,7 @@ __all__ = [
     "read_samples",
     "open_output",
     "progress",
+    "show_progress",
     "say",
 ]
 
@@ -147,6 +148,12 @@ def _isatty(stream: Any) -> bool:
         return False
 
 
+def show_progress(quiet: bool) -> bool:
+    """Whether to draw progress bars: not with ``--quiet``, and only on a terminal (a log file
+    would fill with bar redraws)."""
+    return not quiet and _isatty(sys.stderr)
+
+
 def progress(
     items: Iterable[Any],
     desc: str,
@@ -154,9 +161,9 @@ def progress(
     total: Optional[int] = None,
     unit: str = " samples",
 ) -> Iterator[Any]:
-    """``items`` with a tqdm progress bar on stderr unless ``quiet`` or stderr is not a terminal
-    (a log file would fill with bar redraws); closed when done."""
-    if quiet or not _isatty(sys.stderr):
+    """``items`` with a tqdm progress bar on stderr (see :func:`show_progress`); closed when
+    done."""
+    if not show_progress(quiet):
         yield from items
         return
     from tqdm.auto import tqdm

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..index import ShardIndex
+from .common import show_progress
 
 EXAMPLE_INDEX = """example:
   webds index 'data/train-{000000..000099}.tar' -o data/train.index.json
@@ -76,7 +77,7 @@ def _positive(text: str) -> int:
 
 
 def run_index(args: argparse.Namespace) -> int:
-    index = ShardIndex.build(args.shards, workers=args.workers, progress=not args.quiet)
+    index = ShardIndex.build(args.shards, workers=args.workers, progress=show_progress(args.quiet))
     index.save(args.output)
     if not args.quiet:
         print(f"indexed {len(index)} shards, {index.total} samples -> {args.output}")
@@ -85,7 +86,7 @@ def run_index(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     index = ShardIndex.load(args.index)
-    problems = index.verify(progress=not args.quiet, workers=args.workers)
+    problems = index.verify(progress=show_progress(args.quiet), workers=args.workers)
     for problem in problems:
         print(f"{_show(problem.url)}: {problem.kind}: {problem.message}")
     if not args.quiet:

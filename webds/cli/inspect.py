@@ -52,8 +52,8 @@ EXAMPLE_SHOW = """example:
 
 Per sample: its key, its shard, and each field: text, numbers and JSON decoded (cut to --width
 characters), binary fields as <N bytes>, images with their format and size (read from the
-header). --images writes a contact sheet of the samples shown (the first image of each, or the
-field named in --fields) with each key under its thumbnail; --count defaults to 16 with it."""
+header). --images writes a contact sheet instead (the first image of each sample, or the field
+named in --fields) with each key under its thumbnail; --count defaults to 16 with it."""
 
 EXAMPLE_TSV = """example:
   webds tsv data/train-000000.tar --fields cls,json.label > labels.tsv
@@ -361,6 +361,12 @@ def run_show(args: argparse.Namespace) -> int:
     out = sys.stdout
     with _samples(args, count) as samples:
         for i, sample in enumerate(samples):
+            if args.images is not None:
+                # The sheet is what was asked for: no wall of text blocks on stdout.
+                field = _image_of(sample, args.fields)
+                if field is not None:
+                    tiles.append((sample["__key__"], bytes(sample[field]), field))
+                continue
             rows = [("__key__", sample["__key__"]), ("__url__", sample.get("__url__", ""))]
             specs = args.fields if args.fields is not None else _fields(sample)
             rows += [
@@ -369,10 +375,6 @@ def run_show(args: argparse.Namespace) -> int:
             pad = max(len(name) for name, _ in rows)
             block = "".join(f"{name:<{pad}}  {text}".rstrip() + "\n" for name, text in rows)
             out.write(("\n" if i else "") + block)
-            if args.images is not None:
-                field = _image_of(sample, args.fields)
-                if field is not None:
-                    tiles.append((sample["__key__"], bytes(sample[field]), field))
     if args.images is not None:
         _write_sheet(args, tiles)
     return 0

@@ -46,6 +46,7 @@ from .common import (
     progress,
     read_samples,
     say,
+    show_progress,
 )
 
 __all__ = ["register", "SampleCommand", "SampleCommandError", "ShardCommand", "run_samples"]
@@ -494,7 +495,7 @@ def _run_shards(args: argparse.Namespace) -> int:
                 executor,
                 level="shard",
                 workers=args.workers,
-                progress=not args.quiet,
+                progress=show_progress(args.quiet),
                 encoder=False,
             )
         except MapShardsError as exn:
