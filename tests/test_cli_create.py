@@ -4,46 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict
 
 import pytest
+from clitools import run_webds, tar_contents, tar_names
 
 from webds.cli import main
 from webds.samples import base_plus_ext, tarfile_samples
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def webds(*args: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if "stdout" not in kw and "stderr" not in kw:
-        kw["capture_output"] = True
-    elif "stderr" not in kw:
-        kw["stderr"] = subprocess.PIPE
-    return subprocess.run(
-        [sys.executable, "-m", "webds.cli", *args], cwd=cwd, env=env, timeout=120, **kw
-    )
-
-
-def tar_names(path: Path) -> List[str]:
-    """The member names GNU tar lists, in archive order."""
-    out = subprocess.run(["tar", "tf", str(path)], capture_output=True, text=True, check=True)
-    return out.stdout.splitlines()
-
-
-def tar_contents(path: Path, dest: Path) -> Dict[str, bytes]:
-    """Every regular file GNU tar extracts from ``path``, by archive name."""
-    dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["tar", "xf", str(path), "-C", str(dest)], check=True)
-    return {
-        p.relative_to(dest).as_posix(): p.read_bytes()
-        for p in sorted(dest.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture
@@ -91,15 +59,17 @@ def test_plan_groups_samples_and_reads_every_source(cwd: Path) -> None:
 def test_plan_sort_and_stdin_to_stdout_subprocess(tmp_path: Path) -> None:
     plan = "b.txt text:B\na.txt text:A\nb.cls text:2\nc.txt text:C\na.cls text:1\n"
     with open(tmp_path / "out.tar", "wb") as out:
-        done = webds("create", "-", "--sort", "-q", cwd=tmp_path, input=plan.encode(), stdout=out)
+        done = run_webds(
+            "create", "-", "--sort", "-q", cwd=tmp_path, input=plan.encode(), stdout=out
+        )
     assert done.returncode == 0, done.stderr
-    assert done.stderr == b""
+    assert done.stderr == ""
     assert tar_names(tmp_path / "out.tar") == ["a.cls", "a.txt", "b.cls", "b.txt", "c.txt"]
     with open(tmp_path / "unsorted.tar", "wb") as out:
-        done = webds("create", "-", cwd=tmp_path, input=plan.encode(), stdout=out)
+        done = run_webds("create", "-", cwd=tmp_path, input=plan.encode(), stdout=out)
     assert done.returncode == 0
     assert tar_names(tmp_path / "unsorted.tar") == ["b.cls", "b.txt", "a.cls", "a.txt", "c.txt"]
-    assert done.stderr.decode().splitlines()[-1] == "created -: 3 samples, 5 files"
+    assert done.stderr.splitlines()[-1] == "created -: 3 samples, 5 files"
 
 
 def test_failing_pipe_names_the_plan_line(cwd: Path, capsys: pytest.CaptureFixture) -> None:
@@ -236,24 +206,23 @@ def test_duplicate_extension_in_folder_is_an_error(
 
 
 def test_help_and_terminal_refusal(tmp_path: Path) -> None:
-    out = webds("create", "--help", cwd=tmp_path, text=True)
+    out = run_webds("create", "--help", cwd=tmp_path, text=True)
     assert out.returncode == 0
     assert "example:" in out.stdout and "webds create plan.txt -o data.tar" in out.stdout
     assert "text:" in out.stdout and "pipe:CMD" in out.stdout
     master, slave = os.openpty()
     try:
-        done = webds(
+        done = run_webds(
             "create",
             "-",
             cwd=tmp_path,
             input=b"a.txt text:x\n",
             stdout=slave,
-            stderr=subprocess.PIPE,
         )
     finally:
         os.close(slave)
         os.close(master)
     assert done.returncode == 2
-    assert done.stderr.decode().startswith(
+    assert done.stderr.startswith(
         "webds create: error: refusing to write a tar archive to the terminal"
     )

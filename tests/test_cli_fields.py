@@ -9,13 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from clitools import ROOT, tar_names
 from conftest import sample_members, write_tar
 
 from webds.cli.common import byte_size, input_urls, open_output, positive_int, read_samples
 from webds.cli.fields import MISSING, Where, decode_field, field_value, format_value
 from webds.errors import ArgumentError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SAMPLE = {
     "__key__": "dir/0001",
@@ -170,7 +169,5 @@ def test_a_tar_is_not_written_to_a_terminal() -> None:
 def test_open_output_writes_raw_samples(tmp_path: Path) -> None:
     with open_output(str(tmp_path / "o.tar")) as writer:
         writer.write({"__key__": "a", "cls": b"1", "txt": b"x"})
-    names = subprocess.run(
-        ["tar", "tf", str(tmp_path / "o.tar")], capture_output=True, text=True, check=True
-    ).stdout.split()
+    names = tar_names(tmp_path / "o.tar")
     assert names == ["a.cls", "a.txt"]

@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import List
 
 import pytest
+from clitools import run_webds
 from conftest import sample_members, write_tar
 
 from webds.index import FORMAT, ShardIndex
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def webds(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run(
-        [sys.executable, "-m", "webds.cli", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+#: ``webds ...`` as a subprocess; index and verify print text.
+webds = functools.partial(run_webds, text=True)
 
 
 @pytest.fixture

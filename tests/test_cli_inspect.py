@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shlex
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
+from clitools import PY, WEBDS, run_shell, run_webds, tar_contents, tar_names
 from conftest import write_tar
 
 from webds import TarWriter
@@ -24,40 +22,7 @@ from webds.cli.inspect import human_size
 
 Image = pytest.importorskip("PIL.Image")
 
-ROOT = Path(__file__).resolve().parents[1]
-PY = shlex.quote(sys.executable)
 COLORS = [(220, 30, 30), (30, 200, 40), (20, 40, 220), (240, 220, 30), (200, 40, 200)]
-
-
-def env() -> Dict[str, str]:
-    out = dict(os.environ)
-    out["PYTHONPATH"] = os.pathsep.join([str(ROOT), out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return out
-
-
-def webds(*args: str, cwd: Path, stdin: bytes = b"") -> subprocess.CompletedProcess:
-    """``python -m webds.cli ARGS`` as a real subprocess (bytes out, text err)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "webds.cli", *args],
-        cwd=cwd,
-        env=env(),
-        input=stdin,
-        capture_output=True,
-        timeout=120,
-    )
-    proc.stderr = proc.stderr.decode()  # type: ignore[assignment]
-    return proc
-
-
-def shell(command: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", "-o", "pipefail", "-c", command],
-        cwd=cwd,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def image_bytes(color: Tuple[int, int, int], size=(64, 48), fmt: str = "JPEG") -> bytes:
@@ -170,7 +135,7 @@ def test_ls_matches_gnu_tar_listing(tmp_path: Path) -> None:
         expected.setdefault(key, []).append((ext, int(size)))
     assert len(expected) == 3
 
-    exact = webds("ls", "--bytes", "gnu.tar", cwd=tmp_path)
+    exact = run_webds("ls", "--bytes", "gnu.tar", cwd=tmp_path)
     assert exact.returncode == 0, exact.stderr
     got = {}
     for line in exact.stdout.decode().splitlines():
@@ -179,7 +144,7 @@ def test_ls_matches_gnu_tar_listing(tmp_path: Path) -> None:
     assert got == expected
     assert list(got) == list(expected)  # in tar order
 
-    human = webds("ls", "gnu.tar", "--long", cwd=tmp_path)
+    human = run_webds("ls", "gnu.tar", "--long", cwd=tmp_path)
     lines = human.stdout.decode().splitlines()
     key0 = next(iter(expected))
     assert lines[0] == (
@@ -207,15 +172,15 @@ def test_ls_options_in_process(capsys, photos: Path) -> None:
 
 
 def test_ls_in_pipes(tmp_path: Path, photos: Path) -> None:
-    direct = webds("ls", "photos.tar", cwd=tmp_path)
-    piped = shell(f"cat photos.tar | {PY} -m webds.cli ls -", cwd=tmp_path)
+    direct = run_webds("ls", "photos.tar", cwd=tmp_path)
+    piped = run_shell(f"cat photos.tar | {WEBDS} ls -", cwd=tmp_path)
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == direct.stdout.decode() and len(piped.stdout.splitlines()) == 5
     assert piped.stdout.splitlines()[0].startswith("0000  cls:1 jpg:")
 
     # The reader goes away early: no traceback, no error line.
     many = write_tar(tmp_path / "many.tar", [(f"{i:06d}.cls", b"1") for i in range(20000)])
-    head = shell(f"{PY} -m webds.cli ls {many.name} | head -n 2", cwd=tmp_path)
+    head = run_shell(f"{WEBDS} ls {many.name} | head -n 2", cwd=tmp_path)
     assert head.stdout == "000000  cls:1\n000001  cls:1\n"
     assert "Traceback" not in head.stderr and "error" not in head.stderr
 
@@ -224,7 +189,7 @@ def test_ls_truncated_shard_prints_good_samples_then_fails(tmp_path: Path) -> No
     shards = cls_shards(tmp_path, n=2, per=30)
     data = shards[1].read_bytes()
     shards[1].write_bytes(data[: len(data) // 2 + 100])  # inside a member's data
-    out = webds("ls", "shard-0.tar", "shard-1.tar", cwd=tmp_path)
+    out = run_webds("ls", "shard-0.tar", "shard-1.tar", cwd=tmp_path)
     assert out.returncode == 1
     keys = [line.split()[0] for line in out.stdout.decode().splitlines()]
     assert keys[:30] == [f"s0-{i}" for i in range(30)]
@@ -236,7 +201,7 @@ def test_ls_truncated_shard_prints_good_samples_then_fails(tmp_path: Path) -> No
 
 def test_ls_stops_reading_an_endless_pipe(tmp_path: Path) -> None:
     endless = write_endless_tar_script(tmp_path)
-    out = webds("ls", f"pipe:{PY} {endless}", "--count", "3", cwd=tmp_path)
+    out = run_webds("ls", f"pipe:{PY} {endless}", "--count", "3", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.decode() == "000000  cls:1\n000001  cls:1\n000002  cls:1\n"
 
@@ -307,7 +272,7 @@ def test_show_contact_sheet(tmp_path: Path, photos: Path) -> None:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
-    out = webds(
+    out = run_webds(
         "show", "photos.tar", "--images", "grid.png", "--thumb", "40", "--columns", "3",
         cwd=tmp_path,
     )  # fmt: skip
@@ -333,7 +298,7 @@ def test_show_contact_sheet(tmp_path: Path, photos: Path) -> None:
     assert row[0] < 20 and row[-1] > 230 and row == sorted(row)  # 16-bit gradient, stretched
 
     # --fields picks the image: only sample 0003 has seg.png.
-    out = webds(
+    out = run_webds(
         "show", "photos.tar", "--fields", "seg.png", "--images", "seg.jpg", "--thumb", "40",
         cwd=tmp_path,
     )  # fmt: skip
@@ -362,7 +327,7 @@ def test_show_bad_arguments(capsys, tmp_path: Path, photos: Path) -> None:
 
 
 def test_tsv_subprocess(tmp_path: Path, photos: Path) -> None:
-    out = webds("tsv", "photos.tar", "--fields", "cls,json.label,txt,json.w,jpg", cwd=tmp_path)
+    out = run_webds("tsv", "photos.tar", "--fields", "cls,json.label,txt,json.w,jpg", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     rows = [line.split("\t") for line in out.stdout.decode().splitlines()]
     assert rows[0] == ["__key__", "cls", "json.label", "txt", "json.w", "jpg"]
@@ -400,25 +365,22 @@ def test_tsv_options(capsys, tmp_path: Path) -> None:
 
 def test_first_where_over_pipes_and_stdin(tmp_path: Path) -> None:
     cls_shards(tmp_path, n=3, per=4)  # cls 0..11: s0 has 0-3, s1 4-7, s2 8-11
-    out = webds(
+    out = run_webds(
         "first", "pipe:cat shard-0.tar", "pipe:cat shard-1.tar", "-",
         "--where", "cls % 3 == 2", "--count", "3", "-o", "out.tar",
-        cwd=tmp_path, stdin=(tmp_path / "shard-2.tar").read_bytes(),
+        cwd=tmp_path, input=(tmp_path / "shard-2.tar").read_bytes(),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    listing = subprocess.run(
-        ["tar", "tf", "out.tar"], cwd=tmp_path, capture_output=True, text=True, check=True
-    ).stdout.split()
+    listing = tar_names(tmp_path / "out.tar")
     # cls 2, 5, 8: one from each input, the last from stdin.
     assert listing == ["s0-2.cls", "s0-2.txt", "s1-1.cls", "s1-1.txt", "s2-0.cls", "s2-0.txt"]
-    (tmp_path / "x").mkdir()
-    subprocess.run(["tar", "xf", "../out.tar"], cwd=tmp_path / "x", check=True)
+    tar_contents(tmp_path / "out.tar", tmp_path / "x")
     assert (tmp_path / "x" / "s1-1.cls").read_bytes() == b"5"
     assert (tmp_path / "x" / "s2-0.txt").read_bytes() == b"s2-0"
     assert "wrote 3 sample(s) to out.tar" in out.stderr
 
     # Default: the first sample, to stdout, in a pipe to GNU tar.
-    piped = shell(f"{PY} -m webds.cli first shard-1.tar -q | tar tvf -", cwd=tmp_path)
+    piped = run_shell(f"{WEBDS} first shard-1.tar -q | tar tvf -", cwd=tmp_path)
     assert piped.returncode == 0, piped.stderr
     assert [line.split()[-1] for line in piped.stdout.splitlines()] == ["s1-0.cls", "s1-0.txt"]
 
@@ -426,7 +388,7 @@ def test_first_where_over_pipes_and_stdin(tmp_path: Path) -> None:
 def test_first_never_opens_a_later_shard(tmp_path: Path) -> None:
     cls_shards(tmp_path, n=2, per=4)
     marker = tmp_path / "opened"
-    out = webds(
+    out = run_webds(
         "first", "shard-0.tar", f"pipe:touch {marker}; cat shard-1.tar", "--where", "cls == 1",
         "-o", "one.tar", "-q", cwd=tmp_path,
     )  # fmt: skip
@@ -435,7 +397,7 @@ def test_first_never_opens_a_later_shard(tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "one.tar") as tf:
         assert tf.getnames() == ["s0-1.cls", "s0-1.txt"]
     # The same with a match in the second shard does open it (the check above can fail).
-    out = webds(
+    out = run_webds(
         "first", "shard-0.tar", f"pipe:touch {marker}; cat shard-1.tar", "--where", "cls == 6",
         "-o", "six.tar", "-q", cwd=tmp_path,
     )  # fmt: skip
@@ -444,7 +406,7 @@ def test_first_never_opens_a_later_shard(tmp_path: Path) -> None:
 
 def test_first_stops_reading_an_endless_pipe(tmp_path: Path) -> None:
     endless = write_endless_tar_script(tmp_path)
-    out = webds(
+    out = run_webds(
         "first", f"pipe:{PY} {endless}", "--where", "cls == 7", "--count", "2", "-o", "-",
         cwd=tmp_path,
     )  # fmt: skip
@@ -475,7 +437,7 @@ def test_first_no_match_and_bad_where(capsys, tmp_path: Path) -> None:
     with tarfile.open(target) as tf:
         assert tf.getnames() == ["s0-1.cls", "s0-1.txt", "s0-2.cls", "s0-2.txt"]
 
-    out = webds("first", "shard-0.tar", "--where", "cls ==", "-o", "x.tar", cwd=tmp_path)
+    out = run_webds("first", "shard-0.tar", "--where", "cls ==", "-o", "x.tar", cwd=tmp_path)
     assert out.returncode == 2
     assert out.stderr.startswith("webds first: error: --where 'cls ==' is not a Python expression")
     assert len(out.stderr.splitlines()) == 1 and not (tmp_path / "x.tar").exists()
@@ -506,7 +468,7 @@ def known(tmp_path: Path) -> List[Path]:
 
 
 def test_stats_exact_json(tmp_path: Path, known: List[Path]) -> None:
-    out = webds("stats", "a.tar", "b.tar", "--json", "-q", cwd=tmp_path)
+    out = run_webds("stats", "a.tar", "b.tar", "--json", "-q", cwd=tmp_path)
     assert out.returncode == 0 and out.stderr == ""
     report = json.loads(out.stdout)
     assert report["samples"] == 10 and report["shards"] == 2
@@ -566,7 +528,7 @@ def test_stats_missing_examples_include_samples_before_the_field(capsys, tmp_pat
 def test_stats_errors(tmp_path: Path, known: List[Path]) -> None:
     data = known[1].read_bytes()
     known[1].write_bytes(data[:700])
-    out = webds("stats", "a.tar", "b.tar", cwd=tmp_path)
+    out = run_webds("stats", "a.tar", "b.tar", cwd=tmp_path)
     assert out.returncode == 1 and out.stdout == b""
     last = out.stderr.splitlines()[-1]
     assert last.startswith("webds stats: error: shard is truncated") and "b.tar" in last

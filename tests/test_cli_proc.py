@@ -7,49 +7,17 @@ import gzip
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import pytest
+from clitools import WEBDS, cli_env, run_shell, run_webds, tar_contents, tar_members, tar_names
 from conftest import sample_members, write_tar
 
 from webds.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
-
 FAIL_ON_2 = 'if [ "$KEY" = a_000002 ]; then echo "no good: $KEY" >&2; exit 3; fi'
 TR = "tr a-z A-Z < sample.txt > sample.txt.new && mv sample.txt.new sample.txt"
-
-
-def env() -> Dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return e
-
-
-WEBDS = f"{sys.executable} -m webds.cli"
-
-
-def webds(*args: str, cwd: Path, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "webds.cli", *args],
-        cwd=cwd,
-        env=kw.pop("env", env()),
-        capture_output=True,
-        timeout=120,
-        **kw,
-    )
-
-
-def gnu_tar(*args: str, cwd: Path) -> List[str]:
-    out = subprocess.run(["tar", *args], cwd=cwd, capture_output=True, text=True, check=True)
-    return out.stdout.splitlines()
-
-
-def members(path: Path) -> Dict[str, bytes]:
-    with tarfile.open(path) as tf:
-        return {m.name: tf.extractfile(m).read() for m in tf.getmembers()}  # type: ignore[union-attr]
 
 
 @pytest.fixture
@@ -73,15 +41,14 @@ def shard(tmp_path: Path) -> Path:
 
 
 def test_tr_as_subprocess_compared_with_gnu_tar(tmp_path: Path, gnu_shard: Path) -> None:
-    out = webds("proc", "gnu.tar", "-o", "up.tar", "-c", TR, cwd=tmp_path)
+    out = run_webds("proc", "gnu.tar", "-o", "up.tar", "-c", TR, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert b"proc: 4 samples in, 4 out -> up.tar" in out.stderr
-    assert gnu_tar("tf", "up.tar", cwd=tmp_path) == [
+    assert "proc: 4 samples in, 4 out -> up.tar" in out.stderr
+    assert tar_names(tmp_path / "up.tar") == [
         f"k{i}.{ext}" for i in range(4) for ext in ("cls", "txt")
     ]
     dest = tmp_path / "x"
-    dest.mkdir()
-    gnu_tar("xf", "../up.tar", cwd=dest)
+    tar_contents(tmp_path / "up.tar", dest)
     for i in range(4):
         assert (dest / f"k{i}.txt").read_text() == f"HELLO SAMPLE {i}\n"
         assert (dest / f"k{i}.cls").read_text() == str(i)  # untouched fields pass through
@@ -89,17 +56,17 @@ def test_tr_as_subprocess_compared_with_gnu_tar(tmp_path: Path, gnu_shard: Path)
 
 def test_gzip_makes_a_new_field(tmp_path: Path, shard: Path) -> None:
     assert main(["proc", str(shard), "-o", str(tmp_path / "gz.tar"), "-c", "gzip sample.txt"]) == 0
-    names = gnu_tar("tf", "gz.tar", cwd=tmp_path)
+    names = tar_names(tmp_path / "gz.tar")
     assert names[:2] == ["a_000000.cls", "a_000000.txt.gz"]
     assert len(names) == 12 and not any(n.endswith(".txt") for n in names)
-    got = members(tmp_path / "gz.tar")
+    got = dict(tar_members(tmp_path / "gz.tar"))
     assert gzip.decompress(got["a_000003.txt.gz"]) == b"sample a_000003 txt"
 
 
 def test_files_removed_added_and_key_in_env(tmp_path: Path, shard: Path) -> None:
     command = 'rm sample.cls; printf %s "$KEY" > sample.key; mkdir sample.dir; echo x > other'
     assert main(["proc", str(shard), "-o", str(tmp_path / "o.tar"), "-c", command, "-q"]) == 0
-    got = members(tmp_path / "o.tar")
+    got = dict(tar_members(tmp_path / "o.tar"))
     assert sorted(got)[:2] == ["a_000000.key", "a_000000.txt"]
     assert len(got) == 12  # no cls, no folder, no file outside sample.*
     assert got["a_000004.key"] == b"a_000004"
@@ -128,7 +95,7 @@ def test_keep_going_skips_counts_and_fails(
     assert status == 1
     assert "sample 'a_000002'" in err and "exit status 3" in err
     assert "6 samples in, 5 out, 1 failed and left out" in err
-    assert [n for n in gnu_tar("tf", "o.tar", cwd=tmp_path) if n.endswith(".cls")] == [
+    assert [n for n in tar_names(tmp_path / "o.tar") if n.endswith(".cls")] == [
         f"a_00000{i}.cls" for i in (0, 1, 3, 4, 5)
     ]
 
@@ -146,7 +113,7 @@ def test_no_output_file_and_timeout_are_failures(
     assert "sample 'a_000001'" in err and "left no sample.* file" in err
     assert "sample 'a_000004'" in err and "timed out after 0.5 s" in err
     assert "6 samples in, 4 out, 2 failed" in err
-    assert len(members(out)) == 8
+    assert len(dict(tar_members(out))) == 8
 
 
 def test_parallel_runs_p_at_once_and_keeps_order(tmp_path: Path) -> None:
@@ -162,7 +129,7 @@ def test_parallel_runs_p_at_once_and_keeps_order(tmp_path: Path) -> None:
     )
     status = main(["proc", str(src), "-o", str(tmp_path / "o.tar"), "-c", command, "-p", "4"])
     assert status == 0
-    names = gnu_tar("tf", "o.tar", cwd=tmp_path)
+    names = tar_names(tmp_path / "o.tar")
     assert names == [f"p_{i:06d}.{ext}" for i in range(10) for ext in ("cls", "seen", "txt")]
 
 
@@ -177,23 +144,19 @@ def test_first_failure_ends_the_commands_still_running(tmp_path: Path, shard: Pa
 
 def test_pipe_stdin_to_stdout(tmp_path: Path, gnu_shard: Path) -> None:
     line = f"{WEBDS} proc - -o - -c 'gzip sample.txt' < gnu.tar | tar tf -"
-    out = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", line], cwd=tmp_path, env=env(), capture_output=True
-    )
+    out = run_shell(line, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.decode().splitlines() == [
-        f"k{i}.{ext}" for i in range(4) for ext in ("cls", "txt.gz")
-    ]
+    assert out.stdout.splitlines() == [f"k{i}.{ext}" for i in range(4) for ext in ("cls", "txt.gz")]
 
 
 def test_pipe_failure_makes_the_stream_unreadable(tmp_path: Path, shard: Path) -> None:
     line = f"{WEBDS} proc - -o - -c '{FAIL_ON_2}' < a.tar | tar tf -; echo \"${{PIPESTATUS[*]}}\""
-    out = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env(), capture_output=True)
-    lines = out.stdout.decode().splitlines()
+    out = run_shell(line, cwd=tmp_path)
+    lines = out.stdout.splitlines()
     # GNU tar lists what came before the failure, then reports the truncated member.
     assert lines[:4] == ["a_000000.cls", "a_000000.txt", "a_000001.cls", "a_000001.txt"]
     assert lines[-1] == "1 2"  # proc exit 1, tar exit 2
-    err = out.stderr.decode()
+    err = out.stderr
     assert "sample 'a_000002' in shard '-'" in err and "Unexpected EOF" in err
 
 
@@ -228,13 +191,13 @@ def test_shard_to_shard_skips_complete_and_redoes_failed(
     for name, stat in before.items():
         after = (out / name).stat()
         assert (after.st_ino, after.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
-    assert gnu_tar("tf", "out/s-1.tar", cwd=tmp_path) == [
+    assert tar_names(tmp_path / "out/s-1.tar") == [
         "a_000000.cls",
         "a_000000.txt",
         "a_000001.cls",
         "a_000001.txt",
     ]
-    assert members(out / "s-0.tar")["b0_000001.txt"] == b"SAMPLE B0_000001 TXT"
+    assert dict(tar_members(out / "s-0.tar"))["b0_000001.txt"] == b"SAMPLE B0_000001 TXT"
 
     # Everything is there now: nothing to do.
     assert main(["proc", f"{data}/", "-o", f"{out}/{{name}}", "-c", "exit 1", "-q"]) == 0
@@ -248,9 +211,9 @@ def test_dask_local_matches_local_processes(tmp_path: Path) -> None:
     data.mkdir()
     for i in range(3):
         write_tar(data / f"s-{i}.tar", sample_members(4, prefix=f"b{i}_"))
-    local = webds("proc", "in/", "-o", "local/{stem}.tar", "-c", TR, "-q", cwd=tmp_path)
+    local = run_webds("proc", "in/", "-o", "local/{stem}.tar", "-c", TR, "-q", cwd=tmp_path)
     assert local.returncode == 0, local.stderr
-    dask = webds(
+    dask = run_webds(
         "proc",
         "in/",
         "-o",
@@ -264,8 +227,8 @@ def test_dask_local_matches_local_processes(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert dask.returncode == 0, dask.stderr
-    assert b"proc: 3 shards written; 12 samples in, 12 out -> dask/{index}.tar" in dask.stderr
-    assert b"Scheduler" not in dask.stderr and b"Nanny" not in dask.stderr  # Dask's INFO logs
+    assert "proc: 3 shards written; 12 samples in, 12 out -> dask/{index}.tar" in dask.stderr
+    assert "Scheduler" not in dask.stderr and "Nanny" not in dask.stderr  # Dask's INFO logs
     for i in range(3):
         assert (tmp_path / f"dask/{i}.tar").read_bytes() == (
             tmp_path / f"local/s-{i}.tar"
@@ -274,10 +237,10 @@ def test_dask_local_matches_local_processes(tmp_path: Path) -> None:
 
 def test_dask_scheduler_unreachable(tmp_path: Path, shard: Path) -> None:
     pytest.importorskip("distributed", reason="dask distributed is not installed")
-    e = env()
+    e = cli_env()
     e["DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT"] = "1s"
     port = _closed_port()
-    out = webds(
+    out = run_webds(
         "proc",
         "a.tar",
         "-o",
@@ -290,7 +253,7 @@ def test_dask_scheduler_unreachable(tmp_path: Path, shard: Path) -> None:
         env=e,
     )
     assert out.returncode == 1
-    assert out.stderr.decode().startswith(
+    assert out.stderr.startswith(
         f"webds proc: error: cannot connect to the Dask scheduler 'tcp://127.0.0.1:{port}'"
     )
     assert not (tmp_path / "o").exists()
@@ -336,9 +299,9 @@ def test_bad_arguments_and_inputs(
 
 def test_truncated_input_fails_without_output(tmp_path: Path, shard: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:3000])
-    out = webds("proc", "a.tar", "-o", "o.tar", "-c", TR, cwd=tmp_path)
+    out = run_webds("proc", "a.tar", "-o", "o.tar", "-c", TR, cwd=tmp_path)
     assert out.returncode == 1
-    assert b"webds proc: error: shard is truncated" in out.stderr
+    assert "webds proc: error: shard is truncated" in out.stderr
     assert not (tmp_path / "o.tar").exists()
 
 

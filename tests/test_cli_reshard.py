@@ -7,45 +7,18 @@ import collections
 import json
 import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
+from clitools import cli_env, run_webds, tar_contents, tar_members, tar_names, webds_command
 from conftest import sample_members, write_tar
 
 from webds.cli import main
 from webds.cli.reshard import MERGE_FANIN
 from webds.samples import tarfile_samples
 from webds.writer import TarWriter
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def command(*args: str) -> List[str]:
-    return [sys.executable, "-m", "webds.cli", *args]
-
-
-def env() -> Dict[str, str]:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return e
-
-
-def tar_names(path: Path) -> List[str]:
-    out = subprocess.run(["tar", "tf", str(path)], capture_output=True, text=True, check=True)
-    return out.stdout.splitlines()
-
-
-def tar_contents(path: Path, dest: Path) -> Dict[str, bytes]:
-    dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["tar", "xf", str(path), "-C", str(dest)], check=True)
-    return {
-        p.relative_to(dest).as_posix(): p.read_bytes()
-        for p in sorted(dest.rglob("*"))
-        if p.is_file()
-    }
 
 
 def lines(stderr: str) -> List[str]:
@@ -101,19 +74,9 @@ def listing(inputs: Dict[str, Path]) -> List[str]:
 
 def test_cat_to_redirected_stdout_subprocess(tmp_path: Path, inputs: Dict[str, Path]) -> None:
     with open(tmp_path / "all.tar", "wb") as out:
-        done = subprocess.run(
-            command("cat", "gnu.tar", "py.tar.gz", "wd.tar"),
-            cwd=tmp_path,
-            env=env(),
-            stdout=out,
-            stderr=subprocess.PIPE,
-            text=False,
-            timeout=120,
-        )
+        done = run_webds("cat", "gnu.tar", "py.tar.gz", "wd.tar", cwd=tmp_path, stdout=out)
     assert done.returncode == 0, done.stderr
-    assert lines(done.stderr.decode())[-1] == (
-        "wrote 12 samples from 3 shard(s) to standard output"
-    )
+    assert lines(done.stderr)[-1] == ("wrote 12 samples from 3 shard(s) to standard output")
     names = tar_names(tmp_path / "all.tar")
     assert names == listing(inputs)
     assert keys_of(names) == ALL_KEYS
@@ -127,16 +90,16 @@ def test_cat_to_redirected_stdout_subprocess(tmp_path: Path, inputs: Dict[str, P
 def test_cat_pipe_into_split_subprocesses(tmp_path: Path, inputs: Dict[str, Path]) -> None:
     (tmp_path / "out").mkdir()
     cat = subprocess.Popen(
-        command("cat", "gnu.tar", "py.tar.gz", "wd.tar", "-q"),
+        webds_command("cat", "gnu.tar", "py.tar.gz", "wd.tar", "-q"),
         cwd=tmp_path,
-        env=env(),
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
     split = subprocess.Popen(
-        command("split", "-", "-o", "out/x-%04d.tar", "--maxcount", "5"),
+        webds_command("split", "-", "-o", "out/x-%04d.tar", "--maxcount", "5"),
         cwd=tmp_path,
-        env=env(),
+        env=cli_env(),
         stdin=cat.stdout,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -397,19 +360,12 @@ def test_sort_spills_runs_and_merges_stably(tmp_path: Path, monkeypatch, capsys)
 def _raw_samples(path: Path) -> List[dict]:
     """Samples split at every '.cls' member (a reader would merge same-key neighbours)."""
     out: List[dict] = []
-    for name, data in _members(path):
+    for name, data in tar_members(path):
         key, ext = name.split(".", 1)
         if ext == "cls" or not out:
             out.append({"__key__": key})
         out[-1][ext] = data
     return out
-
-
-def _members(path: Path) -> List[Tuple[str, bytes]]:
-    import tarfile
-
-    with tarfile.open(path) as tf:
-        return [(m.name, tf.extractfile(m).read()) for m in tf.getmembers() if m.isfile()]
 
 
 def test_missing_and_truncated_inputs(
@@ -452,20 +408,14 @@ def test_missing_and_truncated_inputs(
 
 def test_errors_as_subprocesses_and_terminal_refusal(tmp_path: Path, inputs) -> None:
     (tmp_path / "cut.tar").write_bytes(inputs["gnu"].read_bytes()[:2000])
-    done = subprocess.run(
-        command("cat", "gnu.tar", "cut.tar", "-q", "-o", "out.tar"),
-        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_webds("cat", "gnu.tar", "cut.tar", "-q", "-o", "out.tar", cwd=tmp_path, text=True)
     assert done.returncode == 1
     assert done.stderr.startswith("webds cat: error: shard is truncated")
     assert "'cut.tar'" in done.stderr and "Traceback" not in done.stderr
-    kw = dict(cwd=tmp_path, env=env(), text=True, timeout=120)
     master, slave = os.openpty()
     try:
         for cmd in ("cat", "sort"):
-            done = subprocess.run(
-                command(cmd, "wd.tar"), stdout=slave, stderr=subprocess.PIPE, **kw
-            )
+            done = run_webds(cmd, "wd.tar", cwd=tmp_path, stdout=slave, text=True)
             assert done.returncode == 2
             assert done.stderr == (
                 f"webds {cmd}: error: refusing to write a tar archive to the terminal; give -o "
@@ -475,9 +425,7 @@ def test_errors_as_subprocesses_and_terminal_refusal(tmp_path: Path, inputs) -> 
         os.close(slave)
         os.close(master)
     for cmd in ("split", "cat", "sort"):
-        out = subprocess.run(
-            command(cmd, "--help"), cwd=tmp_path, env=env(), capture_output=True, text=True
-        )
+        out = run_webds(cmd, "--help", cwd=tmp_path, text=True)
         assert out.returncode == 0
         assert "example:" in out.stdout and f"webds {cmd} " in out.stdout
 

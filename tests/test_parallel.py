@@ -5,14 +5,13 @@ the other outputs, local and S3 (moto) shards."""
 from __future__ import annotations
 
 import os
-import subprocess
-import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, Iterator, List
 
 import pytest
 import shardfns
+from clitools import tar_members, tar_names
 from conftest import sample_members, write_tar
 
 import webds
@@ -39,13 +38,7 @@ def shards(tmp_path: Path) -> List[Path]:
 
 
 def members(path: Path) -> Dict[str, bytes]:
-    with tarfile.open(path) as tf:
-        return {m.name: tf.extractfile(m).read() for m in tf.getmembers()}  # type: ignore[union-attr]
-
-
-def gnu_list(path: Path) -> List[str]:
-    out = subprocess.run(["tar", "tf", str(path)], capture_output=True, text=True, check=True)
-    return out.stdout.splitlines()
+    return dict(tar_members(path))
 
 
 def snapshot(folder: Path) -> Dict[str, tuple]:
@@ -70,7 +63,7 @@ def test_sample_level_on_default_process_pool(tmp_path: Path, shards: List[Path]
     ]
     assert all(r.ok for r in results)
     # GNU tar reads the outputs; fields sorted per sample, samples in input order.
-    assert gnu_list(out / "part-001.tar")[:4] == [
+    assert tar_names(out / "part-001.tar")[:4] == [
         "s1_000000.cls",
         "s1_000000.txt",
         "s1_000001.cls",
@@ -185,7 +178,7 @@ def test_failing_shard_leaves_the_others_and_no_partial_output(
     # A rerun with a fixed function does only the failed shard.
     fixed = map_shards(shardfns.upper, inputs, str(out / "{stem}.tar"))
     assert [r.skipped for r in fixed] == [True, False, True]
-    assert len(gnu_list(out / "part-001.tar")) == 10
+    assert len(tar_names(out / "part-001.tar")) == 10
 
 
 def test_lambda_is_refused_for_processes_but_fine_on_threads(
@@ -209,12 +202,12 @@ def test_sample_results_none_lists_and_bad_types(tmp_path: Path, shards: List[Pa
     src = str(shards[1])
     [dropped] = map_shards(shardfns.drop_odd, src, str(tmp_path / "even.tar"), "serial")
     assert (dropped.samples_in, dropped.samples_out) == (5, 3)
-    assert gnu_list(tmp_path / "even.tar") == [
+    assert tar_names(tmp_path / "even.tar") == [
         f"s1_00000{i}.{ext}" for i in (0, 2, 4) for ext in ("cls", "txt")
     ]
     [split] = map_shards(shardfns.split_two, src, str(tmp_path / "split.tar"), "serial")
     assert split.samples_out == 10
-    assert gnu_list(tmp_path / "split.tar")[:2] == ["s1_000000_a.txt", "s1_000000_b.cls"]
+    assert tar_names(tmp_path / "split.tar")[:2] == ["s1_000000_a.txt", "s1_000000_b.cls"]
     with pytest.raises(MapShardsError, match="fn returned str for sample 's1_000000'"):
         map_shards(shardfns.returns_text, src, str(tmp_path / "bad.tar"), "serial")
     assert not (tmp_path / "bad.tar").exists()

@@ -7,24 +7,12 @@ the environment, where s3fs finds them as it would on a user's machine.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+from clitools import run_webds as webds
+from clitools import tar_names
 from conftest import sample_members, write_tar
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def webds(*args: str, cwd: Path, **kw: Any) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    kw.setdefault("capture_output", True)
-    return subprocess.run(
-        [sys.executable, "-m", "webds.cli", *args], cwd=cwd, env=env, timeout=120, **kw
-    )
 
 
 def test_cat_split_verify_on_s3(s3: Any, tmp_path: Path) -> None:
@@ -80,9 +68,6 @@ def test_http_inputs(http_server: Any, tmp_path: Path) -> None:
     url = http_server.put("a.tar", local.read_bytes())
     out = webds("first", url, "--where", "cls == 2", "-q", "-o", "two.tar", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    names = subprocess.run(
-        ["tar", "tf", str(tmp_path / "two.tar")], capture_output=True, text=True, check=True
-    ).stdout.split()
-    assert names == ["000002.cls", "000002.txt"]
+    assert tar_names(tmp_path / "two.tar") == ["000002.cls", "000002.txt"]
     out = webds("ls", http_server.url("nope.tar"), cwd=tmp_path, text=True)
     assert out.returncode == 1 and "404" in out.stderr and "nope.tar" in out.stderr

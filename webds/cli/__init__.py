@@ -1,8 +1,8 @@
 """The ``webds`` command: ``webds COMMAND ...``; ``webds COMMAND --help`` explains each one.
 
 Each family of subcommands lives in its own module here with a ``register(subparsers)`` function
-that adds its parsers, each with ``set_defaults(run=fn)`` where ``fn(args) -> int`` is the exit
-status. Errors: a :class:`~webds.errors.WebdsError` (or an ``OSError``) prints one line,
+that adds its parsers with :func:`add_command`, each with a ``run(args) -> int`` that returns the
+exit status. Errors: a :class:`~webds.errors.WebdsError` (or an ``OSError``) prints one line,
 ``webds CMD: error: MESSAGE``, on stderr and exits with 2 for bad arguments
 (:class:`~webds.errors.ArgumentError`) or 1 for data problems; ``--debug`` shows the traceback.
 """
@@ -14,11 +14,11 @@ import importlib
 import logging
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from ..errors import ArgumentError, WebdsError
 
-__all__ = ["main", "build_parser", "COMMAND_MODULES"]
+__all__ = ["main", "build_parser", "add_command", "COMMAND_MODULES"]
 
 #: The modules that register subcommands, in the order ``webds --help`` lists them.
 COMMAND_MODULES: List[str] = ["create", "reshard", "inspect", "proc", "index"]
@@ -37,6 +37,32 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(subparsers)
+    # Added after each command's own options, so --help lists them last.
+    for command in dict.fromkeys(subparsers.choices.values()):  # an alias shares its parser
+        add_common(command)
+    return parser
+
+
+def add_command(
+    subparsers: Any,
+    name: str,
+    *,
+    help: str,
+    description: str,
+    epilog: str,
+    run: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
+    """Add the subcommand ``name``, run by ``run(args)``; ``epilog`` (its example) and
+    ``description`` are printed as written. :func:`build_parser` adds the common options to it
+    once the command's own are in."""
+    parser = subparsers.add_parser(
+        name,
+        help=help,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(run=run)
     return parser
 
 

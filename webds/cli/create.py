@@ -67,16 +67,17 @@ class Entry:
 
 def register(subparsers: Any) -> None:
     """Add the ``create`` subcommand."""
-    from . import add_common
+    from . import add_command
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "create",
         help="build a tar from a plan of 'name source' lines, or from a folder",
         description="Build a WebDataset tar from a plan file (lines 'ARCHIVE-NAME SOURCE',\n"
         "SOURCE a file, 'text:...' or 'pipe:CMD') or from the files of a folder (--from-dir),\n"
         "writing the members of each sample together.",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        run=run_create,
     )
     p.add_argument(
         "plan", nargs="?", metavar="PLAN", help="the plan file, or '-' to read it from stdin"
@@ -109,8 +110,6 @@ def register(subparsers: Any) -> None:
         "--no-index", action="store_true", help="with a shard pattern: write no shard index"
     )
     add_quiet(p)
-    add_common(p)
-    p.set_defaults(run=run_create)
 
 
 def run_create(args: argparse.Namespace) -> int:

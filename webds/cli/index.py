@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from ..index import ShardIndex
-from .common import show_progress
+from .common import positive_int, show_progress
 
 EXAMPLE_INDEX = """example:
   webds index 'data/train-{000000..000099}.tar' -o data/train.index.json
@@ -29,51 +29,38 @@ shards are good, 1 if any problem was found."""
 
 def register(subparsers: Any) -> None:
     """Add the ``index`` and ``verify`` subcommands."""
-    from . import add_common
+    from . import add_command
 
-    raw = argparse.RawDescriptionHelpFormatter
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "index",
         help="write a shard index (sample counts, sizes, sha256) for a set of shards",
         description="Read every shard once and write a shard index (JSON) listing each shard\n"
         "with its number of samples, size and sha256 (see docs/index-format.md).",
         epilog=EXAMPLE_INDEX,
-        formatter_class=raw,
+        run=run_index,
     )
     p.add_argument("shards", nargs="+", metavar="SHARDS", help="shard paths, URLs or patterns")
     p.add_argument("-o", "--output", required=True, help="the index file to write (path or URL)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress and no summary")
     p.add_argument(
-        "-w", "--workers", type=_positive, default=1, help="shards read at once (default 1)"
+        "-w", "--workers", type=positive_int, default=1, help="shards read at once (default 1)"
     )
-    add_common(p)
-    p.set_defaults(run=run_index)
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "verify",
         help="check every shard against a shard index",
         description="Read every shard listed in a shard index and check that it is there,\n"
         "readable, and has the size, sha256 and number of samples the index says.",
         epilog=EXAMPLE_VERIFY,
-        formatter_class=raw,
+        run=run_verify,
     )
     p.add_argument("index", metavar="INDEX", help="the shard index file (path or URL)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
     p.add_argument(
-        "-w", "--workers", type=_positive, default=1, help="shards read at once (default 1)"
+        "-w", "--workers", type=positive_int, default=1, help="shards read at once (default 1)"
     )
-    add_common(p)
-    p.set_defaults(run=run_verify)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def run_index(args: argparse.Namespace) -> int:

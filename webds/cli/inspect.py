@@ -83,38 +83,34 @@ that lack a field most samples have."""
 
 def register(subparsers: Any) -> None:
     """Add the ``ls``, ``show``, ``tsv``, ``first`` and ``stats`` subcommands."""
-    from . import add_common
+    from . import add_command
 
-    raw = argparse.RawDescriptionHelpFormatter
-
-    def parser(name: str, help: str, description: str, example: str) -> argparse.ArgumentParser:
-        p = subparsers.add_parser(
-            name, help=help, description=description, epilog=example, formatter_class=raw
-        )
-        add_inputs(p)
-        add_common(p)
-        return p
-
-    p = parser(
+    p = add_command(
+        subparsers,
         "ls",
-        "list samples and their fields with sizes",
-        "List the samples of shards, one line per sample: its key and each field with its size.",
-        EXAMPLE_LS,
+        help="list samples and their fields with sizes",
+        description="List the samples of shards, one line per sample: its key and each field "
+        "with its size.",
+        epilog=EXAMPLE_LS,
+        run=run_ls,
     )
+    add_inputs(p)
     _add_count(p, None)
     _add_where(p)
     p.add_argument("--fields", type=_field_list, help="list only these fields (comma-separated)")
     p.add_argument("-b", "--bytes", action="store_true", help="exact sizes in bytes")
     p.add_argument("-l", "--long", action="store_true", help="add the shard URL to each line")
-    p.set_defaults(run=run_ls)
 
-    p = parser(
+    p = add_command(
+        subparsers,
         "show",
-        "show the fields of the first samples; --images draws a contact sheet",
-        "Show the first samples of shards field by field, decoded where that is cheap\n"
-        "(text, numbers, JSON; image format and size from the header).",
-        EXAMPLE_SHOW,
+        help="show the fields of the first samples; --images draws a contact sheet",
+        description="Show the first samples of shards field by field, decoded where that is "
+        "cheap\n(text, numbers, JSON; image format and size from the header).",
+        epilog=EXAMPLE_SHOW,
+        run=run_show,
     )
+    add_inputs(p)
     _add_count(p, None, "samples to show (default 3, or 16 with --images)")
     _add_where(p)
     p.add_argument(
@@ -135,14 +131,17 @@ def register(subparsers: Any) -> None:
         "--thumb", type=positive_int, default=128, metavar="PX", help="thumbnail size (128)"
     )
     add_quiet(p)
-    p.set_defaults(run=run_show)
 
-    p = parser(
+    p = add_command(
+        subparsers,
         "tsv",
-        "tabulate fields of samples as tab-separated values",
-        "Print chosen fields of each sample as one line of tab-separated values (tar2tsv).",
-        EXAMPLE_TSV,
+        help="tabulate fields of samples as tab-separated values",
+        description="Print chosen fields of each sample as one line of tab-separated values "
+        "(tar2tsv).",
+        epilog=EXAMPLE_TSV,
+        run=run_tsv,
     )
+    add_inputs(p)
     p.add_argument(
         "--fields",
         type=_field_list,
@@ -158,31 +157,35 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-key", dest="key", action="store_false", help="leave out __key__")
     _add_count(p, None)
     _add_where(p)
-    p.set_defaults(run=run_tsv)
 
-    p = parser(
+    p = add_command(
+        subparsers,
         "first",
-        "extract the first samples (matching --where) as a tar",
-        "Write the first sample(s) of shards, or the first that match --where, as a tar\n"
-        "archive, reading no further than needed (tarfirst).",
-        EXAMPLE_FIRST,
+        help="extract the first samples (matching --where) as a tar",
+        description="Write the first sample(s) of shards, or the first that match --where, "
+        "as a tar\narchive, reading no further than needed (tarfirst).",
+        epilog=EXAMPLE_FIRST,
+        run=run_first,
     )
+    add_inputs(p)
     _add_where(p)
     _add_count(p, 1, "samples to extract (default 1)")
     add_output(p)
     add_quiet(p)
-    p.set_defaults(run=run_first)
 
-    p = parser(
+    p = add_command(
+        subparsers,
         "stats",
-        "count samples and fields; field size distributions",
-        "Read shards fully and report the number of samples, shards and bytes, how often each\n"
-        "field occurs and how big it is, duplicate keys, and samples missing common fields.",
-        EXAMPLE_STATS,
+        help="count samples and fields; field size distributions",
+        description="Read shards fully and report the number of samples, shards and bytes, "
+        "how often each\nfield occurs and how big it is, duplicate keys, and samples missing "
+        "common fields.",
+        epilog=EXAMPLE_STATS,
+        run=run_stats,
     )
+    add_inputs(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     add_quiet(p)
-    p.set_defaults(run=run_stats)
 
 
 def _add_count(p: argparse.ArgumentParser, default: Optional[int], help: str = "") -> None:

@@ -314,16 +314,17 @@ def _print_failure(exn: SampleCommandError) -> None:
 
 def register(subparsers: Any) -> None:
     """Add the ``proc`` subcommand."""
-    from . import add_common
+    from . import add_command
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "proc",
         help="run a shell command on every sample (in a folder holding its files)",
         description="Run a shell command on every sample, in a temporary folder holding the\n"
         "sample's files as sample.<ext>, and collect the files sample.* it leaves as the\n"
         "output sample (webdataset's tarproc).",
         epilog=EXAMPLE,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        run=run_proc,
     )
     add_inputs(p)
     p.add_argument(
@@ -379,8 +380,6 @@ def register(subparsers: Any) -> None:
         "or on a local one started for this run ('local'); needs pip install 'webds[dask]'",
     )
     add_quiet(p)
-    add_common(p)
-    p.set_defaults(run=run_proc)
 
 
 def _positive_float(text: str) -> float:

@@ -93,16 +93,16 @@ MERGE_FANIN = 64
 
 def register(subparsers: Any) -> None:
     """Add the ``split``, ``cat`` and ``sort`` subcommands."""
-    from . import add_common
+    from . import add_command
 
-    raw = argparse.RawDescriptionHelpFormatter
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "split",
         help="split a stream of samples into numbered shards",
         description="Read samples from the inputs and write them to numbered shards of at\n"
         "most --maxcount samples and --maxsize bytes each, with a shard index.",
         epilog=EXAMPLE_SPLIT,
-        formatter_class=raw,
+        run=run_split,
     )
     add_inputs(p)
     p.add_argument(
@@ -127,16 +127,15 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--no-index", action="store_true", help="do not write a shard index")
     add_quiet(p)
-    add_common(p)
-    p.set_defaults(run=run_split)
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "cat",
         help="concatenate shards, optionally shuffled or interleaved",
         description="Write the samples of all inputs to one tar: in order, shuffled through a\n"
         "buffer (--shuffle), or interleaved from shards read in parallel (--parallel).",
         epilog=EXAMPLE_CAT,
-        formatter_class=raw,
+        run=run_cat,
     )
     add_inputs(p)
     add_output(p)
@@ -156,15 +155,14 @@ def register(subparsers: Any) -> None:
         help="read P shards at a time and interleave their samples (default 1)",
     )
     add_quiet(p)
-    add_common(p)
-    p.set_defaults(run=run_cat)
 
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "sort",
         help="sort samples by key or by a field, in bounded memory",
         description="Write the samples of the inputs to one tar, sorted by key or by a field.",
         epilog=EXAMPLE_SORT,
-        formatter_class=raw,
+        run=run_sort,
     )
     add_inputs(p)
     add_output(p)
@@ -182,8 +180,6 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--tmpdir", metavar="DIR", help="folder for the spilled runs")
     add_quiet(p)
-    add_common(p)
-    p.set_defaults(run=run_sort)
 
 
 # -- split --------------------------------------------------------------------------------------
