@@ -18,7 +18,7 @@ from conftest import write_tar
 from webds import TarWriter
 from webds.cli import main
 from webds.cli.contact import CROSS, LABEL, PAD, cell_origin, sheet_size
-from webds.cli.inspect import human_size
+from webds.cli.fields import human_size
 
 Image = pytest.importorskip("PIL.Image")
 

@@ -16,7 +16,7 @@ from clitools import cli_env, run_webds, tar_contents, tar_members, tar_names, w
 from conftest import sample_members, write_tar
 
 from webds.cli import main
-from webds.cli.reshard import MERGE_FANIN
+from webds.cli.sort import MERGE_FANIN
 from webds.samples import tarfile_samples
 from webds.writer import TarWriter
 

@@ -24,7 +24,17 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from ..errors import ArgumentError
 
-__all__ = ["field_value", "decode_field", "compile_where", "Where", "format_value", "MISSING"]
+__all__ = [
+    "field_value",
+    "field_names",
+    "decode_field",
+    "compile_where",
+    "Where",
+    "format_value",
+    "nbytes",
+    "human_size",
+    "MISSING",
+]
 
 _INT_EXTS = {"cls", "cls2", "class", "count", "index", "inx", "id"}
 _TEXT_EXTS = {"txt", "text", "transcript", "html", "htm", "caption"}
@@ -79,6 +89,28 @@ def _number(text: str) -> Any:
     except ValueError:
         return None
     return value if text.lower() not in ("nan", "inf", "-inf", "infinity") else None
+
+
+def field_names(sample: Mapping[str, Any]) -> List[str]:
+    """The sample's fields, in order, without ``__key__``, ``__url__`` and the like."""
+    return [name for name in sample if not name.startswith("__")]
+
+
+def nbytes(value: Any) -> int:
+    """The size of a raw field (0 for values that are not bytes)."""
+    return memoryview(value).nbytes if isinstance(value, (bytes, bytearray, memoryview)) else 0
+
+
+def human_size(n: int) -> str:
+    """A short size: ``45``, ``67.1k``, ``3.4M``, ``1.2G`` (powers of 1000, as ``--maxsize``)."""
+    if n < 1000:
+        return str(n)
+    value = float(n)
+    for unit in "kMGTP":
+        value /= 1000.0
+        if round(value, 1) < 1000 or unit == "P":
+            return f"{value:.1f}{unit}"
+    return str(n)  # unreachable: "P" always returns
 
 
 def _split_spec(sample: Mapping[str, Any], spec: str) -> Tuple[Optional[str], List[str]]:

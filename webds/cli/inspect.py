@@ -1,4 +1,4 @@
-"""``webds ls``, ``show``, ``tsv``, ``first`` and ``stats``: look inside shards.
+"""``webds ls``, ``show``, ``tsv`` and ``first``: look inside shards (``stats``: its own module).
 
 All of them read samples as training does (:func:`webds.cli.common.read_samples`) and stop
 reading as soon as they have what they need (``--count``), so ``webds ls huge.tar --count 3`` or
@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import math
-import statistics
 import sys
-from array import array
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -33,9 +29,18 @@ from .common import (
     read_samples,
     say,
 )
-from .fields import MISSING, Where, decode_field, field_value, format_value
+from .fields import (
+    MISSING,
+    Where,
+    decode_field,
+    field_names,
+    field_value,
+    format_value,
+    human_size,
+    nbytes,
+)
 
-__all__ = ["register", "human_size", "shard_stats"]
+__all__ = ["register"]
 
 Sample = Dict[str, Any]
 
@@ -70,15 +75,6 @@ EXAMPLE_FIRST = """example:
 Writes the first --count samples for which --where is true (all samples without --where) as a
 tar, and stops reading there. The expression is Python with each field as a name; a field a
 sample lacks is None. Exit status 1 when no sample matched."""
-
-EXAMPLE_STATS = """example:
-  webds stats 'data/train-{000000..000099}.tar'
-  webds stats data/ --json | jq .fields.jpg
-
-Counts samples, shards and bytes; per field how many samples have it and the distribution of its
-size in bytes (median: middle value, or mean of the two middle ones; p95: the smallest size that
-at least 95% of the samples with that field do not exceed); keys seen more than once; samples
-that lack a field most samples have."""
 
 
 def register(subparsers: Any) -> None:
@@ -173,20 +169,6 @@ def register(subparsers: Any) -> None:
     add_output(p)
     add_quiet(p)
 
-    p = add_command(
-        subparsers,
-        "stats",
-        help="count samples and fields; field size distributions",
-        description="Read shards fully and report the number of samples, shards and bytes, "
-        "how often each\nfield occurs and how big it is, duplicate keys, and samples missing "
-        "common fields.",
-        epilog=EXAMPLE_STATS,
-        run=run_stats,
-    )
-    add_inputs(p)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    add_quiet(p)
-
 
 def _add_count(p: argparse.ArgumentParser, default: Optional[int], help: str = "") -> None:
     p.add_argument(
@@ -266,29 +248,9 @@ def _warn_unseen(args: argparse.Namespace, where: Where) -> None:
         )
 
 
-def _fields(sample: Sample) -> List[str]:
-    return [name for name in sample if not name.startswith("__")]
-
-
-def _nbytes(value: Any) -> int:
-    return memoryview(value).nbytes if isinstance(value, (bytes, bytearray, memoryview)) else 0
-
-
 # ---------------------------------------------------------------------------------------------
 # ls
 # ---------------------------------------------------------------------------------------------
-
-
-def human_size(n: int) -> str:
-    """A short size: ``45``, ``67.1k``, ``3.4M``, ``1.2G`` (powers of 1000, as ``--maxsize``)."""
-    if n < 1000:
-        return str(n)
-    value = float(n)
-    for unit in "kMGTP":
-        value /= 1000.0
-        if round(value, 1) < 1000 or unit == "P":
-            return f"{value:.1f}{unit}"
-    return str(n)  # unreachable: "P" always returns
 
 
 def run_ls(args: argparse.Namespace) -> int:
@@ -296,8 +258,8 @@ def run_ls(args: argparse.Namespace) -> int:
     out = sys.stdout
     with _samples(args, args.count) as samples:
         for sample in samples:
-            names = _fields(sample) if args.fields is None else args.fields
-            parts = [f"{name}:{size(_nbytes(sample[name]))}" for name in names if name in sample]
+            names = field_names(sample) if args.fields is None else args.fields
+            parts = [f"{name}:{size(nbytes(sample[name]))}" for name in names if name in sample]
             line = f"{sample['__key__']}  {' '.join(parts)}"
             if args.long:
                 line += f"  {sample.get('__url__')}"
@@ -338,7 +300,7 @@ def _show_value(sample: Sample, spec: str) -> Any:
 def _image_of(sample: Sample, specs: Optional[Sequence[str]]) -> Optional[str]:
     """The field to put on the contact sheet: the first image among ``specs`` (or the sample's
     fields), by extension or by file signature; a named binary field when none is an image."""
-    names = [n for n in (specs or _fields(sample)) if n in sample and not n.startswith("__")]
+    names = [n for n in (specs or field_names(sample)) if n in sample and not n.startswith("__")]
     binary = [n for n in names if isinstance(decode_field(n, sample[n]), bytes)]
     for name in names:
         if contact.is_image_field(name) or (
@@ -371,7 +333,7 @@ def run_show(args: argparse.Namespace) -> int:
                     tiles.append((sample["__key__"], bytes(sample[field]), field))
                 continue
             rows = [("__key__", sample["__key__"]), ("__url__", sample.get("__url__", ""))]
-            specs = args.fields if args.fields is not None else _fields(sample)
+            specs = args.fields if args.fields is not None else field_names(sample)
             rows += [
                 (spec, _describe(spec, _show_value(sample, spec), args.width)) for spec in specs
             ]
@@ -449,161 +411,3 @@ def run_first(args: argparse.Namespace) -> int:
     short = f" (only {writer.count} of --count {args.count})" if writer.count < args.count else ""
     say(args, f"webds first: wrote {writer.count} sample(s){short} to {target}")
     return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# stats
-# ---------------------------------------------------------------------------------------------
-
-_EXAMPLES = 5  # keys listed per finding
-
-
-def _median(values: Sequence[int]) -> float:
-    return float(statistics.median(values))
-
-
-def _p95(ordered: Sequence[int]) -> int:
-    """Nearest-rank 95th percentile of sorted values."""
-    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
-
-
-def _number(x: float) -> Any:
-    return int(x) if float(x).is_integer() else x
-
-
-class _Stats:
-    """Running counts over samples; memory: one int per field occurrence and one set of keys."""
-
-    def __init__(self) -> None:
-        self.samples = 0
-        self.bytes = 0
-        self.sizes: Dict[str, array] = {}
-        self.keys: set = set()
-        self.dups: Dict[str, int] = {}
-        self.first_keys: List[str] = []  # keys of the first samples: "missing" before a field
-        self.missing: Dict[str, List[str]] = {}
-
-    def add(self, sample: Sample) -> None:
-        key = sample["__key__"]
-        names = _fields(sample)
-        for name in names:
-            size = _nbytes(sample[name])
-            self.bytes += size
-            sizes = self.sizes.get(name)
-            if sizes is None:
-                # Every earlier sample lacked this field: their first few keys are the examples.
-                sizes = self.sizes[name] = array("q")
-                self.missing[name] = self.first_keys[:_EXAMPLES]
-            sizes.append(size)
-        if len(names) < len(self.sizes):
-            for name, examples in self.missing.items():
-                if len(examples) < _EXAMPLES and name not in sample:
-                    examples.append(key)
-        if key in self.keys:
-            self.dups[key] = self.dups.get(key, 1) + 1
-        else:
-            self.keys.add(key)
-        if len(self.first_keys) < _EXAMPLES:
-            self.first_keys.append(key)
-        self.samples += 1
-
-    def report(self, shards: int) -> Dict[str, Any]:
-        n = self.samples
-        fields: Dict[str, Any] = {}
-        for name in sorted(self.sizes):
-            ordered = sorted(self.sizes[name])
-            fields[name] = {
-                "samples": len(ordered),
-                "frequency": len(ordered) / n,
-                "min": ordered[0],
-                "median": _number(_median(ordered)),
-                "mean": sum(ordered) / len(ordered),
-                "p95": _p95(ordered),
-                "max": ordered[-1],
-            }
-        missing = {
-            name: {"samples": n - info["samples"], "examples": self.missing[name]}
-            for name, info in fields.items()
-            if n / 2 < info["samples"] < n
-        }
-        return {
-            "samples": n,
-            "shards": shards,
-            "bytes": self.bytes,
-            "fields": fields,
-            "duplicate_keys": {
-                "keys": len(self.dups),
-                "examples": {k: c for k, c in itertools.islice(self.dups.items(), _EXAMPLES)},
-            },
-            "missing": missing,
-        }
-
-
-def shard_stats(urls: Sequence[str], quiet: bool = True) -> Dict[str, Any]:
-    """The ``webds stats`` report for shard URLs, as a dict (what ``--json`` prints)."""
-    stats = _Stats()
-    with _closing(read_samples(urls)) as samples:
-        for sample in progress(samples, "stats", quiet):
-            stats.add(sample)
-    return stats.report(len(urls))
-
-
-@contextmanager
-def _closing(gen: Any) -> Iterator[Any]:
-    try:
-        yield gen
-    finally:
-        gen.close()
-
-
-def run_stats(args: argparse.Namespace) -> int:
-    report = shard_stats(input_urls(args.inputs), quiet=args.quiet)
-    if args.json:
-        sys.stdout.write(json.dumps(report, indent=2) + "\n")
-    else:
-        sys.stdout.write(_stats_text(report))
-    return 0
-
-
-def _stats_text(report: Dict[str, Any]) -> str:
-    n = report["samples"]
-    lines = [
-        f"samples  {n:,}",
-        f"shards   {report['shards']:,}",
-        f"bytes    {report['bytes']:,} ({human_size(report['bytes'])}) in fields",
-    ]
-    if report["fields"]:
-        head = ["field", "samples", "freq", "min", "median", "mean", "p95", "max"]
-        rows = [head]
-        for name, f in report["fields"].items():
-            rows.append(
-                [
-                    name,
-                    f"{f['samples']:,}",
-                    f"{100 * f['frequency']:.1f}%",
-                    str(f["min"]),
-                    str(f["median"]),
-                    f"{f['mean']:.1f}",
-                    str(f["p95"]),
-                    str(f["max"]),
-                ]
-            )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-        lines.append("")
-        for row in rows:
-            cells = [row[0].ljust(widths[0])]
-            cells += [cell.rjust(w) for cell, w in zip(row[1:], widths[1:])]
-            lines.append("  ".join(cells).rstrip())
-    dups = report["duplicate_keys"]
-    if dups["keys"]:
-        shown = ", ".join(f"{k} ({c} times)" for k, c in dups["examples"].items())
-        more = ", ..." if dups["keys"] > len(dups["examples"]) else ""
-        lines += ["", f"duplicate keys: {dups['keys']:,} keys occur more than once: {shown}{more}"]
-    for name, info in report["missing"].items():
-        have = report["fields"][name]["frequency"] * 100
-        more = ", ..." if info["samples"] > len(info["examples"]) else ""
-        lines.append(
-            f"missing {name}: {info['samples']:,} samples lack it ({have:.1f}% have it): "
-            f"{', '.join(info['examples'])}{more}"
-        )
-    return "\n".join(lines) + "\n"

@@ -22,6 +22,8 @@ __all__ = [
     "open_writer",
     "write_samples",
     "shard_range",
+    "output_name",
+    "close_iterator",
     "warn",
 ]
 
@@ -105,6 +107,18 @@ def write_samples(writer: Writer, samples: Iterable[Sample], command: str) -> in
             "readers merge such neighbours into one sample (or report a duplicate field)",
         )
     return count
+
+
+def output_name(output: str) -> str:
+    """An output as a summary line names it."""
+    return "standard output" if output == "-" else output
+
+
+def close_iterator(iterator: Any) -> None:
+    """Close a generator (ending its shard streams and ``pipe:`` commands) if it can be."""
+    close = getattr(iterator, "close", None)
+    if callable(close):
+        close()
 
 
 def shard_range(shards: List[str]) -> str:
