@@ -1,0 +1,228 @@
+"""examples/train_imagenet.py on a miniature ImageNet: one epoch, mid-epoch resume, torchrun DDP.
+
+The shards are built here: 5 classes x 40 training and 5 x 5 validation JPEGs (32x32, made from
+the committed Fashion-MNIST images), written with ShardWriter (which writes the shard index) and
+a classes.json beside the training shards, in an ImageNet-like layout (train/, val/).
+The example runs in real subprocesses (and under real torchrun, gloo on the CPU) through
+tests/run_example.py, which makes this machine's CPU-only torchvision importable.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import webds
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "train_imagenet.py"
+RUNNER = ROOT / "tests" / "run_example.py"
+FASHION = ROOT / "examples" / "data" / "fashion-mnist"
+CLASSES, PER_CLASS, VAL_PER_CLASS = 5, 40, 5
+BATCH = 16
+BATCHES = math.ceil(CLASSES * PER_CLASS / BATCH)  # 13: the last one holds 8
+COMMON = [
+    "--arch", "resnet18", "--image-size", "32", "--batch-size", str(BATCH), "--workers", "1",
+    "--epochs", "1", "--lr", "0.01", "--print-freq", "5",
+]  # fmt: skip
+
+pytestmark = pytest.mark.slow
+
+
+def read_idx(path: Path) -> np.ndarray:
+    data = gzip.decompress(path.read_bytes())
+    ndim = data[3]
+    shape = tuple(int(d) for d in np.frombuffer(data[4 : 4 + 4 * ndim], dtype=">u4"))
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def jpeg(pixels: np.ndarray) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(pixels).resize((32, 32)).convert("RGB").save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def imagenet(tmp_path_factory) -> Path:
+    """root/train/train-00000{0..3}.tar (+ train.index.json, classes.json), root/val/..."""
+    root = tmp_path_factory.mktemp("mini-imagenet")
+    images = read_idx(FASHION / "t10k-images-idx3-ubyte.gz")
+    labels = read_idx(FASHION / "t10k-labels-idx1-ubyte.gz")
+    rng = np.random.default_rng(0)
+    train, val = [], []
+    for c in range(CLASSES):
+        where = np.flatnonzero(labels == c)
+        train += [(c, i) for i in where[:PER_CLASS]]
+        val += [(c, i) for i in where[PER_CLASS : PER_CLASS + VAL_PER_CLASS]]
+    rng.shuffle(train)  # as `webds imagenet` does: classes mixed across shards
+    for split, items, maxcount in (("train", train, 60), ("val", val, 10)):
+        (root / split).mkdir()
+        with webds.ShardWriter(str(root / split / f"{split}-%06d.tar"), maxcount=maxcount) as w:
+            for n, (c, i) in enumerate(items):
+                w.write({"__key__": f"{split}_{n:05d}", "jpg": jpeg(images[i]), "cls": int(c)})
+    names = ["T-shirt", "Trouser", "Pullover", "Dress", "Coat"]
+    # The format webds pack-folder and webds imagenet write.
+    classes = {"classes": names, "class_to_idx": {name: i for i, name in enumerate(names)}}
+    (root / "train" / "classes.json").write_text(json.dumps(classes))
+    assert (root / "train" / "train.index.json").is_file()
+    return root
+
+
+def run_example(args: list, torchrun: bool = False) -> subprocess.CompletedProcess:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WDS_SEED")
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    launch = [sys.executable]
+    if torchrun:
+        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*launch, str(RUNNER), str(EXAMPLE), *map(str, args)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def data_args(root: Path) -> list:
+    # A brace pattern (its index, train.index.json, is found beside it) and a validation index.
+    return [
+        "--train",
+        root / "train" / "train-{000000..000003}.tar",
+        "--val",
+        root / "val" / "val.index.json",
+    ]
+
+
+def steps(log: dict) -> list:
+    return [(s["epoch"], s["batch"], s["step"], s["keys"]) for s in log["steps"]]
+
+
+@pytest.fixture(scope="module")
+def full_run(imagenet, tmp_path_factory):
+    """One uninterrupted epoch: (the process, its --log-json, its checkpoint path)."""
+    out = tmp_path_factory.mktemp("full")
+    proc = run_example(
+        [
+            *COMMON,
+            *data_args(imagenet),
+            "--log-json",
+            out / "log.json",
+            "--checkpoint",
+            out / "ckpt.pt",
+        ]
+    )
+    return proc, json.loads((out / "log.json").read_text()), out / "ckpt.pt"
+
+
+def test_one_epoch_on_cpu_prints_train_loss_and_val_accuracy(full_run):
+    import torch
+
+    proc, log, checkpoint = full_run
+    assert "classes: 5 (from " in proc.stdout  # counted from classes.json
+    train = re.search(r"Epoch \[0\] train loss (\S+)\s+acc@1 (\S+)\s+\(200 samples", proc.stdout)
+    assert train and math.isfinite(float(train.group(1))), proc.stdout
+    val = re.search(r"\* Epoch \[0\] val acc@1 (\S+)\s+acc@5 (\S+).*\(25 samples", proc.stdout)
+    assert val and 0 <= float(val.group(1)) <= float(val.group(2)) <= 100, proc.stdout
+    (epoch,) = log["epochs"]
+    assert epoch["batches"] == BATCHES and epoch["samples"] == 200
+    assert epoch["val"]["samples"] == epoch["val"]["read"] == 25
+    assert [s["batch"] for s in log["steps"]] == list(range(BATCHES))
+    assert len({s["keys"] for s in log["steps"]}) == BATCHES  # different samples in each batch
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert (state["epoch"], state["step"]) == (1, BATCHES)
+    assert (state["loader"]["epoch"], state["loader"]["consumed"]) == (1, 0)  # next: epoch 1
+    assert state["arch"] == "resnet18" and state["classes"] == 5
+    assert state["model"]["fc.weight"].shape == (5, 512)
+
+
+def test_resume_mid_epoch_runs_exactly_the_remaining_batches(imagenet, full_run, tmp_path):
+    import torch
+
+    _, full, _ = full_run
+    k = 5
+    checkpoint = tmp_path / "ckpt.pt"
+    run_example(
+        [
+            *COMMON,
+            *data_args(imagenet),
+            "--max-steps",
+            k,
+            "--checkpoint",
+            checkpoint,
+            "--log-json",
+            tmp_path / "head.json",
+        ]
+    )
+    head = json.loads((tmp_path / "head.json").read_text())
+    assert head["stopped"] == {"epoch": 0, "step": k}
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert (state["loader"]["epoch"], state["loader"]["consumed"], state["step"]) == (0, k, k)
+
+    proc = run_example(
+        [
+            *COMMON,
+            *data_args(imagenet),
+            "--resume",
+            checkpoint,
+            "--log-json",
+            tmp_path / "rest.json",
+        ]
+    )
+    assert f"resumed from {checkpoint}: epoch 0, batch {k}, step {k}" in proc.stdout
+    rest = json.loads((tmp_path / "rest.json").read_text())
+    # The same batches (hashes of their sample keys), in the same order, none twice or missed.
+    assert steps(head) + steps(rest) == steps(full)
+    assert rest["epochs"][0]["first_batch"] == k and rest["epochs"][0]["batches"] == BATCHES - k
+    # Same weights, optimizer state and augmentation draws: the same losses and validation.
+    losses = [s["loss"] for s in head["steps"] + rest["steps"]]
+    assert losses == pytest.approx([s["loss"] for s in full["steps"]], rel=1e-4, abs=1e-5)
+    ours, theirs = rest["epochs"][0]["val"], full["epochs"][0]["val"]
+    assert ours["acc1"] == theirs["acc1"] and ours["samples"] == 25
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+
+
+def test_torchrun_two_ranks_read_equal_batches_and_count_val_once(imagenet, tmp_path):
+    # Folders: each index is found in them (the only *.index.json); classes.json beside.
+    proc = run_example(
+        [
+            *COMMON,
+            "--train",
+            f"{imagenet / 'train'}/",
+            "--val",
+            f"{imagenet / 'val'}/",
+            "--log-json",
+            tmp_path / "rank{rank}.json",
+        ],
+        torchrun=True,
+    )
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [log["rank"] for log in logs] == [0, 1]
+    assert all(log["world_size"] == 2 for log in logs)
+    per_rank = math.ceil(CLASSES * PER_CLASS / 2 / BATCH)  # 100 samples each: 7 batches
+    assert [len(log["steps"]) for log in logs] == [per_rank, per_rank]
+    assert [log["epochs"][0]["batches"] for log in logs] == [per_rank, per_rank]
+    assert all(log["epochs"][0]["samples"] == 200 for log in logs)  # summed over the ranks
+    # 25 validation samples over 2 ranks: 13 each (one read twice), counted once.
+    vals = [log["epochs"][0]["val"] for log in logs]
+    assert [v["read"] for v in vals] == [13, 13]
+    assert [v["samples"] for v in vals] == [25, 25] and vals[0] == {**vals[1], "read": 13}
+    assert "(25 samples" in proc.stdout and "2 process(es)" in proc.stdout
