@@ -27,6 +27,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
     from .batching import batched, default_collation_fn, listed, unbatched, unlisted
     from .cache import LRUCleanup, pipe_cleaner
     from .compat import gopen_schemes, reader
+    from .convert import pack, pack_folder
+    from .convert.imagenet import convert_imagenet
     from .decode import (
         IMAGE_EXTENSIONS,
         Continue,
@@ -183,6 +185,8 @@ _EXPORTS: Dict[str, List[str]] = {
     "loader": ["WebLoader"],
     "mix": ["mix=.", "RandomMix", "RoundRobin"],
     "parallel": ["MapShardsError", "ShardResult", "map_shards"],
+    "convert": ["pack", "pack_folder"],
+    "convert.imagenet": ["convert_imagenet"],
     "pipeline": ["DataPipeline"],
     "plan": ["PlannedShards"],
     "replay": ["Cached", "LMDBCached"],
@@ -375,4 +379,8 @@ __all__ = [
     "map_shards",
     "ShardResult",
     "MapShardsError",
+    # converting datasets
+    "pack",
+    "pack_folder",
+    "convert_imagenet",
 ]

@@ -21,7 +21,16 @@ from ..errors import ArgumentError, WebdsError
 __all__ = ["main", "build_parser", "add_command", "COMMAND_MODULES"]
 
 #: The modules that register subcommands, in the order ``webds --help`` lists them.
-COMMAND_MODULES: List[str] = ["create", "reshard", "sort", "inspect", "stats", "proc", "index"]
+COMMAND_MODULES: List[str] = [
+    "create",
+    "reshard",
+    "sort",
+    "inspect",
+    "stats",
+    "proc",
+    "index",
+    "convert",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
