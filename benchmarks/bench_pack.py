@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from webds.convert.pack import pack  # noqa: E402
+from webds.convert.packing import pack  # noqa: E402
 from webds.encode import imageencoder  # noqa: E402
 from webds.writer import TarWriter  # noqa: E402
 

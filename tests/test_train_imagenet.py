@@ -1,8 +1,9 @@
 """examples/train_imagenet.py on a miniature ImageNet: one epoch, mid-epoch resume, torchrun DDP.
 
-The shards are built here: 5 classes x 40 training and 5 x 5 validation JPEGs (32x32, made from
-the committed Fashion-MNIST images), written with ShardWriter (which writes the shard index) and
-a classes.json beside the training shards, in an ImageNet-like layout (train/, val/).
+The data is built here as ImageNet is downloaded: a tar of 5 class tars of 40 JPEGs each and a
+validation tar of 25 JPEGs with a LOC_val_solution.csv (32x32 images made from the committed
+Fashion-MNIST images), converted to shards (shuffled, with shard indexes and classes.json) by
+webds.convert_imagenet, the function behind `webds imagenet`.
 The example runs in real subprocesses (and under real torchrun, gloo on the CPU) through
 tests/run_example.py, which makes this machine's CPU-only torchvision importable.
 """
@@ -17,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -54,29 +56,53 @@ def jpeg(pixels: np.ndarray) -> bytes:
     return out.getvalue()
 
 
+def tar_bytes(members: list) -> bytes:
+    """An uncompressed tar of (name, bytes) members, written with Python's tarfile."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def imagenet(tmp_path_factory) -> Path:
-    """root/train/train-00000{0..3}.tar (+ train.index.json, classes.json), root/val/..."""
+    """A miniature ImageNet as it is downloaded (a tar of class tars, a flat validation tar and
+    Kaggle's LOC_val_solution.csv), converted with `webds imagenet`'s function into
+    root/train/train-00000{0..3}.tar (+ train.index.json, classes.json) and root/val/..."""
     root = tmp_path_factory.mktemp("mini-imagenet")
     images = read_idx(FASHION / "t10k-images-idx3-ubyte.gz")
     labels = read_idx(FASHION / "t10k-labels-idx1-ubyte.gz")
-    rng = np.random.default_rng(0)
-    train, val = [], []
-    for c in range(CLASSES):
+    synsets = [f"n0{1000000 + 4321 * c:07d}" for c in range(CLASSES)]
+    class_tars, val_members, solution = [], [], ["ImageId,PredictionString"]
+    for c, synset in enumerate(synsets):
         where = np.flatnonzero(labels == c)
-        train += [(c, i) for i in where[:PER_CLASS]]
-        val += [(c, i) for i in where[PER_CLASS : PER_CLASS + VAL_PER_CLASS]]
-    rng.shuffle(train)  # as `webds imagenet` does: classes mixed across shards
-    for split, items, maxcount in (("train", train, 60), ("val", val, 10)):
-        (root / split).mkdir()
-        with webds.ShardWriter(str(root / split / f"{split}-%06d.tar"), maxcount=maxcount) as w:
-            for n, (c, i) in enumerate(items):
-                w.write({"__key__": f"{split}_{n:05d}", "jpg": jpeg(images[i]), "cls": int(c)})
-    names = ["T-shirt", "Trouser", "Pullover", "Dress", "Coat"]
-    # The format webds pack-folder and webds imagenet write.
-    classes = {"classes": names, "class_to_idx": {name: i for i, name in enumerate(names)}}
-    (root / "train" / "classes.json").write_text(json.dumps(classes))
+        train = [(f"{synset}_{i}.JPEG", jpeg(images[i])) for i in where[:PER_CLASS]]
+        class_tars.append((f"{synset}.tar", tar_bytes(train)))
+        for i in where[PER_CLASS : PER_CLASS + VAL_PER_CLASS]:
+            image_id = f"ILSVRC2012_val_{i:08d}"
+            val_members.append((f"{image_id}.JPEG", jpeg(images[i])))
+            solution.append(f"{image_id},{synset} 1 1 31 31")
+    raw = root / "raw"
+    raw.mkdir()
+    (raw / "train.tar").write_bytes(tar_bytes(class_tars))
+    (raw / "val.tar").write_bytes(tar_bytes(sorted(val_members)))
+    (raw / "LOC_val_solution.csv").write_text("\n".join(solution) + "\n")
+    summary = webds.convert_imagenet(
+        str(raw / "train.tar"),
+        str(root / "train" / "train-%06d.tar"),
+        val_tar=str(raw / "val.tar"),
+        val_labels=str(raw / "LOC_val_solution.csv"),
+        val_pattern=str(root / "val" / "val-%06d.tar"),
+        maxcount=60,
+        progress=False,
+    )
+    assert summary["train"]["samples"] == CLASSES * PER_CLASS
     assert (root / "train" / "train.index.json").is_file()
+    assert json.loads((root / "train" / "classes.json").read_text())["classes"] == synsets
+    assert json.loads((root / "val" / "val.index.json").read_text())["samples"] == 25
     return root
 
 

@@ -27,8 +27,9 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
     from .batching import batched, default_collation_fn, listed, unbatched, unlisted
     from .cache import LRUCleanup, pipe_cleaner
     from .compat import gopen_schemes, reader
-    from .convert import pack, pack_folder
+    from .convert.folders import pack_folder
     from .convert.imagenet import convert_imagenet
+    from .convert.packing import pack
     from .decode import (
         IMAGE_EXTENSIONS,
         Continue,
@@ -185,8 +186,9 @@ _EXPORTS: Dict[str, List[str]] = {
     "loader": ["WebLoader"],
     "mix": ["mix=.", "RandomMix", "RoundRobin"],
     "parallel": ["MapShardsError", "ShardResult", "map_shards"],
-    "convert": ["pack", "pack_folder"],
+    "convert.folders": ["pack_folder"],
     "convert.imagenet": ["convert_imagenet"],
+    "convert.packing": ["pack"],
     "pipeline": ["DataPipeline"],
     "plan": ["PlannedShards"],
     "replay": ["Cached", "LMDBCached"],

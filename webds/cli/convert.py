@@ -96,7 +96,8 @@ def _register_pack_folder(subparsers: Any) -> None:
 
 
 def run_pack_folder(args: argparse.Namespace) -> int:
-    from ..convert.pack import ImageFolderFiles, pack, write_classes
+    from ..convert.folders import ImageFolderFiles, write_classes
+    from ..convert.packing import pack
 
     dataset = ImageFolderFiles(args.directory)
     index = pack(

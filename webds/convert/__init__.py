@@ -1,25 +1,35 @@
 """Packing existing datasets into shards: any map-style dataset (:func:`pack`), image folders
-(:func:`pack_folder`), ImageNet's tar of tars.
+(:func:`pack_folder`), ImageNet's tar of tars (:mod:`webds.convert.imagenet`).
 
-Nothing here imports torch. Names of other modules of this package load on first use: each
-module adds its names to ``_EXPORTS``.
+Modules: ``packing`` (:func:`pack`: the plan, resume, the index), ``items`` (a dataset item as
+a sample), ``workers`` (writing the planned shards), ``folders`` (image folders,
+``classes.json``), ``tarstream`` (a tar's members as streams, for tars inside a tar),
+``imagenet`` with ``imagenet_shuffle`` and ``imagenet_labels``.
+
+Nothing here imports torch. The public names load on first use (PEP 562 ``__getattr__``) from
+the module named in ``_EXPORTS``; no submodule has the name of a function, so
+``webds.convert.pack`` is always the function.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
-# Imported now, not on first use: the function pack has the name of its module pack.py, and
-# importing that submodule binds the package attribute "pack" to the module. Binding the
-# function here, after that import, keeps webds.convert.pack the function.
-from .pack import IMAGE_SUFFIXES, ImageFolderFiles, pack, pack_folder, write_classes
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and __getattr__
+    from .folders import IMAGE_SUFFIXES, ImageFolderFiles, pack_folder, write_classes
+    from .packing import pack
 
-#: Public name -> the module of this package that defines it, for names loaded on first use.
-_EXPORTS: Dict[str, str] = {}
+#: Public name -> the module of this package that defines it.
+_EXPORTS: Dict[str, str] = {
+    "IMAGE_SUFFIXES": "folders",
+    "ImageFolderFiles": "folders",
+    "pack": "packing",
+    "pack_folder": "folders",
+    "write_classes": "folders",
+}
 
 __all__ = ["IMAGE_SUFFIXES", "ImageFolderFiles", "pack", "pack_folder", "write_classes"]
-__all__ += sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
