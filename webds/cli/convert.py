@@ -40,6 +40,26 @@ def _workers(text: str) -> int:
     return value
 
 
+def _add_shard_size(p: argparse.ArgumentParser) -> None:
+    """``--maxcount`` and ``--maxsize``, as both converters take them."""
+    p.add_argument(
+        "--maxcount",
+        type=positive_int,
+        default=10000,
+        help="at most this many samples per shard (default 10000)",
+    )
+    p.add_argument(
+        "--maxsize",
+        type=byte_size,
+        default=3 * 10**9,
+        help="aim for shards of at most this many bytes, e.g. 1G (default 3G)",
+    )
+
+
+def _add_seed(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="seed of the random order (default 0)")
+
+
 def _register_pack_folder(subparsers: Any) -> None:
     from . import add_command
 
@@ -61,18 +81,7 @@ def _register_pack_folder(subparsers: Any) -> None:
         help="shard names with a %%-field for the shard number: a path or URL such as "
         "out/train-%%06d.tar or s3://bucket/train-%%06d.tar",
     )
-    p.add_argument(
-        "--maxcount",
-        type=positive_int,
-        default=10000,
-        help="at most this many samples per shard (default 10000)",
-    )
-    p.add_argument(
-        "--maxsize",
-        type=byte_size,
-        default=3 * 10**9,
-        help="aim for shards of at most this many bytes, e.g. 1G (default 3G)",
-    )
+    _add_shard_size(p)
     p.add_argument(
         "-w",
         "--workers",
@@ -86,7 +95,7 @@ def _register_pack_folder(subparsers: Any) -> None:
         action="store_false",
         help="keep the folder order (class by class) instead of a random order",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random order (default 0)")
+    _add_seed(p)
     p.add_argument(
         "--overwrite",
         action="store_true",
@@ -187,19 +196,8 @@ def _register_imagenet(subparsers: Any) -> None:
         metavar="FILE",
         help="classes.json of earlier training shards, to convert the validation set alone",
     )
-    p.add_argument(
-        "--maxcount",
-        type=positive_int,
-        default=10000,
-        help="at most this many samples per shard (default 10000)",
-    )
-    p.add_argument(
-        "--maxsize",
-        type=byte_size,
-        default=3 * 10**9,
-        help="aim for shards of at most this many bytes, e.g. 1G (default 3G)",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random order (default 0)")
+    _add_shard_size(p)
+    _add_seed(p)
     p.add_argument(
         "--memory",
         type=byte_size,
