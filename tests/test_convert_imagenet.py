@@ -26,7 +26,7 @@ import pytest
 from clitools import ROOT, cli_env
 from conftest import write_tar
 
-from webds.convert.imagenet import convert_imagenet
+from webds.convert.imagenet import convert_imagenet, default_val_pattern
 from webds.errors import ArgumentError, ShardReadError
 from webds.index import ShardIndex
 
@@ -300,8 +300,7 @@ def test_val_with_kaggle_solution_csv(mini: Mini, tmp_path: Path) -> None:
         mini,
         tmp_path,
         val_tar=str(mini.val),
-        val_labels=str(mini.loc_csv),
-        val_pattern=str(tmp_path / "val-%06d.tar"),
+        val_labels=str(mini.loc_csv),  # no val_pattern: beside the training shards
         maxcount=10,
         with_json=True,
     )
@@ -474,25 +473,28 @@ def test_bad_arguments() -> None:
         convert_imagenet(None, val_tar="v.tar", val_labels="l.txt", val_pattern="v-%06d.tar")
     with pytest.raises(ArgumentError, match="memory"):
         convert_imagenet("train.tar", "t-%06d.tar", memory=0)
+    with pytest.raises(ArgumentError, match="pattern for the validation set"):
+        convert_imagenet("train.tar", "t-%06d.tar", val_tar="val.tar", val_labels="l.txt")
+
+
+def test_default_validation_pattern() -> None:
+    assert default_val_pattern("out/train-%06d.tar") == "out/val-%06d.tar"
+    assert (
+        default_val_pattern("s3://b/train/in1k-train-%06d.tar") == "s3://b/train/in1k-val-%06d.tar"
+    )
+    assert default_val_pattern("shards-%06d.tar") is None
 
 
 # ---------------------------------------------------------------------------------------------
 # The command line, as a real subprocess
 # ---------------------------------------------------------------------------------------------
 
-# Until the lead registers the command family in webds.cli.COMMAND_MODULES.
-LAUNCH = (
-    "import sys, webds.cli as c\n"
-    "if 'convert' not in c.COMMAND_MODULES: c.COMMAND_MODULES.append('convert')\n"
-    "sys.exit(c.main())\n"
-)
-
 
 def webds_cli(*args: str, **kw) -> subprocess.CompletedProcess:
     kw.setdefault("capture_output", True)
     kw.setdefault("timeout", 120)
     return subprocess.run(
-        [sys.executable, "-c", LAUNCH, "imagenet", *args], env=cli_env(), text=False, **kw
+        [sys.executable, "-m", "webds.cli", "imagenet", *args], env=cli_env(), text=False, **kw
     )
 
 
@@ -562,7 +564,7 @@ def test_cli_errors_one_line_and_exit_status(mini: Mini, tmp_path: Path) -> None
 def test_cli_interrupted_removes_temp_files(mini: Mini, tmp_path: Path) -> None:
     work = tmp_path / "work"
     proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, "imagenet", "-", "-o", str(tmp_path / "t-%06d.tar")]
+        [sys.executable, "-m", "webds.cli", "imagenet", "-", "-o", str(tmp_path / "t-%06d.tar")]
         + ["--tmpdir", str(work), "-q"],
         stdin=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -581,17 +581,10 @@ def test_pack_folder_to_s3(s3: Any, tmp_path: Path, idx: Dict[str, np.ndarray]):
 
 # -- the command -------------------------------------------------------------------------------
 
-# Runs the webds command with the converters registered, whether or not webds.cli lists them.
-BOOT = (
-    "import sys, webds.cli as c\n"
-    "if 'convert' not in c.COMMAND_MODULES: c.COMMAND_MODULES.append('convert')\n"
-    "sys.exit(c.main(sys.argv[1:]))\n"
-)
-
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", BOOT, *args],
+        [sys.executable, "-m", "webds.cli", *args],
         cwd=cwd,
         env=cli_env(),
         capture_output=True,

@@ -189,7 +189,10 @@ def _register_imagenet(subparsers: Any) -> None:
         "'FILE LABEL' lines, or one LABEL per line in sorted file-name order",
     )
     p.add_argument(
-        "--val-output", metavar="PATTERN", help="validation shard names, e.g. out/val-%%06d.tar"
+        "--val-output",
+        metavar="PATTERN",
+        help="validation shard names (default: the -o pattern with 'train' in its file name "
+        "replaced by 'val', e.g. out/val-%%06d.tar)",
     )
     p.add_argument(
         "--classes",

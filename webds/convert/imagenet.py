@@ -72,7 +72,8 @@ def convert_imagenet(
     {"synset": ...}`` with ``with_json``); ``classes.json`` and the shard index
     (``train.index.json``) are written beside the shards.
 
-    ``val_tar`` (flat: ``ILSVRC2012_val_00000001.JPEG`` ...) is written to ``val_pattern`` in
+    ``val_tar`` (flat: ``ILSVRC2012_val_00000001.JPEG`` ...) is written to ``val_pattern`` (by
+    default ``pattern`` with ``train`` in its file name replaced by ``val``) in
     its own order, labelled from ``val_labels``, a file (path or URL) in one of these forms:
 
     - Kaggle's ``LOC_val_solution.csv``: ``ImageId,PredictionString``, the synset first;
@@ -96,6 +97,8 @@ def convert_imagenet(
         convert_imagenet("ILSVRC2012_img_train.tar", "/data/in1k/train-%06d.tar", memory=8e9)
     """
     options = dict(storage_options or {})
+    if val_tar is not None and not val_pattern and pattern:
+        val_pattern = default_val_pattern(pattern)
     _check_arguments(
         train_tar, pattern, val_tar, val_labels, val_pattern, classes, maxcount, maxsize, seed
     )
@@ -140,6 +143,16 @@ def convert_imagenet(
     return summary
 
 
+def default_val_pattern(pattern: str) -> Optional[str]:
+    """The validation shards beside the training shards: the last ``train`` in the file name
+    becomes ``val`` (``out/train-%06d.tar`` -> ``out/val-%06d.tar``); None if there is none."""
+    head, sep, name = pattern.rpartition("/")
+    at = name.rfind("train")
+    if at < 0:
+        return None
+    return head + sep + name[:at] + "val" + name[at + len("train") :]
+
+
 def _check_arguments(
     train_tar: Any,
     pattern: Any,
@@ -177,7 +190,8 @@ def _check_arguments(
         if not val_pattern:
             raise ArgumentError(
                 "give the output shard pattern for the validation set (val_pattern / "
-                "--val-output), e.g. 'out/val-%06d.tar'"
+                "--val-output), e.g. 'out/val-%06d.tar' (it defaults to the training pattern "
+                "with 'train' in its file name replaced by 'val')"
             )
         if val_pattern == pattern:
             raise ArgumentError("the training and validation shard patterns must differ")
