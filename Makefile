@@ -9,7 +9,7 @@ PIP_INSTALL := $(VPY) -m pip install -qq --disable-pip-version-check -c constrai
 PACKAGING := setup.cfg setup.py pyproject.toml constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint bench clean
 
 demo: $(VENV)/.stamp-base
 	$(VPY) examples/demo.py
@@ -17,12 +17,16 @@ demo: $(VENV)/.stamp-base
 test: $(VENV)/.stamp-test
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
+bench: $(VENV)/.stamp-bench
+	$(VPY) -m benchmarks $(BENCH_ARGS)
+
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check .
 
 $(VENV)/.stamp-base: EXTRAS :=
 $(VENV)/.stamp-test: EXTRAS := [test]
 $(VENV)/.stamp-dev: EXTRAS := [dev]
+$(VENV)/.stamp-bench: EXTRAS := [bench,s3,test]
 
 $(VENV)/.stamp-%: $(PACKAGING)
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)

@@ -24,13 +24,8 @@ Usage: ``python benchmarks/bench_imagenet.py [--reps 3] [--out benchmarks/result
 from __future__ import annotations
 
 import argparse
-import gzip
 import io
-import json
-import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tarfile
@@ -42,11 +37,11 @@ from typing import Callable, Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.data import fashion_images  # noqa: E402
+from benchmarks.harness import Variant, machine_info, measure, write_json  # noqa: E402
 from webds.convert.imagenet import convert_imagenet  # noqa: E402
 from webds.tario import read_members  # noqa: E402
 from webds.writer import TarWriter  # noqa: E402
-
-FASHION = ROOT / "examples" / "data" / "fashion-mnist" / "t10k-images-idx3-ubyte.gz"
 
 
 def build(
@@ -56,8 +51,7 @@ def build(
     import numpy as np
     from PIL import Image
 
-    with gzip.open(FASHION, "rb") as f:
-        pixels = np.frombuffer(f.read(), np.uint8, offset=16).reshape(-1, 28, 28)
+    pixels = fashion_images()
     rng = np.random.default_rng(0)
     class_dir = folder / "classes"
     class_dir.mkdir()
@@ -130,20 +124,15 @@ def run_read_members_loop(train: str, out: Path) -> int:
     return n
 
 
-def measure(fn: Callable[[Path], int], folder: Path, reps: int) -> Dict[str, object]:
-    times: List[float] = []
-    count = 0
-    for rep in range(reps + 1):  # the first run warms the page cache and imports
-        out = folder / f"out-{rep}"
+def timed(fn: Callable[[Path], int], folder: Path) -> Variant:
+    """``fn(out)`` on a fresh, empty ``folder/out`` each time (made and cleared untimed)."""
+    out = folder / "out"
+
+    def fresh() -> None:
+        shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
-        t0 = time.perf_counter()
-        count = fn(out)
-        elapsed = time.perf_counter() - t0
-        shutil.rmtree(out)
-        if rep:
-            times.append(elapsed)
-    median = statistics.median(times)
-    return {"count": count, "median_s": median, "per_s": count / median, "times_s": times}
+
+    return Variant(lambda: fn(out), before_each=fresh, close=lambda: shutil.rmtree(out, True))
 
 
 # VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across exec, so a child would report
@@ -188,37 +177,36 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
         data = build(folder, args.classes, args.per_class, args.width, args.height, args.noise)
         build_s = time.perf_counter() - t0
         train = data.pop("path")
-        runs = {
-            f"convert_imagenet {args.memory / 1e6:g} MB": measure(
-                lambda out: run_convert(train, out, args.memory), folder, args.reps
-            ),
-            "convert_imagenet 2 GB": measure(
-                lambda out: run_convert(train, out, 2e9), folder, args.reps
-            ),
-            "tarfile + TarWriter": measure(
-                lambda out: run_tarfile_loop(train, out), folder, args.reps
-            ),
-            "read_members + TarWriter": measure(
-                lambda out: run_read_members_loop(train, out), folder, args.reps
-            ),
-        }
+        # The warm-up run fills the page cache and does the imports.
+        runs = measure(
+            {
+                f"convert_imagenet {args.memory / 1e6:g} MB": timed(
+                    lambda out: run_convert(train, out, args.memory), folder
+                ),
+                "convert_imagenet 2 GB": timed(lambda out: run_convert(train, out, 2e9), folder),
+                "tarfile + TarWriter": timed(lambda out: run_tarfile_loop(train, out), folder),
+                "read_members + TarWriter": timed(
+                    lambda out: run_read_members_loop(train, out), folder
+                ),
+            },
+            args.reps,
+            workload="imagenet",
+        )
         rss_import = peak_rss(train, folder / "rss-import", args.memory, convert=False)
         rss_convert = peak_rss(train, folder / "rss-convert", args.memory, convert=True)
 
-    base = runs["tarfile + TarWriter"]["per_s"]
+    base = runs["tarfile + TarWriter"].median
     results: Dict[str, object] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
+        **machine_info(),
         "reps": args.reps,
         "dataset": data,
         "build_s": build_s,
         "memory": args.memory,
         "runs": {
             name: {
-                **r,
-                "mb_per_s": data["image_bytes"] / r["median_s"] / 1e6,  # type: ignore[operator]
-                "ratio_vs_tarfile_loop": r["per_s"] / base,  # type: ignore[operator]
+                **r.to_json(),
+                "mb_per_s": r.median * data["image_bytes"] / r.count / 1e6,
+                "ratio_vs_tarfile_loop": r.median / base,
             }
             for name, r in runs.items()
         },
@@ -232,16 +220,14 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
     print(f"{'loop':<26} {'samples/s':>10} {'MB/s':>8} {'vs tarfile loop':>16}")
     for name, r in results["runs"].items():  # type: ignore[union-attr]
         print(
-            f"{name:<26} {r['per_s']:>10,.0f} {r['mb_per_s']:>8.0f} "
+            f"{name:<26} {r['median_per_s']:>10,.0f} {r['mb_per_s']:>8.0f} "
             f"{r['ratio_vs_tarfile_loop']:>15.2f}x"
         )
     print(
         f"peak RSS with memory={args.memory:.3g}: {rss_convert / 1e6:.0f} MB "
         f"(a child that only imports webds: {rss_import / 1e6:.0f} MB)"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_json(args.out, results)
     print(f"wrote {out}")
     return results
 

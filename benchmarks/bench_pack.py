@@ -16,37 +16,21 @@ Usage: ``python benchmarks/bench_pack.py [--reps 3] [--format jpg] [--size 28]
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
-import platform
 import shutil
 import statistics
-import struct
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.data import fashion_images, fashion_labels  # noqa: E402
+from benchmarks.harness import Variant, machine_info, measure, write_json  # noqa: E402
 from webds.convert.packing import pack  # noqa: E402
 from webds.encode import imageencoder  # noqa: E402
 from webds.writer import TarWriter  # noqa: E402
-
-DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "fashion-mnist"
-
-
-def read_idx(path: Path) -> np.ndarray:
-    data = gzip.decompress(path.read_bytes())
-    magic, n = struct.unpack(">II", data[:8])
-    if magic == 2051:
-        rows, cols = struct.unpack(">II", data[8:16])
-        return np.frombuffer(data, np.uint8, offset=16).reshape(n, rows, cols)
-    return np.frombuffer(data, np.uint8, offset=8)
 
 
 class FashionMNIST:
@@ -54,8 +38,8 @@ class FashionMNIST:
     images (bicubic), for encoding work closer to photos."""
 
     def __init__(self, size: int = 28) -> None:
-        self.images = read_idx(DATA / "t10k-images-idx3-ubyte.gz")
-        self.labels = read_idx(DATA / "t10k-labels-idx1-ubyte.gz")
+        self.images = fashion_images()
+        self.labels = fashion_labels()
         self.size = size
 
     def __len__(self) -> int:
@@ -100,17 +84,28 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
 
-    variants: Dict[str, Callable[[], Any]] = {
-        "plain TarWriter loop": lambda: plain_loop(dataset, tmp, args.maxcount, args.format),
+    def counted(fn: Callable[[], Any]) -> Callable[[], int]:
+        def run() -> int:
+            fn()
+            return n
+
+        return run
+
+    variants: Dict[str, Any] = {
+        "plain TarWriter loop": counted(
+            lambda: plain_loop(dataset, tmp, args.maxcount, args.format)
+        ),
     }
     for workers in sorted({0, 1, cpus}):
-        variants[f"pack workers={workers}"] = lambda w=workers: pack(
-            dataset,
-            str(tmp / "fm-%06d.tar"),
-            maxcount=args.maxcount,
-            workers=w,
-            image_format=args.format,
-            progress=False,
+        variants[f"pack workers={workers}"] = counted(
+            lambda w=workers: pack(
+                dataset,
+                str(tmp / "fm-%06d.tar"),
+                maxcount=args.maxcount,
+                workers=w,
+                image_format=args.format,
+                progress=False,
+            )
         )
     results: Dict[str, Any] = {
         "benchmark": "pack",
@@ -119,29 +114,26 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         "format": args.format,
         "size": args.size,
         "reps": args.reps,
-        "cpus": cpus,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
+        **machine_info(),
         "variants": {},
     }
-    times: Dict[str, List[float]] = {name: [] for name in variants}
     try:
-        # Round robin, so that load from other processes falls on every variant alike.
-        for _ in range(args.reps):
-            for name, fn in variants.items():
-                clean()
-                start = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - start)
+        # Round robin (harness.measure), so that load from other processes falls on every
+        # variant alike; no warm-up run, as before.
+        runs = measure(
+            {k: Variant(v, before_each=clean) for k, v in variants.items()},
+            args.reps,
+            workload="pack",
+            warmup=False,
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for name, seconds in times.items():
-        median, best = statistics.median(seconds), min(seconds)
+    for name, m in runs.items():
         results["variants"][name] = {
-            "seconds": [round(t, 4) for t in seconds],
-            "median_s": round(median, 4),
-            "samples_per_s": round(n / median, 1),
-            "best_samples_per_s": round(n / best, 1),
+            "seconds": [round(t, 4) for t in m.times_s],
+            "median_s": round(statistics.median(m.times_s), 4),
+            "samples_per_s": round(m.median, 1),
+            "best_samples_per_s": round(m.high, 1),
         }
     plain = results["variants"]["plain TarWriter loop"]
     what = f"{n} {args.size}x{args.size} {args.format} images"
@@ -155,9 +147,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             f"  {name:22s} median {row['samples_per_s']:7.0f}/s x{row['ratio_vs_plain']:.2f}"
             f"   best {row['best_samples_per_s']:7.0f}/s x{row['best_ratio_vs_plain']:.2f}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = write_json(args.out, results)
     print(f"wrote {out}")
     return results
 

@@ -22,19 +22,15 @@ Usage: ``python benchmarks/bench_s3.py [--reps 5] [--mb 100] [--out benchmarks/r
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import platform
 import random
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import Variant, machine_info, measure, moto_s3, write_json  # noqa: E402
 from webds.samples import tarfile_to_samples  # noqa: E402
 from webds.tario import END_OF_ARCHIVE, member_bytes  # noqa: E402
 
@@ -62,18 +58,6 @@ def build_shard(total_mb: int) -> bytes:
     return b"".join(parts)
 
 
-def measure(fn: Callable[[], int], nbytes: int, reps: int) -> Dict[str, Any]:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        got = fn()
-        times.append(time.perf_counter() - t0)
-        if got != nbytes:
-            raise RuntimeError(f"read {got} bytes, expected {nbytes}")
-    med = statistics.median(times)
-    return {"median_s": med, "mb_per_s": nbytes / med / 1e6, "times_s": times}
-
-
 def main(argv: List[str] | None = None) -> Dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -84,27 +68,14 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     )
     args = ap.parse_args(argv)
 
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        creds = dict(aws_access_key_id="bench", aws_secret_access_key="bench")
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **creds)
+    with moto_s3() as s3:
+        client = s3["client"]
         client.create_bucket(Bucket=BUCKET)
         data = build_shard(args.mb)
         client.put_object(Bucket=BUCKET, Key=KEY, Body=data)
         nobject = len(data)
         del data
-        options = {
-            "key": "bench",
-            "secret": "bench",
-            "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        }
+        options = s3["storage_options"]
         url = f"s3://{BUCKET}/{KEY}"
 
         def run_boto3() -> int:
@@ -139,26 +110,28 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
 
             return run
 
-        run_boto3()  # warm up connections on both sides
-        run_webds()()
-        results: Dict[str, Any] = {}
-        results["boto3 get_object().read()"] = measure(run_boto3, nobject, args.reps)
-        results["webds tarfile_to_samples"] = measure(run_webds(), nobject, args.reps)
+        variants: Dict[str, Any] = {
+            # The first call warms up connections on both sides.
+            "boto3 get_object().read()": Variant(run_boto3),
+            "webds tarfile_to_samples": Variant(run_webds()),
+        }
         for mib in [int(x) for x in args.block_sizes.split(",") if x.strip()]:
-            name = f"webds block_size={mib} MiB"
-            results[name] = measure(run_webds(block_size=mib * MiB), nobject, args.reps)
-            name = f"boto3 ranged GETs of {mib} MiB"
-            results[name] = measure(run_boto3_ranged(mib * MiB), nobject, args.reps)
-    finally:
-        server.stop()
+            variants[f"webds block_size={mib} MiB"] = run_webds(block_size=mib * MiB)
+            variants[f"boto3 ranged GETs of {mib} MiB"] = run_boto3_ranged(mib * MiB)
+        runs = measure(variants, args.reps, workload="s3", unit="bytes/s")
 
-    base = results["boto3 get_object().read()"]["mb_per_s"]
-    for entry in results.values():
-        entry["ratio_to_boto3"] = entry["mb_per_s"] / base
+    base = runs["boto3 get_object().read()"].median
+    results: Dict[str, Any] = {}
+    for name, m in runs.items():
+        if m.count != nobject:
+            raise RuntimeError(f"{name} read {m.count} bytes, expected {nobject}")
+        results[name] = {
+            **m.to_json(),
+            "mb_per_s": m.median / 1e6,
+            "ratio_to_boto3": m.median / base,
+        }
     report = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
+        **machine_info(["boto3", "moto", "s3fs", "fsspec"]),
         "reps": args.reps,
         "object_bytes": nobject,
         "payload_bytes": payload,
@@ -168,9 +141,7 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     }
     for name, entry in results.items():
         print(f"{name:36s} {entry['mb_per_s']:8.1f} MB/s  x{entry['ratio_to_boto3']:.2f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_json(args.out, report)
     print(f"wrote {out}")
     return report
 

@@ -16,21 +16,18 @@ Usage: ``python benchmarks/bench_tario.py [--reps 5] [--out benchmarks/results/t
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import re
-import statistics
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import format_table, machine_info, measure, write_json  # noqa: E402
 from webds.fluent import WebDataset  # noqa: E402
 from webds.samples import tarfile_to_samples  # noqa: E402
 from webds.tario import END_OF_ARCHIVE, write_member  # noqa: E402
@@ -120,18 +117,6 @@ def run_webdataset_facade(path: Path) -> int:
     return sum(1 for _ in WebDataset(str(path)))
 
 
-def measure(fn: Callable[[Path], int], path: Path, reps: int) -> Dict[str, float]:
-    fn(path)  # warm the page cache and imports
-    times = []
-    count = 0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        count = fn(path)
-        times.append(time.perf_counter() - t0)
-    median = statistics.median(times)
-    return {"count": count, "median_s": median, "per_s": count / median, "times_s": times}
-
-
 def main(argv: List[str] | None = None) -> Dict[str, object]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5, help="repetitions per measurement (median)")
@@ -144,46 +129,50 @@ def main(argv: List[str] | None = None) -> Dict[str, object]:
         "small (1-2 KB)": (args.small_members, 1024, 2048, ["txt", "cls"]),
         "image (~100 KB)": (args.image_members, 90 * 1024, 110 * 1024, ["jpg", "seg.png"]),
     }
-    results: Dict[str, object] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "reps": args.reps,
-        "shards": {},
-    }
-    rows = []
+    results: Dict[str, object] = {**machine_info(), "reps": args.reps, "shards": {}}
+    tables = []
     with tempfile.TemporaryDirectory(prefix="webds-bench-") as tmp:
         for label, (n, lo, hi, exts) in shards.items():
             path = Path(tmp) / f"shard-{n}.tar"
             nbytes = build_shard(path, n, lo, hi, exts)
-            member_runs = {
-                "tarfile r|*": measure(run_tarfile, path, args.reps),
-                "bare header loop": measure(run_bare, path, args.reps),
-                "webds.read_members": measure(run_read_members, path, args.reps),
+            member_fns = {
+                "tarfile r|*": run_tarfile,
+                "bare header loop": run_bare,
+                "webds.read_members": run_read_members,
             }
-            sample_runs = {
-                "tarfile + grouping": measure(run_tarfile_samples, path, args.reps),
-                "webds.tarfile_to_samples": measure(run_webds_samples, path, args.reps),
-                "webds.WebDataset": measure(run_webdataset_facade, path, args.reps),
+            sample_fns = {
+                "tarfile + grouping": run_tarfile_samples,
+                "webds.tarfile_to_samples": run_webds_samples,
+                "webds.WebDataset": run_webdataset_facade,
             }
-            base_m = member_runs["tarfile r|*"]["per_s"]
-            base_s = sample_runs["tarfile + grouping"]["per_s"]
+            member_runs = measure(
+                {k: (lambda f=f, p=path: f(p)) for k, f in member_fns.items()},
+                args.reps,
+                workload=f"{label} members",
+                unit="members/s",
+            )
+            sample_runs = measure(
+                {k: (lambda f=f, p=path: f(p)) for k, f in sample_fns.items()},
+                args.reps,
+                workload=f"{label} samples",
+            )
+            base_m = member_runs["tarfile r|*"].median
+            base_s = sample_runs["tarfile + grouping"].median
             entry = {"members": n, "bytes": nbytes, "members_per_s": {}, "samples_per_s": {}}
-            for name, r in member_runs.items():
-                entry["members_per_s"][name] = {**r, "ratio_vs_tarfile": r["per_s"] / base_m}
-                rows.append((label, name, "members/s", r, r["per_s"] / base_m, nbytes))
-            for name, r in sample_runs.items():
-                entry["samples_per_s"][name] = {**r, "ratio_vs_tarfile": r["per_s"] / base_s}
-                rows.append((label, name, "samples/s", r, r["per_s"] / base_s, nbytes))
+            for key, runs, base in (
+                ("members_per_s", member_runs, base_m),
+                ("samples_per_s", sample_runs, base_s),
+            ):
+                for name, m in runs.items():
+                    entry[key][name] = {**m.to_json(), "ratio_vs_tarfile": m.median / base}
             results["shards"][label] = entry  # type: ignore[index]
+            sizes = {k: nbytes for k in member_fns}
+            tables.append(format_table(member_runs, ["tarfile r|*"], f"\n{label}", sizes))
+            sizes = {k: nbytes for k in sample_fns}
+            tables.append(format_table(sample_runs, ["tarfile + grouping"], "", sizes))
 
-    print(f"{'shard':<16} {'reader':<26} {'unit':<10} {'rate':>12} {'MB/s':>8} {'vs tarfile':>10}")
-    for label, name, unit, r, ratio, nbytes in rows:
-        mbps = nbytes / r["median_s"] / 1e6
-        print(f"{label:<16} {name:<26} {unit:<10} {r['per_s']:>12,.0f} {mbps:>8.0f} {ratio:>9.1f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    print("\n".join(tables))
+    out = write_json(args.out, results)
     print(f"wrote {out}")
     return results
 

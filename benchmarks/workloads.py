@@ -1,0 +1,525 @@
+"""The workloads of the suite and the targets of issue 8, each measured in samples/s.
+
+Every workload runs its contestants in the same process, round robin (see harness.measure), and
+every ratio compares two numbers of the same run. A :class:`Suite` keeps the measurements
+(``results``), what is not a rate (``info``: memory, S3 facts) and ``notes`` on what was
+skipped; ``__main__`` prints them, writes them as JSON and plots them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import loaders as L
+from .data import Data
+from .harness import (
+    ROOT,
+    Measurement,
+    Target,
+    Variant,
+    measure,
+    ratio,
+    round_ratios,
+    stderr,
+)
+
+#: name -> what it measures. ``--only`` takes these names (or their prefixes).
+WORKLOADS: Dict[str, str] = {
+    "read-small": "tar -> samples, small records (1-2 KB, no decode)",
+    "read-images": "raw samples, ~100 KB JPEGs (no decode), warm page cache",
+    "read-images-cold": "raw samples, ~100 KB JPEGs (no decode), files evicted from the cache",
+    "pipeline": "decode + augment + batch in one process (no workers)",
+    "loader-0": "WebLoader / DataLoader, decode + augment + batch, 0 workers",
+    "loader-1": "WebLoader / DataLoader, decode + augment + batch, 1 worker",
+    "loader-2": "WebLoader / DataLoader, decode + augment + batch, 2 workers",
+    "write-small": "writing shards, small records (1-2 KB)",
+    "write-images": "writing shards, ~100 KB JPEGs (already encoded)",
+    "s3": "raw samples streamed from S3 (moto on loopback, no decode)",
+    "memory": "resident memory over 10 epochs, 2 persistent workers",
+}
+
+
+#: (target, threshold for >=, workload, numerator, denominator, what is compared)
+RATIO_TARGETS = [
+    ("tar->samples small, webds/webdataset", 10, "read-small",
+     "webds WebDataset", "webdataset WebDataset", "WebDataset(urls), no decode"),
+    ("image pipeline 1 process, webds/webdataset", 1.2, "pipeline",
+     "webds WebDataset", "webdataset WebDataset", "decode+augment+batch, no loader"),
+    ("WebLoader 2 workers, webds/webdataset", 1.2, "loader-2",
+     "webds WebLoader", "webdataset WebLoader", "decode+augment+batch in 2 workers"),
+    ("TarWriter small, webds/webdataset", 5, "write-small",
+     "webds TarWriter", "webdataset TarWriter", "1-2 KB records"),
+    ("ShardWriter small, webds/webdataset", 5, "write-small",
+     "webds ShardWriter", "webdataset ShardWriter", "webds also writes its index + sha256"),
+    ("shards/file-per-sample, warm cache", 3, "read-images",
+     "webds WebDataset", "files Dataset", "raw samples, one process"),
+    ("shards/file-per-sample, cold cache", 3, "read-images-cold",
+     "webds WebDataset", "files Dataset", "raw samples, files evicted first"),
+]  # fmt: skip
+
+#: (label, workload, numerator, denominator): ratios shown for context, without a target.
+OTHER_RATIOS = [
+    ("read-small: webds / bare reader loop", "read-small", "webds WebDataset", "bare reader loop"),
+    ("read-small: bare reader loop / webdataset", "read-small",
+     "bare reader loop", "webdataset WebDataset"),
+    ("write-small: bare header writer / webdataset", "write-small",
+     "bare header writer", "webdataset TarWriter"),
+    ("write-small: webds ShardWriter index=False / webdataset", "write-small",
+     "webds ShardWriter index=False", "webdataset ShardWriter"),
+    ("read-images: zip / files", "read-images", "zip Dataset", "files Dataset"),
+    ("read-images-cold: zip / files", "read-images-cold", "zip Dataset", "files Dataset"),
+    ("pipeline: webds / files DataLoader", "pipeline", "webds WebDataset", "files DataLoader"),
+    ("loader-0: webds / webdataset", "loader-0", "webds WebLoader", "webdataset WebLoader"),
+    ("loader-1: webds / webdataset", "loader-1", "webds WebLoader", "webdataset WebLoader"),
+    ("loader-2: webds / files DataLoader", "loader-2", "webds WebLoader", "files DataLoader"),
+    ("s3: webds / boto3 + bare reader", "s3",
+     "webds WebDataset s3://", "boto3 get_object + bare reader"),
+    ("s3: webds / webdataset pipe:curl", "s3",
+     "webds WebDataset s3://", "webdataset pipe:curl presigned"),
+]  # fmt: skip
+
+
+@dataclass
+class Config:
+    """Sizes of one run; ``--quick`` picks the small ones."""
+
+    reps: int = 5
+    images: int = 2000  # images built (read-images, write-images)
+    small: int = 50_000  # small records built (read-small)
+    decode: int = 800  # images decoded per pass (pipeline, loader-*, memory); whole shards
+    write_small: int = 20_000  # small records per writer run
+    s3_images: int = 600  # images (whole shards) streamed from S3
+    epochs: int = 10  # memory
+    workers: int = 2  # memory
+
+    @classmethod
+    def quick(cls) -> "Config":
+        return cls(reps=3, images=400, small=20_000, decode=200, write_small=5_000, s3_images=400)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _evict(paths: Sequence[Any]) -> Callable[[], None]:
+    """Drop these files from the page cache (only them: POSIX_FADV_DONTNEED after fsync)."""
+
+    def evict() -> None:
+        for p in paths:
+            fd = os.open(str(p), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    return evict
+
+
+class Suite:
+    """Runs the selected workloads over one data folder."""
+
+    def __init__(
+        self,
+        data: Data,
+        config: Config,
+        only: Optional[Sequence[str]] = None,
+        quick: bool = False,
+    ) -> None:
+        self.data = data
+        self.config = config
+        self.quick = quick
+        self.only = only
+        self.wds = _has("webdataset")
+        self.results: Dict[str, Dict[str, Measurement]] = {}
+        self.info: Dict[str, Any] = {}
+        self.notes: List[str] = []
+        if not self.wds:
+            self.notes.append(
+                "webdataset is not installed: its rows and the targets against it are skipped "
+                "(pip install webdataset==1.0.2)"
+            )
+        if data.meta.get("source_note"):
+            self.notes.append(data.meta["source_note"])
+
+    def selected(self, name: str) -> bool:
+        # An exact name selects only itself ("read-images" is not "read-images-cold").
+        return not self.only or any(
+            name == o or (o not in WORKLOADS and name.startswith(o)) for o in self.only
+        )
+
+    def run(self) -> None:
+        steps: Dict[str, Callable[[], None]] = {
+            "read-small": self.read_small,
+            "read-images": lambda: self.read_images(cold=False),
+            "read-images-cold": lambda: self.read_images(cold=True),
+            "pipeline": self.pipeline,
+            "loader-0": lambda: self.loader(0),
+            "loader-1": lambda: self.loader(1),
+            "loader-2": lambda: self.loader(2),
+            "write-small": self.write_small,
+            "write-images": self.write_images,
+            "s3": self.s3,
+            "memory": self.memory,
+        }
+        for name, step in steps.items():
+            if self.selected(name):
+                stderr(f"[{name}] {WORKLOADS[name]}")
+                step()
+                gc.collect()
+
+    def _measure(self, name: str, variants: Dict[str, Any]) -> Dict[str, Measurement]:
+        res = measure(variants, self.config.reps, workload=name, min_time=0.25, log=stderr)
+        self.results[name] = res
+        return res
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def read_small(self) -> None:
+        import webds
+
+        urls = self.data.small_shards()
+        v: Dict[str, Any] = {"bare reader loop": lambda: L.bare_read_samples(urls)}
+        ds = L.raw_dataset("webds", urls)
+        v["webds WebDataset"] = lambda: L.count(ds)
+        pipe = webds.DataPipeline(webds.SimpleShardList(urls), webds.tarfile_to_samples())
+        v["webds tarfile_to_samples"] = lambda: L.count(pipe)
+        if self.wds:
+            wds_ds = L.raw_dataset("webdataset", urls)
+            v["webdataset WebDataset"] = lambda: L.count(wds_ds)
+        self._measure("read-small", v)
+
+    def read_images(self, cold: bool) -> None:
+        if cold and not hasattr(os, "posix_fadvise"):
+            self.notes.append("read-images-cold skipped: no os.posix_fadvise on this system")
+            return
+        files = L.FileDataset(self.data.files)
+        zipped = L.ZipDataset(self.data.zip)
+        urls = self.data.image_shards()
+        every = [*self.data.image_files(), self.data.zip, *urls]
+        before = _evict(every) if cold else None
+        v: Dict[str, Any] = {
+            "files Dataset": Variant(lambda: L.iterate_map_style(files), before_each=before),
+            "zip Dataset": Variant(lambda: L.iterate_map_style(zipped), before_each=before),
+            "bare reader loop": Variant(lambda: L.bare_read_samples(urls), before_each=before),
+        }
+        ds = L.raw_dataset("webds", urls)
+        v["webds WebDataset"] = Variant(lambda: L.count(ds), before_each=before)
+        if self.wds:
+            wds_ds = L.raw_dataset("webdataset", urls)
+            v["webdataset WebDataset"] = Variant(lambda: L.count(wds_ds), before_each=before)
+        self._measure("read-images-cold" if cold else "read-images", v)
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def pipeline(self) -> None:
+        n = self.config.decode
+        items = [(p.read_bytes(), label) for p, label in self._labelled(n)]
+        urls = self.data.image_shards(n)
+
+        def first_batches(loader: Any) -> Callable[[], int]:
+            # The warm-up of an expensive pass: imports, page cache, the first batches.
+            return lambda: L.count_batches(loader, limit=2)
+
+        files = L.data_loader(L.FileDataset(self.data.files, n, decode=True), 0)
+        zipped = L.data_loader(L.ZipDataset(self.data.zip, n, decode=True), 0)
+        v: Dict[str, Any] = {
+            "decode+augment alone": Variant(
+                lambda: L.decode_augment_loop(items),
+                warmup=lambda: L.decode_augment_loop(items[: 2 * L.BATCH]),
+            ),
+            "files DataLoader": Variant(lambda: L.count_batches(files), first_batches(files)),
+            "zip DataLoader": Variant(lambda: L.count_batches(zipped), first_batches(zipped)),
+        }
+        ds = L.image_dataset("webds", urls)
+        v["webds WebDataset"] = Variant(lambda: L.count_batches(ds), first_batches(ds))
+        if self.wds:
+            wds_ds = L.image_dataset("webdataset", urls)
+            v["webdataset WebDataset"] = Variant(
+                lambda: L.count_batches(wds_ds), first_batches(wds_ds)
+            )
+        self._measure("pipeline", v)
+
+    def _labelled(self, n: int) -> List[Any]:
+        labels = L.FileDataset(self.data.files, n).labels
+        return list(zip(self.data.image_files(n), labels))
+
+    def loader(self, workers: int) -> None:
+        n = self.config.decode
+        urls = self.data.image_shards(n)
+        made: Dict[str, Any] = {"webds WebLoader": lambda: L.web_loader("webds", urls, workers)}
+        if self.wds:
+            made["webdataset WebLoader"] = lambda: L.web_loader("webdataset", urls, workers)
+        if workers:  # with 0 workers they are the "pipeline" workload's DataLoaders
+            made["files DataLoader"] = lambda: L.data_loader(
+                L.FileDataset(self.data.files, n, decode=True), workers
+            )
+            made["zip DataLoader"] = lambda: L.data_loader(
+                L.ZipDataset(self.data.zip, n, decode=True), workers
+            )
+        v: Dict[str, Any] = {}
+        for name, make in made.items():
+            loader = make()
+            v[name] = Variant(
+                lambda ld=loader: L.count_batches(ld),
+                # A whole epoch: starts the (persistent) workers and reaches every shard.
+                warmup=lambda ld=loader: L.count_batches(ld),
+                close=lambda ld=loader: L.shutdown(ld),
+            )
+        self._measure(f"loader-{workers}", v)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def _writers(self, samples: List[Dict[str, Any]], name: str, maxcount: int) -> None:
+        # Every run writes new files into an empty folder (emptied untimed): overwriting a file
+        # still being written back costs more than writing a new one, and so would the timed
+        # deletion of the old one.
+        out = Path(tempfile.mkdtemp(prefix="write-", dir=self.data.root))
+
+        def empty() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+
+        n = len(samples)
+
+        def tar(lib: str) -> Callable[[], int]:
+            def run() -> int:
+                with L.library(lib).TarWriter(str(out / f"{lib}.tar")) as sink:
+                    for s in samples:
+                        sink.write(s)
+                return n
+
+            return run
+
+        def shards(lib: str, tag: str, **kw: Any) -> Callable[[], int]:
+            def run() -> int:
+                pattern = str(out / f"{tag}-%06d.tar")
+                with L.library(lib).ShardWriter(pattern, maxcount=maxcount, **kw) as sink:
+                    for s in samples:
+                        sink.write(s)
+                return n
+
+            return run
+
+        runs: Dict[str, Callable[[], int]] = {
+            "bare header writer": lambda: L.bare_write(str(out / "bare.tar"), samples),
+            "webds TarWriter": tar("webds"),
+            "webds ShardWriter": shards("webds", "webds"),
+            "webds ShardWriter index=False": shards("webds", "webds-noindex", index=False),
+        }
+        if self.wds:
+            runs["webdataset TarWriter"] = tar("webdataset")
+            runs["webdataset ShardWriter"] = shards("webdataset", "webdataset", verbose=0)
+        v = {k: Variant(run, before_each=empty) for k, run in runs.items()}
+        try:
+            self._measure(name, v)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def write_small(self) -> None:
+        import random
+
+        from .data import small_records
+
+        samples = small_records(self.config.write_small, random.Random(1), os.urandom(1 << 16))
+        self._writers(samples, "write-small", maxcount=max(1, self.config.write_small // 2))
+
+    def write_images(self) -> None:
+        files = L.FileDataset(self.data.files)
+        samples = [
+            {"__key__": f"{i:06d}", "jpg": files[i][0], "cls": files.labels[i]}
+            for i in range(len(files))
+        ]
+        self._writers(samples, "write-images", maxcount=100)
+
+    # -- S3 -------------------------------------------------------------------------------------
+
+    def s3(self) -> None:
+        missing = [m for m in ("moto", "boto3", "s3fs") if not _has(m)]
+        if missing:
+            self.notes.append(
+                f"s3 skipped: {', '.join(missing)} not installed (pip install "
+                "'moto[server]' s3fs boto3)"
+            )
+            return
+        from .harness import moto_s3
+
+        shards = self.data.image_shards(min(self.config.s3_images, self.data.n_images))
+        bucket = "webds-bench"
+        with moto_s3() as s3:
+            client = s3["client"]
+            client.create_bucket(Bucket=bucket)
+            keys = [f"images/{Path(p).name}" for p in shards]
+            for p, key in zip(shards, keys):
+                client.upload_file(p, bucket, key)
+            s3_urls = [f"s3://{bucket}/{k}" for k in keys]
+
+            def boto3_bare() -> int:
+                n = 0
+                for key in keys:
+                    body = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+                    n += L.bare_parse(body, key)
+                return n
+
+            ds = L.raw_dataset("webds", s3_urls, storage_options=s3["storage_options"])
+            v: Dict[str, Any] = {
+                "boto3 get_object + bare reader": boto3_bare,
+                "webds WebDataset s3://": lambda: L.count(ds),
+            }
+            if self.wds:
+                v.update(self._webdataset_s3(s3, bucket, keys))
+            self._measure("s3", v)
+        self.info["s3"] = {
+            "shards": len(shards),
+            "bytes": sum(Path(p).stat().st_size for p in shards),
+            "server": "moto ThreadedMotoServer on 127.0.0.1, in this process (shares its GIL)",
+        }
+
+    def _webdataset_s3(self, s3: Dict[str, Any], bucket: str, keys: List[str]) -> Dict[str, Any]:
+        """webdataset has no s3:// opener; its documented ways are ``pipe:`` URLs to a
+        downloader. Two of them: curl on a presigned URL (a cheap process per shard), and
+        ``aws s3 cp URL -`` (a Python process per shard; our boto3 script stands in when the
+        AWS CLI is not installed), the latter in full runs only (a second or so per shard)."""
+        import shlex
+
+        v: Dict[str, Any] = {}
+        if shutil.which("curl"):
+            signed = [
+                s3["client"].generate_presigned_url(
+                    "get_object", Params={"Bucket": bucket, "Key": k}, ExpiresIn=3600
+                )
+                for k in keys
+            ]
+            pipes = [f"pipe:curl -s -f {shlex.quote(u)}" for u in signed]
+            ds = L.raw_dataset("webdataset", pipes)
+            v["webdataset pipe:curl presigned"] = lambda: L.count(ds)
+        if not self.quick:
+            creds = f"AWS_ACCESS_KEY_ID={s3['key']} AWS_SECRET_ACCESS_KEY={s3['secret']}"
+            if shutil.which("aws"):
+                name = "webdataset pipe:aws s3 cp"
+                cmd = f"{creds} aws --endpoint-url {s3['endpoint']} s3 cp s3://{bucket}/{{}} -"
+            else:
+                name = "webdataset pipe:python boto3"
+                cat = Path(__file__).with_name("s3cat.py")
+                cmd = f"{sys.executable} {cat} {s3['endpoint']} {bucket} {{}}"
+            ds2 = L.raw_dataset("webdataset", [f"pipe:{cmd.format(k)}" for k in keys])
+            v[name] = lambda: L.count(ds2)
+        return v
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def memory(self) -> None:
+        urls = self.data.image_shards(self.config.decode)
+        runs = {"webds": self._memory_run("webds", urls)}
+        if self.wds:
+            runs["webdataset"] = self._memory_run("webdataset", urls)
+        # glibc's malloc raises its mmap threshold after large frees, then serves big tensors
+        # from a heap it rarely trims: a fixed threshold tells that growth from retained objects.
+        fixed = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        runs["webds, MALLOC_MMAP_THRESHOLD_=1MiB"] = self._memory_run("webds", urls, fixed)
+        self.info["memory"] = runs
+
+    def _memory_run(
+        self, lib: str, urls: List[str], extra_env: Optional[Dict[str, str]] = None
+    ) -> Dict[str, Any]:
+        # A fresh process: what this one holds by now would dilute the growth.
+        cmd = [sys.executable, "-m", "benchmarks.memory", "--lib", lib]
+        cmd += ["--epochs", str(self.config.epochs), "--workers", str(self.config.workers)]
+        paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+            **(extra_env or {}),
+        }
+        proc = subprocess.run(cmd + urls, stdout=subprocess.PIPE, env=env, cwd=ROOT, check=True)
+        return json.loads(proc.stdout.decode().strip().splitlines()[-1])
+
+    # -- targets --------------------------------------------------------------------------------
+
+    def _ratio(self, workload: str, a: str, b: str) -> Optional[float]:
+        res = self.results.get(workload, {})
+        return ratio(res[a], res[b]) if a in res and b in res else None
+
+    def _rounds(self, workload: str, a: str, b: str) -> Optional[List[float]]:
+        res = self.results.get(workload, {})
+        return round_ratios(res[a], res[b]) if a in res and b in res else None
+
+    def targets(self) -> List[Target]:
+        """Issue 8's targets, PASS / MISS / SKIP, from this run's measurements."""
+        out: List[Target] = []
+        for name, threshold, workload, a, b, detail in RATIO_TARGETS:
+            value = self._ratio(workload, a, b)
+            why = ""
+            if value is None:
+                why = f"{workload} not run"
+                if workload in self.results and b.startswith("webdataset"):
+                    why = "webdataset not installed"
+            out.append(
+                Target(
+                    name,
+                    threshold,
+                    value,
+                    detail=f"{workload}: {detail}",
+                    skipped=why,
+                    rounds=self._rounds(workload, a, b),
+                )
+            )
+        base = self._ratio("pipeline", "decode+augment alone", "webds WebDataset")
+        base_rounds = self._rounds("pipeline", "decode+augment alone", "webds WebDataset")
+        out.append(
+            Target(
+                "image pipeline, webds overhead over decode+augment",
+                0.10,
+                None if base is None else base - 1,
+                op="<=",
+                fmt="{:.1%}",
+                detail="pipeline: time(webds) / time(decode+augment alone) - 1",
+                skipped="" if base is not None else "pipeline not run",
+                rounds=None if base_rounds is None else [r - 1 for r in base_rounds],
+            )
+        )
+        mem = self.info.get("memory", {}).get("webds")
+        out.append(
+            Target(
+                "memory growth after epoch 1 (webds)",
+                0.05,
+                None if mem is None else mem["growth_after_epoch_1"],
+                op="<=",
+                fmt="{:.1%}",
+                detail=f"memory: RSS main + {self.config.workers} persistent workers, "
+                f"epoch {self.config.epochs} vs epoch 1",
+                skipped="" if mem else "memory not run",
+            )
+        )
+        return out
+
+    def other_ratios(self) -> Dict[str, Optional[float]]:
+        """Ratios without a target, for context (the issue quotes some of them)."""
+        return {label: self._ratio(w, a, b) for label, w, a, b in OTHER_RATIOS}
+
+    def config_json(self) -> Dict[str, Any]:
+        return asdict(self.config)
+
+
+@contextlib.contextmanager
+def quiet_warnings() -> Any:
+    """webdataset warns on every WebDataset without an explicit seed etc.: keep stderr legible."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
