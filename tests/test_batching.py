@@ -203,3 +203,23 @@ def test_nested_dicts_with_differing_fields_stay_a_list():
 def test_top_level_dicts_with_differing_fields_are_an_error():
     with pytest.raises(SampleError, match="different fields"):
         B.default_collation_fn([{"a": 1}, {"b": 2}])
+
+
+def _shared_flags(batch):
+    """Runs where the batch was collated: whether its tensor column lives in shared memory."""
+    return batch[0], torch.tensor(batch[0].is_shared())
+
+
+def test_batches_made_in_workers_are_stacked_into_shared_memory():
+    # In a DataLoader worker the tensor column is stacked straight into shared memory (no copy
+    # on the way out, and no batch-sized block left on the worker's heap); in the main
+    # process it is an ordinary tensor. Values are the same either way.
+    samples = [(torch.full((3, 4), float(i)), i) for i in range(8)]
+    pipeline = webds.DataPipeline(lambda: iter(samples), B.batched(4), F.map(_shared_flags))
+    in_process = list(pipeline)
+    assert [flag.item() for _, flag in in_process] == [False, False]
+    loader = torch.utils.data.DataLoader(pipeline, batch_size=None, num_workers=1)
+    in_worker = list(loader)
+    assert [flag.item() for _, flag in in_worker] == [True, True]
+    for (a, _), (b, _) in zip(in_process, in_worker):
+        assert torch.equal(a, b) and a.shape == (4, 3, 4)
