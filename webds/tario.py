@@ -30,6 +30,7 @@ log = logging.getLogger("webds")
 
 __all__ = [
     "read_members",
+    "uncompressed_chunks",
     "encode_header",
     "member_bytes",
     "write_member",
@@ -94,8 +95,9 @@ def _raw_reader(stream: BinaryIO, url: Optional[str]) -> Callable[[int], bytes]:
     return raw
 
 
-def _chunks(stream: BinaryIO, url: Optional[str]) -> Iterator[bytes]:
-    """Yield the uncompressed bytes of ``stream`` as non-empty chunks of at most ~1 MiB."""
+def uncompressed_chunks(stream: BinaryIO, url: Optional[str]) -> Iterator[bytes]:
+    """Yield the uncompressed bytes of ``stream`` (plain, gzip, bzip2 or xz, sniffed from the
+    first bytes) as non-empty chunks of at most ~1 MiB; failures raise ShardReadError."""
     raw = _raw_reader(stream, url)
     first = raw(_CHUNK)
     # A raw pipe or socket may return a few bytes at a time; get enough to see the magic.
@@ -381,7 +383,7 @@ def read_members(stream: BinaryIO, url: Optional[str] = None) -> Iterator[Tuple[
         with open("shard-000000.tar", "rb") as f:
             for name, data, offset in read_members(f, url="shard-000000.tar"): ...
     """
-    chunks = _chunks(stream, url)
+    chunks = uncompressed_chunks(stream, url)
     # One generator, not two: a `yield from` layer costs ~10% on small members.
     try:
         nextchunk = chunks.__next__

@@ -8,13 +8,11 @@ the outer tar can come from a pipe.
 
 from __future__ import annotations
 
-import bz2
-import gzip
-import lzma
 import tarfile
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ..errors import ShardReadError, WebdsError
+from ..tario import uncompressed_chunks
 
 __all__ = ["MemberStream", "TarStreamError", "member_streams"]
 
@@ -35,65 +33,37 @@ class TarStreamError(ShardReadError):
     data (such as a tar inside the tar) can tell the two apart."""
 
 
-class _Prefixed:
-    """``stream`` with ``head`` (already read, to sniff compression) put back in front."""
-
-    def __init__(self, head: bytes, stream: Any) -> None:
-        self.head = head
-        self.stream = stream
-
-    def read(self, n: int = -1) -> bytes:
-        if self.head:
-            if n < 0:
-                out, self.head = self.head + self.stream.read(), b""
-                return out
-            out, self.head = self.head[:n], self.head[n:]
-            return out
-        return self.stream.read(n)
-
-    def readable(self) -> bool:
-        return True
-
-
 class _Reader:
-    """The uncompressed stream; read errors become TarStreamError naming it."""
+    """The uncompressed bytes of the tar, from :func:`webds.tario`'s chunk reader (which sniffs
+    and undoes gzip, bzip2 and xz); its errors become TarStreamError naming the tar."""
 
     def __init__(self, stream: Any, url: str, what: str) -> None:
         self.url = url
         self.what = what
         self.offset = 0
-        head = self._raw(stream.read, 512)
-        src: Any = _Prefixed(head, stream)
-        if head[:2] == b"\x1f\x8b":
-            src = gzip.GzipFile(fileobj=src, mode="rb")
-        elif head[:3] == b"BZh":
-            src = bz2.BZ2File(src)
-        elif head[:6] == b"\xfd7zXZ\x00":
-            src = lzma.LZMAFile(src)
-        self._read = src.read
-
-    def _raw(self, read: Any, n: int) -> bytes:
-        try:
-            return bytes(read(n) or b"")
-        except WebdsError:
-            raise
-        except Exception as exn:  # OSError, EOFError, zlib/lzma errors, network errors
-            raise TarStreamError(
-                f"reading {self.what} failed: {type(exn).__name__}: {exn}; check that it "
-                "is a complete (re-downloaded) tar",
-                url=self.url,
-                offset=self.offset,
-            ) from exn
+        self._chunks = uncompressed_chunks(stream, url)
+        self._buf = memoryview(b"")
 
     def read(self, n: int) -> bytes:
-        data = self._raw(self._read, n)
+        """At most ``n`` bytes; fewer only at a chunk boundary, b"" at the end."""
+        if not self._buf:
+            try:
+                self._buf = memoryview(next(self._chunks, b""))
+            except WebdsError as exn:
+                raise TarStreamError(
+                    f"reading {self.what} failed: {exn.message}",
+                    url=self.url,
+                    offset=self.offset,
+                ) from exn
+        data = bytes(self._buf[:n])
+        self._buf = self._buf[n:]
         self.offset += len(data)
         return data
 
     def read_exact(self, n: int) -> bytes:
         parts = []
         while n > 0:
-            data = self.read(min(n, _CHUNK))
+            data = self.read(n)
             if not data:
                 break
             parts.append(data)
