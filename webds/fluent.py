@@ -34,7 +34,7 @@ from .shards import (
     split_by_worker,
     worker_info,
 )
-from .urls import local_path
+from .urls import url_identity
 
 __all__ = ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"]
 
@@ -171,9 +171,9 @@ def _indexed_shards(
     """The shards to read, with their counts: all of the index, or those ``urls`` names."""
     if index in (None, False) or isinstance(urls, ShardIndex) or index is True:
         return shard_index.urls, shard_index.counts
-    counts = {_same_url(s.url): s.samples for s in shard_index.shards}
+    counts = {url_identity(s.url): s.samples for s in shard_index.shards}
     wanted = expand_urls(urls, storage_options=storage_options)
-    missing = [u for u in wanted if _same_url(u) not in counts]
+    missing = [u for u in wanted if url_identity(u) not in counts]
     if missing:
         raise ArgumentError(
             f"{len(missing)} shard(s) are not in the index {shard_index.location or ''}, e.g. "
@@ -181,12 +181,7 @@ def _indexed_shards(
             "as the URL",
             url=missing[0],
         )
-    return wanted, [counts[_same_url(u)] for u in wanted]
-
-
-def _same_url(url: str) -> str:
-    path = local_path(url)
-    return os.path.abspath(path) if path is not None else url
+    return wanted, [counts[url_identity(u)] for u in wanted]
 
 
 # Marks "the caller did not choose": node/worker splitting then depends on resampled=.

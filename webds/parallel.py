@@ -40,7 +40,7 @@ from .encode import EncoderSpec
 from .errors import ArgumentError, WebdsError
 from .samples import tarfile_samples
 from .shards import SHARD_SUFFIXES, expand_urls
-from .urls import filesystem_options, local_path, url_scheme
+from .urls import existing_size, local_path, url_identity
 from .writer import TarWriter
 
 __all__ = ["map_shards", "ShardResult", "MapShardsError", "output_urls", "is_output_pattern"]
@@ -126,14 +126,14 @@ def output_urls(
         raise ArgumentError(
             f"map_shards: outputs must be a pattern string or a list, got {type(outputs).__name__}"
         )
-    sources = {_identity(url): url for url in inputs}
+    sources = {url_identity(url): url for url in inputs}
     seen: Dict[str, str] = {}
     for src, out in zip(inputs, urls):
         if out == "-":
             raise ArgumentError(
                 "map_shards writes one output shard per input; '-' (stdout) can't be one"
             )
-        ident = _identity(out)
+        ident = url_identity(out)
         if ident in seen:
             raise ArgumentError(
                 f"map_shards: inputs {seen[ident]!r} and {src!r} both map to output {out!r}; "
@@ -146,11 +146,6 @@ def output_urls(
             )
         seen[ident] = src
     return urls
-
-
-def _identity(url: str) -> str:
-    path = local_path(url)
-    return os.path.abspath(path) if path is not None else url
 
 
 def _input_name(url: str, field: str, spec: str) -> str:
@@ -238,7 +233,7 @@ def _run_task(task: _Task) -> ShardResult:
     options = dict(task.storage_options)
     samples: Optional[_Counted] = None
     try:
-        if not task.overwrite and _exists(task.output, options):
+        if not task.overwrite and existing_size(task.output, options) is not None:
             return ShardResult(task.input, task.output, skipped=True)
         _make_parent(task.output)
         samples = _Counted(tarfile_samples([{"url": task.input}], **options))
@@ -282,23 +277,6 @@ def _outputs(fn: Callable[..., Any], level: str, samples: Iterator[Sample]) -> I
             )
         else:
             yield from result
-
-
-def _exists(url: str, storage_options: Dict[str, Any]) -> bool:
-    """Whether the output is there (complete, since outputs are written atomically)."""
-    path = local_path(url)
-    if path is not None:
-        return os.path.exists(path)
-    if url_scheme(url) == "pipe":
-        return False  # a command's input: nothing to look at, always written
-    import fsspec
-
-    try:
-        fs, fspath = fsspec.core.url_to_fs(url, **filesystem_options(storage_options))
-    except (ImportError, ValueError):
-        return False  # no fsspec backend: writing will say what is missing
-    fs.invalidate_cache(fspath)  # a listing cached earlier must not hide a new object
-    return bool(fs.exists(fspath))
 
 
 def _make_parent(url: str) -> None:

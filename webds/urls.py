@@ -38,7 +38,9 @@ log = logging.getLogger("webds")
 __all__ = [
     "open_url",
     "local_path",
+    "url_identity",
     "url_scheme",
+    "existing_size",
     "filesystem_options",
     "ReadStream",
     "CommitOnExit",
@@ -87,6 +89,44 @@ def local_path(url: PathOrURL) -> Optional[str]:
     if scheme == "" or len(scheme) == 1:
         return url
     return None
+
+
+def url_identity(url: PathOrURL) -> str:
+    """A key equal for two spellings of one local file (relative, absolute, ``file:``); other
+    URLs as given. ``url_identity("a.tar") == url_identity(os.path.abspath("a.tar"))``."""
+    path = local_path(url)
+    return os.path.abspath(path) if path is not None else os.fspath(url)
+
+
+def existing_size(
+    url: PathOrURL, storage_options: Optional[Dict[str, Any]] = None
+) -> Optional[int]:
+    """The size of the file or object at ``url``, or None when there is none.
+
+    ``-`` and ``pipe:`` name no stored file (None); a URL whose fsspec backend is missing gives
+    None too (writing there will say what is missing). Remote listings cached earlier are
+    dropped first, so an object written since is seen.
+    """
+    url = os.fspath(url)
+    path = local_path(url)
+    if path is not None:
+        try:
+            return os.path.getsize(path)
+        except OSError:
+            return None
+    if url == "-" or url_scheme(url) == "pipe":
+        return None
+    import fsspec
+
+    try:
+        fs, fspath = fsspec.core.url_to_fs(url, **filesystem_options(dict(storage_options or {})))
+    except (ImportError, ValueError):
+        return None
+    fs.invalidate_cache(fspath)
+    try:
+        return int(fs.info(fspath).get("size") or 0)
+    except FileNotFoundError:
+        return None
 
 
 def url_scheme(url: PathOrURL) -> Optional[str]:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 from ..encode import IMAGE_FORMATS
 from ..errors import ArgumentError, OpenError, WebdsError
 from ..index import ShardIndex, ShardInfo, default_index_name
-from ..urls import filesystem_options, local_path, url_scheme
+from ..urls import existing_size, url_identity, url_scheme
 from .items import (
     _BLOCK,
     _INDEX_WIDTH,
@@ -133,29 +133,6 @@ def _pilot_failure(
     return type(exn)(message, url=name(shard), member=exn.member, key=exn.key)
 
 
-def _existing_size(url: str, storage_options: Mapping[str, Any]) -> Optional[int]:
-    """The size of the shard at ``url``, or None when there is none."""
-    path = local_path(url)
-    if path is not None:
-        try:
-            return os.path.getsize(path)
-        except OSError:
-            return None
-    import fsspec
-
-    fs, fspath = fsspec.core.url_to_fs(url, **filesystem_options(dict(storage_options)))
-    fs.invalidate_cache(fspath)  # a listing cached earlier must not hide a new object
-    try:
-        return int(fs.info(fspath)["size"])
-    except FileNotFoundError:
-        return None
-
-
-def _identity(url: str) -> str:
-    path = local_path(url)
-    return os.path.abspath(path) if path is not None else url
-
-
 def _previous_index(
     index_url: Optional[str], plan: Dict[str, Any], overwrite: bool, opts: Dict[str, Any]
 ) -> Dict[str, ShardInfo]:
@@ -176,7 +153,7 @@ def _previous_index(
             "pass overwrite=True (webds pack-folder --overwrite) to write them all again, or "
             "write to another pattern"
         )
-    return {_identity(s.url): s for s in old.shards}
+    return {url_identity(s.url): s for s in old.shards}
 
 
 # -- pack --------------------------------------------------------------------------------------
@@ -301,9 +278,9 @@ def pack(
         shard_keys = None if all_keys is None else [all_keys[i] for i in indices]
         task = _Task(k, url, indices, shard_keys)
         if not overwrite:
-            size = _existing_size(url, opts)
+            size = existing_size(url, opts)
             if size is not None:
-                old = previous.get(_identity(url))
+                old = previous.get(url_identity(url))
                 if old is not None and old.samples == len(indices) and old.bytes == size:
                     infos[k] = ShardInfo(url, len(indices), size, old.sha256)
                     continue
@@ -311,7 +288,7 @@ def pack(
         tasks.append(task)
     if nshards > 1:
         stale = name(nshards)
-        if _existing_size(stale, opts) is not None:
+        if existing_size(stale, opts) is not None:
             log.warning(
                 "webds.pack: %s is not part of this dataset (it has %d shards); it is left from "
                 "an earlier run: delete it",
