@@ -13,8 +13,8 @@ import math
 import statistics
 import sys
 from array import array
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Sequence
+from contextlib import closing
+from typing import Any, Dict, List, Sequence
 
 from .common import (
     add_inputs,
@@ -149,18 +149,10 @@ class _Stats:
 def shard_stats(urls: Sequence[str], quiet: bool = True) -> Dict[str, Any]:
     """The ``webds stats`` report for shard URLs, as a dict (what ``--json`` prints)."""
     stats = _Stats()
-    with _closing(read_samples(urls)) as samples:
+    with closing(read_samples(urls)) as samples:
         for sample in progress(samples, "stats", quiet):
             stats.add(sample)
     return stats.report(len(urls))
-
-
-@contextmanager
-def _closing(gen: Any) -> Iterator[Any]:
-    try:
-        yield gen
-    finally:
-        gen.close()
 
 
 def run_stats(args: argparse.Namespace) -> int:
