@@ -109,6 +109,25 @@ def _compression(compress: Any, name: Optional[str]) -> bool:
     )
 
 
+def is_numbered_pattern(pattern: str) -> bool:
+    """True if ``pattern`` has a %-field for the shard number (``out-%06d.tar``)."""
+    try:
+        return bool(pattern % 0 != pattern % 1)
+    except (TypeError, ValueError):
+        return False
+
+
+def single_shard_name(pattern: str) -> str:
+    """The one file name a pattern without a shard-number field gives (``%%`` becomes ``%``)."""
+    try:
+        return pattern % () if "%" in pattern else pattern
+    except (TypeError, ValueError) as exn:
+        raise ArgumentError(
+            f"bad shard name pattern {pattern!r} ({exn}); use one %-field for the shard "
+            "number, e.g. 'out-%06d.tar'"
+        ) from None
+
+
 class TarWriter(CommitOnExit):
     """Write samples to one tar archive (a path or URL, or an open binary file object).
 
@@ -368,19 +387,9 @@ class ShardWriter(CommitOnExit):
                 f"opener must be a function opener(fname) -> stream, got {opener!r}"
             )
         self._single: Optional[str] = None
-        try:
-            numbered = pattern % start_shard != pattern % (start_shard + 1)
-        except (TypeError, ValueError):
-            numbered = False
-        if not numbered:
+        if not is_numbered_pattern(pattern):
             # No %-field for the shard number: fine as long as one shard is enough.
-            try:
-                self._single = pattern % () if "%" in pattern else pattern
-            except (TypeError, ValueError) as exn:
-                raise ArgumentError(
-                    f"bad shard name pattern {pattern!r} ({exn}); use one %-field for the shard "
-                    "number, e.g. 'out-%06d.tar'"
-                ) from None
+            self._single = single_shard_name(pattern)
         self.pattern = pattern
         self.start_shard = start_shard
         self.maxcount = maxcount

@@ -12,12 +12,11 @@ import sys
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 from ..errors import ArgumentError
-from ..writer import ShardWriter, TarWriter
+from ..writer import ShardWriter, TarWriter, is_numbered_pattern
 from .common import open_output
 
 __all__ = [
     "tar_fields",
-    "is_shard_pattern",
     "require_shard_pattern",
     "open_writer",
     "write_samples",
@@ -41,17 +40,9 @@ def tar_fields(sample: Sample) -> Sample:
     }
 
 
-def is_shard_pattern(output: str) -> bool:
-    """True if ``output`` has a %-field for a shard number (``out-%06d.tar``)."""
-    try:
-        return bool(output % 0 != output % 1)
-    except (TypeError, ValueError):
-        return False
-
-
 def require_shard_pattern(output: str) -> str:
     """``output`` if it is a shard name pattern, else an ArgumentError saying how to write one."""
-    if not is_shard_pattern(output):
+    if not is_numbered_pattern(output):
         raise ArgumentError(
             f"output pattern {output!r} has no field for the shard number; use one such as "
             "'out-%06d.tar' (write a literal '%' as '%%')"
@@ -70,7 +61,7 @@ def open_writer(
 ) -> Writer:
     """A :class:`ShardWriter` if ``output`` is a shard pattern, else a :class:`TarWriter`
     (``-`` is stdout, refused when it is a terminal). Both write raw samples as they are."""
-    if is_shard_pattern(output):
+    if is_numbered_pattern(output):
         return ShardWriter(
             output,
             maxcount=maxcount,

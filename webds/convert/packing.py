@@ -34,6 +34,7 @@ from ..encode import IMAGE_FORMATS
 from ..errors import ArgumentError, OpenError, WebdsError
 from ..index import ShardIndex, ShardInfo, default_index_name
 from ..urls import existing_size, url_identity, url_scheme
+from ..writer import is_numbered_pattern, single_shard_name
 from .items import (
     _BLOCK,
     _INDEX_WIDTH,
@@ -60,21 +61,14 @@ _PILOT = 128
 
 def _check_pattern(pattern: str, nshards: int) -> Callable[[int], str]:
     """The shard name of each shard number."""
-    try:
-        numbered = pattern % 0 != pattern % 1
-    except (TypeError, ValueError):
-        numbered = False
-    if numbered:
+    if is_numbered_pattern(pattern):
         return lambda k: pattern % k
     if nshards > 1:
         raise ArgumentError(
             f"pattern {pattern!r} has no %-field (such as %06d) for the shard number, but "
             f"{nshards} shards are planned; add one, e.g. 'out/train-%06d.tar'"
         )
-    try:
-        single = pattern % () if "%" in pattern else pattern
-    except (TypeError, ValueError) as exn:
-        raise ArgumentError(f"bad shard name pattern {pattern!r}: {exn}") from None
+    single = single_shard_name(pattern)
     return lambda k: single
 
 
