@@ -156,7 +156,8 @@ def _is_index(step: str, n: int) -> bool:
 
 
 def format_value(value: Any, limit: int = 0) -> str:
-    """One-line text for a value: JSON for structures, ``<N bytes>`` for binary, '' if missing.
+    """One-line text for a value: JSON for structures, ``<N bytes>`` for binary, '' if missing;
+    newlines and tabs become single spaces, so the text fits a line or a TSV cell.
 
     ``limit`` > 0 shortens the text to that many characters (ending in ``...``).
     """

@@ -379,17 +379,11 @@ def run_tsv(args: argparse.Namespace) -> int:
             if header:  # after the first read: a shard that can't be opened prints nothing
                 out.write("\t".join(columns) + "\n")
                 header = False
-            values = [_cell(field_value(sample, spec)) for spec in columns]
+            values = [format_value(field_value(sample, spec)) for spec in columns]
             out.write("\t".join(values) + "\n")
     if header:
         out.write("\t".join(columns) + "\n")
     return 0
-
-
-def _cell(value: Any) -> str:
-    text = format_value(value)
-    # format_value already joins lines; other separators would still split a TSV row.
-    return text.replace("\t", " ").replace("\n", " ").replace("\r", " ")
 
 
 # ---------------------------------------------------------------------------------------------
