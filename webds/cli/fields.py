@@ -217,7 +217,7 @@ def _wrap(sample: Mapping[str, Any], spec: str) -> Any:
     value = field_value(sample, spec)
     if isinstance(value, (dict, list)):
         return _Attrs(sample, spec, value)
-    if value is MISSING and any(name.startswith(spec + ".") for name in sample):
+    if value is MISSING and _has_name(sample, spec):
         return _Attrs(sample, spec)  # "seg" in "seg.png": wait for the next attribute
     return None if value is MISSING else value
 
@@ -237,7 +237,7 @@ class _Names(Dict[str, Any]):
             return self.sample.get("__key__")
         if name == "url":
             return self.sample.get("__url__")
-        if name in self.sample or any(k.startswith(name + ".") for k in self.sample):
+        if _has_name(self.sample, name):
             self.seen.add(name)
             return _wrap(self.sample, name)
         if hasattr(builtins, name):
@@ -245,10 +245,14 @@ class _Names(Dict[str, Any]):
         return None  # a field this sample does not have
 
 
+def _has_name(sample: Mapping[str, Any], name: str) -> bool:
+    """Whether ``name`` is a field of the sample or the first part of one (``seg`` of
+    ``seg.png``)."""
+    return name in sample or any(k.startswith(name + ".") for k in sample)
+
+
 def _absent(sample: Mapping[str, Any], name: str) -> bool:
-    if name in sample or hasattr(builtins, name):
-        return False
-    return not any(k.startswith(name + ".") for k in sample)
+    return not (_has_name(sample, name) or hasattr(builtins, name))
 
 
 class Where:
