@@ -225,12 +225,14 @@ def raw_dataset(lib: str, urls: Sequence[str], **kw: Any) -> Any:
     return library(lib).WebDataset(list(urls), shardshuffle=False, **kw)
 
 
-def image_dataset(lib: str, urls: Sequence[str], batch_size: int = BATCH) -> Any:
+def image_dataset(
+    lib: str, urls: Sequence[str], batch_size: int = BATCH, decoder: Any = "pil"
+) -> Any:
     """``WebDataset(urls).decode("pil").to_tuple("jpg", "cls").map_tuple(augment).batched(B)``:
-    the pipeline a user of either library writes."""
+    the pipeline a user of either library writes (``decoder`` replaces ``"pil"``)."""
     return (
         raw_dataset(lib, urls)
-        .decode("pil")
+        .decode(decoder)
         .to_tuple("jpg", "cls")
         .map_tuple(augment, identity)
         .batched(batch_size)

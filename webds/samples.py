@@ -385,30 +385,36 @@ def tarfile_to_samples(
             n = 0  # samples of this shard seen so far
             try:
                 for name, data, offset in read_members(stream, url):
-                    if name[:2] == "__" and _meta_match(name):
-                        continue
-                    if filtering:
-                        try:
-                            name = _rename_select(name, select_files, rename_files)
-                        except Exception as exn:
-                            if policy(exn):
+                    # This loop runs once per member: a plain "key.ext" name takes one
+                    # partition; everything else (folders, metadata members, renaming, names
+                    # without a dot) the general rules below.
+                    key, dot, ext = name.partition(".")
+                    if not dot or not key or filtering or key[:2] == "__" or "/" in name:
+                        if name[:2] == "__" and _meta_match(name):
+                            continue
+                        if filtering:
+                            try:
+                                name = _rename_select(name, select_files, rename_files)
+                            except Exception as exn:
+                                if policy(exn):
+                                    continue
+                                stop = True
+                                break
+                            if name is None:
                                 continue
-                            stop = True
-                            break
-                        if name is None:
-                            continue
-                    # base_plus_ext, inlined: this loop runs once per member.
-                    slash = name.rfind("/")
-                    dot = name.find(".", slash + 1)
-                    if dot > slash + 1:
-                        key = name[:dot]
-                    else:
-                        key = base_plus_ext(name)[0]
-                        if key is None:
-                            dotless += 1
-                            if first_dotless is None:
-                                first_dotless = name
-                            continue
+                        # base_plus_ext, inlined.
+                        slash = name.rfind("/")
+                        i = name.find(".", slash + 1)
+                        if i > slash + 1:
+                            key = name[:i]
+                        else:
+                            key = base_plus_ext(name)[0]
+                            if key is None:
+                                dotless += 1
+                                if first_dotless is None:
+                                    first_dotless = name
+                                continue
+                        ext = name[i + 1 :]
                     if key != cur_key:
                         if cur is not None:
                             if n >= first:
@@ -425,7 +431,8 @@ def tarfile_to_samples(
                         cur_key = key
                     elif cur is None:
                         continue  # the rest of a sample dropped for a duplicate
-                    ext = name[dot + 1 :].lower() if lcase else name[dot + 1 :]
+                    if lcase:
+                        ext = ext.lower()
                     if ext in cur:
                         cur = None
                         if policy(_duplicate(key, ext, url, name, offset)):
