@@ -21,6 +21,7 @@ from webds.errors import ArgumentError, ShardReadError, WebdsError
 from webds.tario import (
     END_OF_ARCHIVE,
     encode_header,
+    header_encoder,
     member_bytes,
     read_members,
     write_member,
@@ -329,6 +330,61 @@ def test_base256_size_and_signed_checksum() -> None:
     signed = sum(b - 256 if b > 127 else b for b in hdr)
     hdr[148:156] = b"%06o\0 " % signed
     assert ours(bytes(hdr) + b"abc" + b"\0" * 509) == [("\udce9t\udce9.b", b"abc")]
+
+
+@pytest.mark.parametrize(
+    "layout", [b"%06o\0 ", b"%07o\0", b"%o\0      ", b"%6o\0 ", b"%07o ", b"%08o"]
+)
+def test_checksum_layouts_writers_use(layout: bytes) -> None:
+    """Whatever way a writer lays out the checksum field, a right sum is accepted and a wrong
+    one refused (the fast check parses six digits; other layouts take the exact check)."""
+    hdr = bytearray(tarinfo_block("k.bin", 3))
+    hdr[148:156] = b" " * 8
+    total = sum(hdr)
+    field = (layout % total)[:8].ljust(8, b"\0")
+    hdr[148:156] = field
+    assert ours(bytes(hdr) + b"abc" + b"\0" * 509) == [("k.bin", b"abc")]
+    hdr[148:156] = (layout % (total + 1))[:8].ljust(8, b"\0")
+    expect_error(bytes(hdr) + b"abc" + b"\0" * 509, "not a tar archive")
+    # A flipped bit anywhere else changes the sum by at most 128: always caught.
+    hdr[148:156] = field
+    for at in (0, 3, 124, 200, 300, 511):
+        bad = bytearray(hdr)
+        bad[at] ^= 0x80
+        expect_error(bytes(bad) + b"abc" + b"\0" * 509, "not a tar archive")
+
+
+class Dribble(io.RawIOBase):
+    """A stream that returns at most ``step`` bytes per read, like a socket or a pipe."""
+
+    def __init__(self, data: bytes, step: int) -> None:
+        self.data, self.pos, self.step = data, 0, step
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.step if n < 0 else min(n, self.step)
+        out = self.data[self.pos : self.pos + n]
+        self.pos += len(out)
+        return out
+
+
+@pytest.mark.parametrize("step", [None, 777_777, 65_536 + 3])
+def test_members_crossing_read_chunks(step) -> None:
+    """Members of 0.1-2.5 MiB cross the reader's 1 MiB chunks at every possible phase; names,
+    bytes and header offsets are tarfile's, whatever size the stream's reads come in."""
+    rng = __import__("random").Random(step or 0)
+    members = []
+    for i in range(24):
+        size = rng.choice([rng.randrange(100_000, 300_000), rng.randrange(1 << 20, 5 << 19), 511])
+        members.append((f"{i:04d}.bin", rng.randbytes(size)))
+    data = simple_tar(members)
+    stream = io.BytesIO(data) if step is None else Dribble(data, step)
+    got = list(read_members(stream, "mem"))
+    assert [(n, d) for n, d, _ in got] == members
+    assert [o for _, _, o in got] == tarfile_offsets(data)
+    assert all(type(d) is bytes for _, d, _ in got)
 
 
 def test_v7_directory_and_unknown_types_are_skipped() -> None:
@@ -674,3 +730,57 @@ def test_compression_is_detected_from_a_slow_raw_pipe(tmp_path: Path) -> None:
         proc.stdout.close()
         proc.wait()
     assert got == members
+
+
+# The fixed header fields a writer may use; the last ones need pax records in every header.
+HEADER_FIELDS = [
+    {},
+    {"mtime": 1_700_000_000, "mode": 0o600, "uid": 1000, "gid": 100, "uname": "u", "gname": ""},
+    {"typeflag": b"5", "uname": "x" * 32, "gname": "y" * 32},
+    {"mtime": 8**11},  # past the octal range
+    {"uid": 8**7, "gid": -1},
+    {"uname": "ü", "gname": "g" * 33},
+]
+HEADER_NAMES = [
+    "a",
+    "000001.jpg",
+    "d/" * 49 + "xy",  # exactly 100 bytes
+    "n" * 100,
+    "n" * 101,  # no slash to split at: pax
+    SPLIT_NAME,
+    LONG_NAME,
+    UNICODE_NAME,
+    "\udcff.bin",  # surrogate-escaped bytes from a non-UTF-8 name
+]
+HEADER_SIZES = [0, 1, 511, 512, 1500, 8**11 - 1, 8**11, 9 * 2**40]
+
+
+@pytest.mark.parametrize("fields", HEADER_FIELDS)
+def test_header_encoder_gives_the_bytes_of_encode_header(fields: dict) -> None:
+    header = header_encoder(**fields)
+    for name in HEADER_NAMES:
+        for size in HEADER_SIZES:
+            assert header(name, size) == encode_header(name, size, **fields), (name, size)
+    # Other int types take the general path, with the same result.
+    assert header("b.cls", True) == encode_header("b.cls", True, **fields)
+
+
+def test_header_encoder_refuses_what_encode_header_refuses() -> None:
+    header = header_encoder()
+    for name, size in [("", 1), ("a\0b", 1), ("a.txt", -1), ("a.txt", 1.5), (b"a.txt", 1)]:
+        with pytest.raises(ArgumentError):
+            header(name, size)  # type: ignore[arg-type]
+    # The fixed fields are checked when the function is made.
+    for bad in [{"mode": 8**7}, {"mtime": 1.5}, {"typeflag": b"00"}, {"mtime": 2**100}]:
+        with pytest.raises(ArgumentError):
+            header_encoder(**bad)
+
+
+def test_header_encoder_output_read_by_tarfile(tmp_path: Path) -> None:
+    header = header_encoder(mtime=1_700_000_000, mode=0o640)
+    data = [("k/000001.jpg", os.urandom(700)), ("000002.cls", b"7"), ("e.bin", b"")]
+    path = tmp_path / "t.tar"
+    path.write_bytes(
+        b"".join(header(n, len(d)) + d + b"\0" * (-len(d) % 512) for n, d in data) + END_OF_ARCHIVE
+    )
+    assert tarfile_reads(path) == data

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from webds.decode import Decoder
+from webds.encode import encode_sample
 from webds.errors import ArgumentError, EncodeError, WriteError
 from webds.samples import tarfile_to_samples
-from webds.tario import read_members
+from webds.tario import END_OF_ARCHIVE, member_bytes, read_members
 from webds.writer import ShardWriter, TarWriter, check_key
 
 
@@ -124,6 +125,73 @@ def test_same_samples_give_identical_bytes(tmp_path):
         sink.write(data[0])
     with tarfile.open(tmp_path / "t.tar") as tf:
         assert {m.mtime for m in tf} == {1_700_000_000}
+
+
+def reference_tar(data, keep_meta=False, **header):
+    """The archive TarWriter must write, built from encode_sample and member_bytes."""
+    parts = []
+    for sample in data:
+        encoded = encode_sample(sample)
+        for field in sorted(encoded):
+            if field == "__key__" or (field.startswith("_") and not keep_meta):
+                continue
+            value = encoded[field]
+            value = value.encode("utf-8") if isinstance(value, str) else value
+            parts.append(member_bytes(f"{sample['__key__']}.{field}", value, **header))
+    return b"".join(parts) + END_OF_ARCHIVE
+
+
+def varied_samples():
+    out = []
+    for i in range(40):
+        sample = {
+            "__key__": f"{i:06d}",
+            "cls": i,
+            "txt": f"text {i} é",
+            "bin": os.urandom(i * 97 % 1500),
+            "json": {"i": i},
+        }
+        if i % 4 == 0:
+            sample["__key__"] = "d/" * 60 + f"long{i}"  # a pax name
+        if i % 5 == 0:
+            sample["__key__"] = f"ünïcödé-{i}"
+        if i % 6 == 0:
+            sample["_meta"] = "meta"
+        if i % 7 == 0:
+            sample["txt.gz"] = "zip " * i
+        if i % 8 == 0:
+            sample["bin"] = bytearray(b"b" * i)
+        if i % 9 == 0:
+            sample["bin"] = memoryview(b"m" * 600)
+        if i % 10 == 0:
+            sample["cls"] = np.int64(i)
+        if i % 11 == 0:
+            sample["n" * 120] = b"a long field name"
+        out.append(sample)
+    return out
+
+
+@pytest.mark.parametrize(
+    "options, header",
+    [
+        ({}, {}),
+        ({"keep_meta": True}, {}),
+        (
+            {"mtime": 1_700_000_000.7, "mode": 0o600, "user": "u", "group": "g"},
+            {"mtime": 1_700_000_000, "mode": 0o600, "uname": "u", "gname": "g"},
+        ),
+        ({"user": "ü" * 3, "group": "g" * 40}, {"uname": "ü" * 3, "gname": "g" * 40}),
+        ({"mtime": 8**11 + 1}, {"mtime": 8**11 + 1}),
+    ],
+)
+def test_output_is_what_the_tar_primitives_give(options, header):
+    data = varied_samples()
+    buf = io.BytesIO()
+    with TarWriter(buf, **options) as sink:
+        for s in data:
+            sink.write(s)
+    expected = reference_tar(data, keep_meta=options.get("keep_meta", False), **header)
+    assert buf.getvalue() == expected
 
 
 def test_gzip_shards(tmp_path):

@@ -22,7 +22,7 @@ from typing import Any, Optional
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
 
-@functools.lru_cache(maxsize=None)  # a failed import searches sys.path each time; ask once
+@functools.cache  # a failed import searches sys.path each time; ask once
 def _simplejpeg() -> Any:
     """The ``simplejpeg`` module, or ``None`` when it is not installed."""
     try:
