@@ -28,7 +28,6 @@ import json
 import os
 import posixpath
 import re
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Union
@@ -449,11 +448,11 @@ def _run(
     fn: Callable[[Any], Any], items: List[Any], workers: int, progress: bool, what: str
 ) -> list:
     """``[fn(x) for x in items]``, on ``workers`` threads, with a progress bar on stderr."""
-    from tqdm.auto import tqdm
+    from .progress import progress_bar
 
     if not _is_count(workers) or workers < 1:
         raise ArgumentError(f"workers must be a positive int, got {workers!r}")
-    bar = tqdm(total=len(items), desc=what, unit=" shards", file=sys.stderr, disable=not progress)
+    bar = progress_bar(len(items), what, " shards", progress)
     pool = ThreadPoolExecutor(workers) if workers > 1 else None
     out = []
     try:

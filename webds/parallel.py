@@ -17,7 +17,6 @@ import concurrent.futures as cf
 import os
 import pickle
 import posixpath
-import sys
 import traceback
 import uuid
 from dataclasses import dataclass
@@ -424,11 +423,9 @@ def map_shards(
 
 
 def _run_all(tasks: List[_Task], pool: Optional[cf.Executor], progress: bool) -> List[ShardResult]:
-    from tqdm.auto import tqdm
+    from .progress import progress_bar
 
-    bar = tqdm(
-        total=len(tasks), desc="map_shards", unit=" shards", file=sys.stderr, disable=not progress
-    )
+    bar = progress_bar(len(tasks), "map_shards", " shards", progress)
     results: List[Optional[ShardResult]] = [None] * len(tasks)
     try:
         if pool is None:

@@ -120,16 +120,10 @@ def _run_tasks(
     pattern: str,
     n: int,
 ) -> List[_Done]:
-    from tqdm.auto import tqdm
+    from ..progress import progress_bar
 
-    bar = tqdm(
-        total=n,
-        desc=f"packing {os.path.basename(pattern) or pattern}",
-        unit=" samples",
-        file=sys.stderr,
-        disable=not progress,
-        dynamic_ncols=True,
-    )
+    desc = f"packing {os.path.basename(pattern) or pattern}"
+    bar = progress_bar(n, desc, " samples", progress, dynamic_ncols=True)
     try:
         bar.update(sum(info.samples for info in infos if info is not None))
         if workers is None:
