@@ -110,7 +110,7 @@ def test_same_objects_not_copies():
     import webds.tariterators
 
     assert webds.shardlists.SimpleShardList is shards.SimpleShardList
-    assert webds.tariterators.tar_file_expander is samples.tar_file_expander
+    assert webds.tariterators.tarfile_samples is samples.tarfile_samples
     assert webds.autodecode.Decoder is decode.Decoder
     assert webds.gopen.gopen_schemes is urls.SCHEMES
     f = webds.shardlists.split_by_node
@@ -203,9 +203,9 @@ def test_package_getattr_imports_lazily():
             sys.executable,
             "-c",
             "import sys, webds.aliases as a\n"
-            "assert 'webds.tariterators' not in sys.modules\n"
-            "m = a.package_getattr('tariterators')\n"
-            "assert sys.modules['webds.tariterators'] is m\n"
+            "assert 'webds.shardlists' not in sys.modules\n"
+            "m = a.package_getattr('shardlists')\n"
+            "assert sys.modules['webds.shardlists'] is m\n"
             "try:\n    a.package_getattr('nope')\nexcept AttributeError as e:\n    print(e)\n",
         ],
         cwd=ROOT,

@@ -7,8 +7,8 @@ module name that webds has no real module for, which webds objects it holds. A s
 hook creates those modules on first import; their attributes are looked up in the real modules
 every time, so they are the very same objects (``webds.shardlists.SimpleShardList is
 webds.shards.SimpleShardList``), never copies. Modules whose name already matches (``filters``,
-``handlers``, ``pipeline``, ``writer``, ``tenbin``, ``mix``, ``compat``, ``cache``) are the real
-modules.
+``handlers``, ``pipeline``, ``writer``, ``tenbin``, ``mix``, ``compat``, ``cache``,
+``tariterators``) are the real modules.
 
 ``webds.gopen`` is special, as in webdataset where the package attribute ``gopen`` is the
 function: here it is one object that is both the module (``webds.gopen.gopen_schemes``) and
@@ -87,19 +87,6 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
             ],
         ),
         ("webds.shardsources", ["MultiShardSample", "shardspec", "DirectoryShardList"]),
-    ],
-    "tariterators": [
-        (
-            "webds.samples",
-            [
-                "base_plus_ext",
-                "url_opener",
-                "tar_file_expander",
-                "group_by_keys",
-                "tarfile_samples",
-                "tarfile_to_samples",
-            ],
-        ),
     ],
     "utils": [
         (
