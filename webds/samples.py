@@ -135,6 +135,20 @@ def _warn_dotless(url: Optional[str], count: int, first: Optional[str]) -> None:
         )
 
 
+def _kept_name(
+    name: str,
+    select_files: Optional[Callable[[str], bool]],
+    rename_files: Optional[Callable[[str], Optional[str]]],
+) -> Optional[str]:
+    """The member's name as the sample sees it, or None to skip it (a metadata member such as
+    ``__index__``, or one that ``rename_files``/``select_files`` drop)."""
+    if name[:2] == "__" and _meta_match(name):
+        return None
+    if select_files is None and rename_files is None:
+        return name
+    return _rename_select(name, select_files, rename_files)
+
+
 def _rename_select(
     name: str,
     select_files: Optional[Callable[[str], bool]],
@@ -231,18 +245,15 @@ def tar_file_expander(
             stop = False
             try:
                 for name, data, offset in read_members(stream, url):
-                    if name[:2] == "__" and _meta_match(name):
-                        continue
-                    if select_files is not None or rename_files is not None:
-                        try:
-                            name = _rename_select(name, select_files, rename_files)
-                        except Exception as exn:
-                            if policy(exn):
-                                continue
-                            stop = True
-                            break
-                        if name is None:
+                    try:
+                        name = _kept_name(name, select_files, rename_files)
+                    except Exception as exn:
+                        if policy(exn):
                             continue
+                        stop = True
+                        break
+                    if name is None:
+                        continue
                     member = {"fname": name, "data": data, "__url__": url, "__offset__": offset}
                     if lpath is not None:
                         member["__local_path__"] = lpath
@@ -390,18 +401,15 @@ def tarfile_to_samples(
                     # without a dot) the general rules below.
                     key, dot, ext = name.partition(".")
                     if not dot or not key or filtering or key[:2] == "__" or "/" in name:
-                        if name[:2] == "__" and _meta_match(name):
-                            continue
-                        if filtering:
-                            try:
-                                name = _rename_select(name, select_files, rename_files)
-                            except Exception as exn:
-                                if policy(exn):
-                                    continue
-                                stop = True
-                                break
-                            if name is None:
+                        try:
+                            name = _kept_name(name, select_files, rename_files)
+                        except Exception as exn:
+                            if policy(exn):
                                 continue
+                            stop = True
+                            break
+                        if name is None:
+                            continue
                         # base_plus_ext, inlined.
                         slash = name.rfind("/")
                         i = name.find(".", slash + 1)
