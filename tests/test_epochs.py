@@ -144,6 +144,23 @@ def test_resume_with_epoch_continues_the_stream(tmp_path):
     assert [s["__key__"] for s in fresh] == whole[2]
 
 
+def test_set_epoch_of_the_next_epoch_keeps_the_carried_stream(tmp_path):
+    """A loop that calls set_epoch(e) at the top of every epoch gets the same epochs with
+    with_epoch as one that does not: the stream carries on; another epoch restarts it."""
+    urls = str(write_tar(tmp_path / "a.tar", sample_members(10)))
+    plain = webds.WebDataset(urls, shardshuffle=True, seed=3).shuffle(5).with_epoch(4)
+    expected = [[s["__key__"] for s in plain] for _ in range(4)]
+    ds = webds.WebDataset(urls, shardshuffle=True, seed=3).shuffle(5).with_epoch(4)
+    got = []
+    for epoch in range(4):
+        ds.set_epoch(epoch)
+        got.append([s["__key__"] for s in ds])
+    assert got == expected
+    assert len(set(sum(got[:2], []))) == 8  # epochs 0 and 1: 8 different samples of pass 0
+    ds.set_epoch(0)  # another epoch than the next one: start over
+    assert [s["__key__"] for s in ds] == expected[0]
+
+
 def test_seed_reaches_the_sample_shuffle(indexed):
     def order(seed):
         return [s["__key__"] for s in webds.WebDataset(indexed, seed=seed).shuffle(10)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import inspect
 
 import pytest
 from conftest import sample_members, write_tar
@@ -81,3 +82,44 @@ def test_worker_error_reaches_main_process_typed(tmp_path):
     with pytest.raises(ShardReadError) as info:
         list(loader)
     assert "bad.tar" in str(info.value)
+
+
+def webds_state_at_epoch_end(src):
+    """A last stage: after the epoch's items, one more item saying how much webds state this
+    worker process holds (objects of webds types and generators of webds code still alive)."""
+    import gc
+    import os
+    import pickle
+
+    from torch.utils.data import get_worker_info
+
+    yield from src
+    gc.collect()
+    objects = generators = 0
+    for obj in gc.get_objects():
+        if str(getattr(type(obj), "__module__", "")).startswith("webds"):
+            objects += 1
+        elif inspect.isgenerator(obj) and "webds" in obj.gi_code.co_filename:
+            generators += 1
+    dataset = pickle.dumps(get_worker_info().dataset)
+    yield ("state", os.getpid(), objects, generators, len(dataset))
+
+
+def test_persistent_workers_keep_no_state_per_epoch(shards):
+    ds = WebDataset(shards, shardshuffle=True, seed=1).to_tuple("__key__", "cls").batched(5)
+    ds = ds.compose(webds_state_at_epoch_end)
+    loader = WebLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+    states = collections.defaultdict(list)
+    for _ in range(5):
+        keys = []
+        for item in loader:
+            if item[0] == "state":
+                states[item[1]].append(tuple(item[2:]))
+            else:
+                keys.extend(item[0])
+        assert sorted(keys) == ALL_KEYS
+    assert len(states) == 2, "the same two workers every epoch"
+    for per_epoch in states.values():
+        assert len(per_epoch) == 5
+        # The first epoch may load what is loaded once; after it, nothing may pile up.
+        assert len(set(per_epoch[1:])) == 1, per_epoch

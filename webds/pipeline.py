@@ -32,6 +32,8 @@ The stage machinery (:func:`stage`, :class:`Stage`, :class:`Count`, ...) is defi
 from __future__ import annotations
 
 import copy
+import ctypes
+import functools
 import itertools
 import logging
 import sys
@@ -96,6 +98,9 @@ class DataPipeline(IterableDataset):
     has ``set_epoch`` and then advances by one; :meth:`set_epoch` chooses it explicitly.
     :meth:`state_dict` says where the epoch in progress stands and :meth:`load_state_dict`
     makes the next ``iter()`` continue from there, in this process or a new one.
+
+    In a DataLoader worker, the end of each epoch hands the C heap's free pages back to the
+    operating system (glibc's ``malloc_trim``), so persistent workers do not keep growing.
     """
 
     def __init__(self, *stages: Any, **kwargs: Any) -> None:
@@ -145,10 +150,12 @@ class DataPipeline(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run epoch ``epoch`` (like ``DistributedSampler.set_epoch``).
 
-        Setting the epoch a :meth:`load_state_dict` just chose keeps its resume position, so a
-        training loop can call ``set_epoch(e)`` at the top of every epoch, resumed or not.
+        Setting the epoch that comes next anyway changes nothing: it keeps the resume position
+        :meth:`load_state_dict` chose, and the stream :meth:`with_epoch` carries from one epoch
+        to the next. So a training loop can call ``set_epoch(e)`` at the top of every epoch,
+        resumed or not, with or without ``with_epoch``.
         """
-        if int(epoch) == self.epoch and self._skip:
+        if int(epoch) == self.epoch and (self._skip or self._carry is not None):
             return
         self.epoch = int(epoch)
         self._carry = None
@@ -211,8 +218,9 @@ class DataPipeline(IterableDataset):
             src = self.pipeline[0] if self.pipeline else None
             raise LengthError(
                 f"the length of this {type(self).__name__} is unknown: its source {src!r} does "
-                "not say how many items it yields. Give WebDataset a shard index and balance= "
-                "(see docs/distributed.md), or declare it with .with_epoch(n) / .with_length(n)"
+                "not say how many items it yields. Give WebDataset a shard index "
+                "(WebDataset('train.index.json') or index=...; see docs/distributed.md), or "
+                "declare it with .with_epoch(n) / .with_length(n)"
             )
         at, src = origin
         lengths = [Length(n) for n in src.stream_lengths(num_workers)]
@@ -437,6 +445,10 @@ class DataPipeline(IterableDataset):
             yield item
         if position is self._position:
             self._position = [position[0] + 1, 0]
+        if _is_worker_dataset(self):
+            # A persistent worker idles until the next epoch holding all the heap its epoch
+            # fragmented (decoded images and tensors of mixed sizes); see _release_free_heap.
+            _release_free_heap()
 
     def __iter__(self) -> Iterator[Any]:
         return self.iterator()
@@ -465,6 +477,44 @@ class DataPipeline(IterableDataset):
     def __repr__(self) -> str:
         inner = ",\n  ".join(repr(s) for s in self.pipeline)
         return f"{type(self).__name__}(\n  {inner}\n)"
+
+
+def _is_worker_dataset(pipeline: "DataPipeline") -> bool:
+    """Whether this process is a DataLoader worker and ``pipeline`` is its dataset (not a
+    pipeline nested in it, nor one in the main process)."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return info is not None and info.dataset is pipeline
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):  # no C library to load by that name (Windows)
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def _release_free_heap() -> bool:
+    """Hand the free pages of the C heap back to the OS: glibc's ``malloc_trim(0)``.
+
+    Why: glibc raises its mmap threshold to the largest block freed so far, so after the first
+    few samples, decoded images and per-sample tensors (0.2-2 MB, of mixed sizes) are carved
+    from the heap instead of mapped. Freed, they leave holes that glibc keeps and never returns,
+    and the holes grow with the epochs: a persistent 2-worker loader of the image benchmark
+    grew 10-13% over 10 epochs with flat Python and malloc in-use figures. Trimming once per
+    worker epoch (a few milliseconds) keeps the workers' resident size at its floor between
+    epochs. Returns False where there is no glibc (musl, macOS, Windows): nothing is done.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def _exactly(it: Iterator[Any], count: int, where: Any) -> Iterator[Any]:
