@@ -1,16 +1,8 @@
-"""Stages and DataPipeline: the engine everything else in webds is built from.
+"""DataPipeline: a source followed by stages, the engine everything else in webds is built from.
 
-A *stage* is a callable ``stage(src: Iterator) -> Iterator``. Stages are written once, as
-generator functions whose first parameter is the upstream iterator, and turned into curried,
-picklable factories by :func:`stage`::
+Stages (:mod:`webds.stages`) are written once, as generator functions taking the upstream
+iterator first, and used both ways::
 
-    @stage
-    def select(src, predicate):
-        for sample in src:
-            if predicate(sample):
-                yield sample
-
-    select(lambda s: "jpg" in s)          # -> Stage, a callable iterator -> iterator
     DataPipeline(source, select(f), ...)  # composable style
     dataset.select(f)                     # fluent style, derived from the same definition
 

@@ -56,6 +56,12 @@ log = logging.getLogger("webds")
 META_PATTERN = r"__[^/]*__($|/)"
 _meta_match = re.compile(META_PATTERN).match
 
+
+def is_meta_name(name: str) -> bool:
+    """Whether a member name is a top-level meta file (:data:`META_PATTERN`), which readers skip."""
+    return name[:2] == "__" and _meta_match(name) is not None  # the prefix test is the fast path
+
+
 # Marker a stage yields after each shard so that samples never merge across shards. An empty
 # dict, as in webdataset; a dict with "__bad__" means the shard broke and the sample in flight
 # is incomplete and must be dropped.
@@ -142,7 +148,7 @@ def _kept_name(
 ) -> Optional[str]:
     """The member's name as the sample sees it, or None to skip it (a metadata member such as
     ``__index__``, or one that ``rename_files``/``select_files`` drop)."""
-    if name[:2] == "__" and _meta_match(name):
+    if is_meta_name(name):
         return None
     if select_files is None and rename_files is None:
         return name

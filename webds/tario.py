@@ -728,8 +728,8 @@ def _split_ustar_name(raw: bytes) -> Optional[Tuple[bytes, bytes]]:
 
 def _field_number(v: int, width: int) -> bytes:
     """A ustar numeric field: octal when it fits, else GNU base-256."""
-    if 0 <= v < 8 ** (width - 1):
-        return b"%0*o\0" % (width - 1, v)
+    if _fits(v, width):
+        return _octal(v, width)
     # GNU base-256 (two's complement, first byte 0x80 or 0xff) for values octal can't hold;
     # a pax record carries them too, for readers that prefer pax.
     limit = 1 << (8 * (width - 1))

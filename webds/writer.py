@@ -21,7 +21,6 @@ import gzip
 import hashlib
 import logging
 import os
-import re
 import tarfile
 from typing import Any, BinaryIO, Callable, List, Mapping, Optional, Union
 
@@ -29,7 +28,7 @@ from . import aliases
 from .encode import EncoderSpec, make_encoder, numpy_dumps, torch_dumps
 from .errors import ArgumentError, EncodeError, WebdsError, WriteError
 from .index import ShardIndex, ShardInfo, default_index_name
-from .samples import META_PATTERN
+from .samples import is_meta_name
 from .tario import END_OF_ARCHIVE, header_encoder
 from .urls import CommitOnExit, open_url, url_scheme
 
@@ -550,7 +549,7 @@ class ShardWriter(CommitOnExit):
             raise
         # A reader merges consecutive samples with one key, and skips meta names (__x__/...).
         key = obj["__key__"]
-        if key != self._last_key and not (key[:2] == "__" and _meta_key(key + ".")):
+        if key != self._last_key and not is_meta_name(key + "."):
             self._samples += 1
         self._last_key = key
         self.count += 1
@@ -610,7 +609,6 @@ class ShardWriter(CommitOnExit):
         return f"<ShardWriter {self.pattern!r}: {len(self.shards)} shards, {self.total} samples>"
 
 
-_meta_key = re.compile(META_PATTERN).match
 _ZEROS = bytes(511)  # tar padding is a slice of it
 
 
