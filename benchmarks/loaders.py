@@ -157,6 +157,24 @@ class ZipDataset:
         return data, self.labels[i]
 
 
+class MemoryDataset:
+    """The first ``n`` images' JPEG bytes held in memory (read once, at construction; forked
+    workers share them): ``dataset[i]`` decodes and augments with no file or shard I/O at all.
+    In a DataLoader with workers it is about the best any loader can do on this machine: what
+    is left is the image work and the batches' way to the main process."""
+
+    def __init__(self, folder: Path, n: Optional[int] = None) -> None:
+        files = FileDataset(folder, n)
+        self.items = [(Path(p).read_bytes(), label) for p, label in zip(files.paths, files.labels)]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Tuple[Any, int]:
+        data, label = self.items[i]
+        return augment(read_jpeg(data)), label
+
+
 def iterate_map_style(dataset: Any) -> int:
     """Read every item of a map-style dataset in this process, no DataLoader: the raw rate."""
     n = 0
@@ -260,6 +278,18 @@ def count(items: Iterable[Any]) -> int:
 
 
 # -- the bare baselines -------------------------------------------------------------------------
+
+
+def read_shard_bytes(paths: Sequence[str], samples: int) -> int:
+    """The I/O ceiling of any shard reader: every byte of the shards brought into this process
+    (1 MiB reads into one reused buffer), nothing parsed, no sample made. Returns ``samples``,
+    the number the shards hold, so that its rate compares with the readers'."""
+    buf = bytearray(1 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return samples
 
 
 def bare_read_samples(paths: Sequence[str]) -> int:

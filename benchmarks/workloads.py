@@ -55,12 +55,19 @@ WEBDS = "webds WebDataset"
 #: installed (without it, "webds WebDataset" decodes with Pillow alone already).
 PILLOW_ONLY = "webds WebDataset, Pillow decode"
 
+#: read-images: the shards' bytes read into a reused buffer, nothing parsed: the ceiling of any
+#: reader that brings the bytes into the process (see loaders.read_shard_bytes).
+SHARD_BYTES = "shard bytes only, no samples"
+#: loader-1/2: JPEG bytes already in memory, decode + augment in the workers: about the best any
+#: loader with that many workers can do on this machine (see loaders.MemoryDataset).
+IN_MEMORY = "in-memory DataLoader"
+
 #: (target, threshold for >=, workload, numerator, denominator, what is compared)
 RATIO_TARGETS = [
     ("tar->samples small, webds/webdataset", 10, "read-small",
-     "webds WebDataset", "webdataset WebDataset", "WebDataset(urls), no decode"),
+     WEBDS, "webdataset WebDataset", "WebDataset(urls), no decode"),
     ("image pipeline 1 process, webds/webdataset", 1.2, "pipeline",
-     "webds WebDataset", "webdataset WebDataset", "decode+augment+batch, no loader"),
+     WEBDS, "webdataset WebDataset", "decode+augment+batch, no loader"),
     ("WebLoader 2 workers, webds/webdataset", 1.2, "loader-2",
      "webds WebLoader", "webdataset WebLoader", "decode+augment+batch in 2 workers"),
     ("TarWriter small, webds/webdataset", 5, "write-small",
@@ -68,14 +75,14 @@ RATIO_TARGETS = [
     ("ShardWriter small, webds/webdataset", 5, "write-small",
      "webds ShardWriter", "webdataset ShardWriter", "webds also writes its index + sha256"),
     ("shards/file-per-sample, warm cache", 3, "read-images",
-     "webds WebDataset", "files Dataset", "raw samples, one process"),
+     WEBDS, "files Dataset", "raw samples, one process"),
     ("shards/file-per-sample, cold cache", 3, "read-images-cold",
-     "webds WebDataset", "files Dataset", "raw samples, files evicted first"),
+     WEBDS, "files Dataset", "raw samples, files evicted first"),
 ]  # fmt: skip
 
 #: (label, workload, numerator, denominator): ratios shown for context, without a target.
 OTHER_RATIOS = [
-    ("read-small: webds / bare reader loop", "read-small", "webds WebDataset", "bare reader loop"),
+    ("read-small: webds / bare reader loop", "read-small", WEBDS, "bare reader loop"),
     ("read-small: bare reader loop / webdataset", "read-small",
      "bare reader loop", "webdataset WebDataset"),
     ("write-small: bare header writer / webdataset", "write-small",
@@ -84,12 +91,22 @@ OTHER_RATIOS = [
      "webds ShardWriter index=False", "webdataset ShardWriter"),
     ("read-images: zip / files", "read-images", "zip Dataset", "files Dataset"),
     ("read-images-cold: zip / files", "read-images-cold", "zip Dataset", "files Dataset"),
-    ("pipeline: webds / files DataLoader", "pipeline", "webds WebDataset", "files DataLoader"),
+    ("read-images: shard bytes only / files (the ceiling of a shard reader)", "read-images",
+     SHARD_BYTES, "files Dataset"),
+    ("read-images-cold: shard bytes only / files (the ceiling)", "read-images-cold",
+     SHARD_BYTES, "files Dataset"),
+    ("read-images: webds / shard bytes only", "read-images", WEBDS, SHARD_BYTES),
+    ("read-images-cold: webds / shard bytes only", "read-images-cold", WEBDS, SHARD_BYTES),
+    ("pipeline: webds / files DataLoader", "pipeline", WEBDS, "files DataLoader"),
     ("pipeline: webds Pillow decode / webdataset", "pipeline", PILLOW_ONLY,
      "webdataset WebDataset"),
     ("loader-0: webds / webdataset", "loader-0", "webds WebLoader", "webdataset WebLoader"),
     ("loader-1: webds / webdataset", "loader-1", "webds WebLoader", "webdataset WebLoader"),
     ("loader-2: webds / files DataLoader", "loader-2", "webds WebLoader", "files DataLoader"),
+    ("loader-2: webds / in-memory DataLoader (no I/O)", "loader-2",
+     "webds WebLoader", IN_MEMORY),
+    ("loader-2: webdataset / in-memory DataLoader", "loader-2",
+     "webdataset WebLoader", IN_MEMORY),
     ("s3: webds / boto3 + bare reader", "s3",
      "webds WebDataset s3://", "boto3 get_object + bare reader"),
     ("s3: webds / webdataset pipe:curl", "s3",
@@ -204,7 +221,7 @@ class Suite:
         urls = self.data.small_shards()
         v: Dict[str, Any] = {"bare reader loop": lambda: L.bare_read_samples(urls)}
         ds = L.raw_dataset("webds", urls)
-        v["webds WebDataset"] = lambda: L.count(ds)
+        v[WEBDS] = lambda: L.count(ds)
         pipe = webds.DataPipeline(webds.SimpleShardList(urls), webds.tarfile_to_samples())
         v["webds tarfile_to_samples"] = lambda: L.count(pipe)
         if self.wds:
@@ -225,9 +242,12 @@ class Suite:
             "files Dataset": Variant(lambda: L.iterate_map_style(files), before_each=before),
             "zip Dataset": Variant(lambda: L.iterate_map_style(zipped), before_each=before),
             "bare reader loop": Variant(lambda: L.bare_read_samples(urls), before_each=before),
+            SHARD_BYTES: Variant(
+                lambda: L.read_shard_bytes(urls, self.data.n_images), before_each=before
+            ),
         }
         ds = L.raw_dataset("webds", urls)
-        v["webds WebDataset"] = Variant(lambda: L.count(ds), before_each=before)
+        v[WEBDS] = Variant(lambda: L.count(ds), before_each=before)
         if self.wds:
             wds_ds = L.raw_dataset("webdataset", urls)
             v["webdataset WebDataset"] = Variant(lambda: L.count(wds_ds), before_each=before)
@@ -258,7 +278,7 @@ class Suite:
             "zip DataLoader": Variant(lambda: L.count_batches(zipped), first_batches(zipped)),
         }
         ds = L.image_dataset("webds", urls)
-        v["webds WebDataset"] = Variant(lambda: L.count_batches(ds), first_batches(ds))
+        v[WEBDS] = Variant(lambda: L.count_batches(ds), first_batches(ds))
         if fastjpeg.available():
             # The same pipeline decoding with Pillow alone, as the baseline loop does: webds's
             # own overhead is measured on this one (the fast JPEG path would hide it).
@@ -289,6 +309,7 @@ class Suite:
             made["zip DataLoader"] = lambda: L.data_loader(
                 L.ZipDataset(self.data.zip, n, decode=True), workers
             )
+            made[IN_MEMORY] = lambda: L.data_loader(L.MemoryDataset(self.data.files, n), workers)
         v: Dict[str, Any] = {}
         for name, make in made.items():
             loader = make()
