@@ -108,6 +108,22 @@ def test_human_size() -> None:
     assert human_size(12 * 10**9) == "12.0G"
 
 
+def ls_size(n: int) -> str:
+    """What ``webds ls`` prints for a field of n bytes: ``1 B``, ``67.1 kB``."""
+    short = human_size(n)
+    return f"{n} B" if n < 1000 else f"{short[:-1]} {short[-1]}B"
+
+
+def test_ls_sizes_carry_their_unit(tmp_path: Path) -> None:
+    sizes = {"cls": 1, "txt": 999, "json": 1000, "jpg": 95_312, "npy": 3_400_000}
+    write_tar(tmp_path / "s.tar", [(f"k.{ext}", b"7" * n) for ext, n in sizes.items()])
+    human = run_webds("ls", "s.tar", cwd=tmp_path)
+    assert human.returncode == 0, human.stderr
+    assert human.stdout.decode() == "k  cls 1 B, txt 999 B, json 1.0 kB, jpg 95.3 kB, npy 3.4 MB\n"
+    exact = run_webds("ls", "s.tar", "--bytes", "--fields", "jpg,cls", cwd=tmp_path)
+    assert exact.stdout.decode() == "k  jpg 95312 B, cls 1 B\n"
+
+
 def test_ls_matches_gnu_tar_listing(tmp_path: Path) -> None:
     src = tmp_path / "src"
     long_dir = "d" * 60 + "/" + "e" * 60  # > 100 characters: GNU tar writes a long-name header
@@ -140,7 +156,11 @@ def test_ls_matches_gnu_tar_listing(tmp_path: Path) -> None:
     got = {}
     for line in exact.stdout.decode().splitlines():
         key, fields = line.split("  ")
-        got[key] = [(f.split(":")[0], int(f.split(":")[1])) for f in fields.split(" ")]
+        got[key] = []
+        for field in fields.split(", "):
+            ext, size, unit = field.split(" ")
+            assert unit == "B"
+            got[key].append((ext, int(size)))
     assert got == expected
     assert list(got) == list(expected)  # in tar order
 
@@ -148,7 +168,7 @@ def test_ls_matches_gnu_tar_listing(tmp_path: Path) -> None:
     lines = human.stdout.decode().splitlines()
     key0 = next(iter(expected))
     assert lines[0] == (
-        f"{key0}  " + " ".join(f"{e}:{human_size(s)}" for e, s in expected[key0]) + "  gnu.tar"
+        f"{key0}  " + ", ".join(f"{e} {ls_size(s)}" for e, s in expected[key0]) + "  gnu.tar"
     )
     assert all(line.endswith("  gnu.tar") for line in lines) and len(lines) == 3
 
@@ -159,15 +179,15 @@ def test_ls_options_in_process(capsys, photos: Path) -> None:
     jpg0 = len(image_bytes(COLORS[0], size=(64, 48)))
     lines = out.splitlines()
     assert len(lines) == 2
-    assert lines[0].startswith(f"0000  cls:1 jpg:{jpg0} json:")
-    assert lines[0].endswith(f" txt:{len(caption(0))}")
+    assert lines[0].startswith(f"0000  cls 1 B, jpg {jpg0} B, json ")
+    assert lines[0].endswith(f", txt {len(caption(0))} B")
     status, out, _ = run(capsys, "ls", str(photos), "--fields", "seg.png,cls", "--where", "cls > 2")
     assert (
         status == 0
         and out
-        == "0003  seg.png:"
-        + human_size(len(image_bytes((9, 99, 199), size=(32, 32), fmt="PNG")))
-        + " cls:1\n0004  cls:1\n"
+        == "0003  seg.png "
+        + ls_size(len(image_bytes((9, 99, 199), size=(32, 32), fmt="PNG")))
+        + ", cls 1 B\n0004  cls 1 B\n"
     )
 
 
@@ -176,12 +196,12 @@ def test_ls_in_pipes(tmp_path: Path, photos: Path) -> None:
     piped = run_shell(f"cat photos.tar | {WEBDS} ls -", cwd=tmp_path)
     assert piped.returncode == 0, piped.stderr
     assert piped.stdout == direct.stdout.decode() and len(piped.stdout.splitlines()) == 5
-    assert piped.stdout.splitlines()[0].startswith("0000  cls:1 jpg:")
+    assert piped.stdout.splitlines()[0].startswith("0000  cls 1 B, jpg ")
 
     # The reader goes away early: no traceback, no error line.
     many = write_tar(tmp_path / "many.tar", [(f"{i:06d}.cls", b"1") for i in range(20000)])
     head = run_shell(f"{WEBDS} ls {many.name} | head -n 2", cwd=tmp_path)
-    assert head.stdout == "000000  cls:1\n000001  cls:1\n"
+    assert head.stdout == "000000  cls 1 B\n000001  cls 1 B\n"
     assert "Traceback" not in head.stderr and "error" not in head.stderr
 
 
@@ -203,7 +223,7 @@ def test_ls_stops_reading_an_endless_pipe(tmp_path: Path) -> None:
     endless = write_endless_tar_script(tmp_path)
     out = run_webds("ls", f"pipe:{PY} {endless}", "--count", "3", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.decode() == "000000  cls:1\n000001  cls:1\n000002  cls:1\n"
+    assert out.stdout.decode() == "000000  cls 1 B\n000001  cls 1 B\n000002  cls 1 B\n"
 
 
 def write_endless_tar_script(tmp_path: Path) -> Path:

@@ -156,6 +156,13 @@ def test_split_options(tmp_path: Path, inputs: Dict[str, Path], monkeypatch) -> 
     assert json.loads((tmp_path / "m.index.json").read_text())["samples"] == 3
 
 
+def test_split_creates_the_missing_output_folder(tmp_path: Path, inputs, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["split", "wd.tar", "-q", "-o", "new/dir/s-%02d.tar", "--maxcount", "2"]) == 0
+    assert sorted(os.listdir(tmp_path / "new" / "dir")) == ["s-00.tar", "s-01.tar", "s.index.json"]
+    assert keys_of(tar_names(tmp_path / "new" / "dir" / "s-01.tar")) == ["w002"]
+
+
 def test_split_bad_pattern_and_arguments(tmp_path: Path, inputs, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["split", "wd.tar", "-o", "out.tar"]) == 2

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
-from conftest import Tracked
+from conftest import Tracked, write_tar
 
+from webds.fluent import WebDataset
 from webds.handlers import (
     ErrorPolicy,
     apply_each,
@@ -23,6 +26,10 @@ def fail_on_multiples_of_three(x):
     if x % 3 == 0:
         raise KeyError(f"bad {x}")
     return x * 10
+
+
+def parse_cls(sample):
+    return int(sample["cls"])
 
 
 def none_for_odd(x):
@@ -56,6 +63,37 @@ def test_warn_handlers_name_the_error(handler, verdict, verb):
         assert handler(ValueError("broken sample")) is verdict
     assert len(caught) == 1
     assert str(caught[0].message) == f"webds: {verb} after ValueError: broken sample"
+
+
+def _from_this_file(caught) -> bool:
+    return all(Path(w.filename).resolve() == Path(__file__).resolve() for w in caught)
+
+
+def test_warnings_point_at_the_caller_not_at_webds():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_and_continue(ValueError("v"))
+        warn_and_stop(ValueError("v"))
+    assert len(caught) == 2 and _from_this_file(caught)
+
+
+@pytest.mark.parametrize(
+    "handler, verb", [(warn_and_continue, "skipping"), (warn_and_stop, "stopping")]
+)
+def test_warnings_from_a_pipeline_name_the_loop_stage_sample_and_shard(tmp_path, handler, verb):
+    members = [(f"{i:04d}.cls", b"x" if i == 2 else str(i).encode()) for i in range(4)]
+    url = str(write_tar(tmp_path / "a.tar", members))
+    dataset = WebDataset(url, shardshuffle=False).map(parse_cls, handler=handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [x for x in dataset]  # the line the warning points at
+    assert got == ([0, 1, 3] if verb == "skipping" else [0, 1])
+    assert len(caught) == 1 and _from_this_file(caught)
+    assert caught[0].lineno == sys._getframe().f_lineno - 3
+    message = str(caught[0].message)
+    assert message.startswith(f"webds: {verb} after ValueError: invalid literal for int()")
+    if sys.version_info >= (3, 11):  # where exceptions take notes
+        assert message.endswith(f" (in map(parse_cls) on sample '0002' of {url!r})")
 
 
 # -- ErrorPolicy -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import logging
 import random
 import socket
 import tarfile
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 from urllib.request import Request, urlopen
@@ -20,6 +21,7 @@ import pytest
 from conftest import write_tar
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from servers import LOOPBACK, free_port
 
 from webds.errors import OpenError, ShardReadError
 from webds.fluent import WebDataset
@@ -31,7 +33,7 @@ from webds.retrying import (
     resumable_fsspec,
 )
 from webds.tario import read_members
-from webds.urls import SCHEMES
+from webds.urls import SCHEMES, open_url
 
 FAST = Backoff(initial=0.001, maximum=0.005)
 
@@ -322,6 +324,183 @@ def test_refused_connection_is_retried_not_reported_missing() -> None:
     with pytest.raises(ShardReadError) as info:
         open_resumable(url, retries=2, backoff=FAST)
     assert "after 3 attempts" in str(info.value) and info.value.url == url
+
+
+def test_attempts_are_counted_in_good_english(flaky_http_server: Any) -> None:
+    url = flaky_http_server.put("a.tar", bytes(range(256)) * 100)
+    flaky_http_server.fail_with(503, times=100)
+    with pytest.raises(OpenError) as info:
+        open_url(url, retries=0)
+    assert str(info.value).endswith(f"(after 1 attempt) [shard {url!r}]")
+    with pytest.raises(OpenError, match=r"\(after 2 attempts\)"):
+        open_url(url, retries=1, retry_backoff=0.001)
+    flaky_http_server.fail_with(503, times=0)
+    for retries, words in ((0, "after 1 attempt (0 retries)"), (1, "after 2 attempts (1 retry)")):
+        stream = open_resumable(
+            url,
+            retries=retries,
+            backoff=FAST,
+            open_kwargs={"block_size": 4096, "cache_type": "none"},
+        )
+        assert len(stream.read(1000)) == 1000
+        flaky_http_server.fail_with(500, times=100)
+        with pytest.raises(ShardReadError) as failed:
+            stream.read(1000)
+        assert words in str(failed.value)
+        flaky_http_server.fail_with(500, times=0)
+        stream.close()
+
+
+# -- an unreachable endpoint -------------------------------------------------------------------
+# s3fs's client (botocore) retries a failed connection itself, and s3fs retries a connection
+# closed without an answer on top of that: webds adds no retries of its own until the server has
+# answered once, or a wrong endpoint took a minute (6 x 5 connects) to be reported.
+
+
+class HangUpServer:
+    """A TCP server on loopback that reads each request's head, then closes the connection
+    without answering; ``connections`` counts the connections it accepted."""
+
+    def __init__(self) -> None:
+        self._sock = socket.create_server((LOOPBACK, 0))
+        self._sock.settimeout(0.05)  # so that the loop sees stop() soon
+        self.endpoint = f"http://{LOOPBACK}:{self._sock.getsockname()[1]}"
+        self.connections = 0
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # the timeout
+                continue
+            self.connections += 1
+            with conn:
+                conn.settimeout(5)
+                head = b""
+                try:
+                    while b"\r\n\r\n" not in head:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            break
+                        head += chunk
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+@pytest.fixture
+def hang_up_server() -> Any:
+    server = HangUpServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("given_by", ["storage_options", "AWS_ENDPOINT_URL"])
+def test_refused_s3_endpoint_fails_at_once_saying_what_to_check(
+    s3: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, given_by: str
+) -> None:
+    # One botocore attempt (its own retries would only make the test slower), and webds's
+    # backoff short, so that without the fix the test fails in seconds too.
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    endpoint = f"http://{LOOPBACK}:{free_port()}"
+    options: Dict[str, Any] = {"retry_backoff": 0.001}
+    if given_by == "AWS_ENDPOINT_URL":
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    else:
+        options["client_kwargs"] = {"endpoint_url": endpoint}
+    url = f"s3://{s3.bucket}/a.tar"
+    caplog.set_level(logging.WARNING, logger="webds")
+    with pytest.raises(OpenError) as info:
+        next(iter(WebDataset(url, storage_options=options)))
+    message = str(info.value)
+    assert info.value.url == url and url in message
+    assert message.startswith(f"cannot connect to {endpoint} (ConnectionRefusedError")
+    assert "'endpoint_url'" in message and "AWS_ENDPOINT_URL" in message and "network" in message
+    assert _retry_records(caplog) == []
+
+
+def test_s3_server_hanging_up_gets_no_retries_on_top_of_the_clients(
+    s3: Any,
+    hang_up_server: HangUpServer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    options = {"client_kwargs": {"endpoint_url": hang_up_server.endpoint}, "retry_backoff": 0.001}
+    url = f"s3://{s3.bucket}/a.tar"
+    caplog.set_level(logging.WARNING, logger="webds")
+    # The clients' own attempts, with webds's retries turned off:
+    with pytest.raises(OpenError, match="closed the connection without answering"):
+        open_url(url, retries=0, **options)
+    by_clients = hang_up_server.connections
+    assert by_clients >= 1
+    # With webds's default retries: not one connection more.
+    with pytest.raises(OpenError) as info:
+        open_url(url, **options)
+    assert hang_up_server.connections == 2 * by_clients
+    assert info.value.url == url and hang_up_server.endpoint in str(info.value)
+    assert _retry_records(caplog) == []
+
+
+def test_only_backends_that_retry_connections_themselves_get_no_connect_retries(
+    s3: Any, gcs: Any, http_server: Any
+) -> None:
+    opened = [
+        (open_url(s3.put("a.tar", b"s3"), **s3.storage_options), 0),
+        (open_url(gcs.put("a.tar", b"gcs")), 0),
+        (open_url(http_server.put("a.tar", b"http")), 5),  # fsspec's http: webds retries it
+    ]
+    for stream, connect_retries in opened:
+        with stream:
+            assert isinstance(stream, ResumableStream) and stream.max_retries == 5
+            assert stream.connect_retries == connect_retries
+            assert stream.read() in (b"s3", b"gcs", b"http")
+
+
+def test_a_server_that_answered_once_is_retried_when_it_goes_away(flaky_http_server: Any) -> None:
+    data = bytes(range(256)) * 100
+    url = flaky_http_server.put("a.tar", data)
+    served = _urllib_open_at(url)
+    refused = _urllib_open_at(f"http://{LOOPBACK}:{free_port()}/a.tar")
+    opens: List[int] = []
+
+    def open_at(offset: int) -> Any:
+        opens.append(offset)
+        return refused(offset) if len(opens) in (2, 3) else served(offset)
+
+    flaky_http_server.cut_after(1000)
+    stream = ResumableStream(
+        open_at, url=url, size=len(data), retries=5, backoff=FAST, connect_retries=0
+    )
+    assert stream.read() == data
+    assert opens == [0, 1000, 1000, 1000] and stream.retries == 3
+
+
+def test_connect_retries_bound_only_an_unreached_server() -> None:
+    port = free_port()
+    calls: List[int] = []
+
+    def open_at(offset: int) -> Any:
+        calls.append(offset)
+        return socket.create_connection((LOOPBACK, port), timeout=5)  # refused
+
+    with pytest.raises(ShardReadError, match=r"after 1 attempt \(0 retries\)"):
+        ResumableStream(open_at, url="tcp://x", retries=3, backoff=0, connect_retries=0)
+    assert calls == [0]
+    with pytest.raises(ShardReadError, match=r"after 4 attempts \(3 retries\)"):
+        ResumableStream(open_at, url="tcp://x", retries=3, backoff=0)
+    assert len(calls) == 5
+    with pytest.raises(ValueError, match="connect_retries"):
+        ResumableStream(open_at, connect_retries=-1)
 
 
 # ---------------------------------------------------------------------------------------------

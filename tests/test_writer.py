@@ -479,6 +479,44 @@ def test_opener(tmp_path):
     assert shard_contents(opened) == [["000000", "000001"], ["000002"]]
 
 
+@pytest.mark.parametrize("spelling", ["path", "file-url"])
+def test_missing_folder_of_a_local_pattern_is_created(tmp_path, spelling):
+    out = tmp_path / "new" / "deeper"
+    pattern = str(out / "train-%02d.tar")
+    if spelling == "file-url":
+        pattern = "file://" + pattern
+    with ShardWriter(pattern, maxcount=2) as sink:
+        for s in samples(3):
+            sink.write(s)
+    assert listdir(out) == ["train-00.tar", "train-01.tar", "train.index.json"]
+    assert [names_in(out / f"train-0{i}.tar")[0] for i in range(2)] == ["000000.bin", "000002.bin"]
+
+
+def test_shard_number_in_the_folder_name_creates_each_folder(tmp_path):
+    with ShardWriter(str(tmp_path / "out" / "%02d" / "data.tar"), maxcount=1, index=False) as sink:
+        for s in samples(2):
+            sink.write(s)
+    assert listdir(tmp_path / "out") == ["00", "01"]
+    assert [len(our_samples(tmp_path / "out" / d / "data.tar")) for d in ("00", "01")] == [1, 1]
+
+
+def test_pipe_and_opener_outputs_create_no_folder(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(WriteError):
+        with ShardWriter(f"pipe:cat > {missing}/p-%d.tar 2>/dev/null", index=False) as sink:
+            sink.write(samples(1)[0])
+    assert not missing.exists()
+    opened = []
+
+    def opener(fname):
+        opened.append(fname)
+        return io.BytesIO()
+
+    with ShardWriter(str(missing / "o-%d.tar"), opener=opener) as sink:
+        sink.write(samples(1)[0])
+    assert opened == [str(missing / "o-0.tar")] and not missing.exists()
+
+
 def test_pattern_without_field(tmp_path):
     with ShardWriter(str(tmp_path / "single.tar"), maxcount=5) as sink:
         for s in samples(5):

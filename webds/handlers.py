@@ -2,7 +2,9 @@
 
 A handler is a callable ``handler(exn) -> bool``. It either raises (stop everything), returns
 ``True`` (skip this item and continue) or returns ``False`` (end this stage's stream quietly).
-Unlike webdataset's, none of them sleeps.
+Unlike webdataset's, none of them sleeps. The ``warn_*`` handlers' warnings point at the first
+caller outside webds (the loop over the dataset, not webds's stage code) and repeat the notes
+webds added to the exception (the stage, the sample and the shard of a failed user function).
 
 Stages never call a handler directly; they go through :class:`ErrorPolicy`, which counts what was
 skipped and logs one summary line when the stage ends, so nothing disappears without a trace.
@@ -12,6 +14,8 @@ A stage that turns each item into one result runs :func:`apply_each`, the one co
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -43,7 +47,7 @@ def ignore_and_continue(exn: BaseException) -> bool:
 
 def warn_and_continue(exn: BaseException) -> bool:
     """Issue a warning naming the error, skip the failed item and go on."""
-    warnings.warn(f"webds: skipping after {type(exn).__name__}: {exn}", stacklevel=2)
+    _warn("skipping", exn)
     return True
 
 
@@ -54,8 +58,34 @@ def ignore_and_stop(exn: BaseException) -> bool:
 
 def warn_and_stop(exn: BaseException) -> bool:
     """Issue a warning naming the error and end the stage's stream."""
-    warnings.warn(f"webds: stopping after {type(exn).__name__}: {exn}", stacklevel=2)
+    _warn("stopping", exn)
     return False
+
+
+# This package's folder as its code objects name it (as imported, and made absolute).
+_PACKAGE_DIRS = tuple(
+    {os.path.dirname(__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep}
+)
+
+
+def _warn(verb: str, exn: BaseException) -> None:
+    """Warn ``webds: <verb> after <error>``, plus the exception's notes (where it happened),
+    reported at the first frame outside webds."""
+    text = f"webds: {verb} after {type(exn).__name__}: {exn}"
+    # The stages note where a user function failed ("webds: in map(f) on sample 'k' of 'u'");
+    # a warning shows only its message, so they go into it.
+    notes = [n for n in getattr(exn, "__notes__", ()) if isinstance(n, str)]
+    if notes:
+        text += " (" + "; ".join(n[7:] if n.startswith("webds: ") else n for n in notes) + ")"
+    # stacklevel=2 would name webds's own stage code, which tells the user nothing: count the
+    # frames up to the first one outside the package (the loop over the dataset, or the
+    # DataLoader code in a worker). Generator stages are on the stack while they run.
+    level = 1
+    frame = sys._getframe(0)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIRS):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(text, stacklevel=level if frame is not None else 2)
 
 
 class ErrorPolicy:

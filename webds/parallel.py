@@ -39,7 +39,7 @@ from .encode import EncoderSpec
 from .errors import ArgumentError, WebdsError
 from .samples import tarfile_samples
 from .shards import SHARD_SUFFIXES, expand_urls
-from .urls import existing_size, local_path, url_identity
+from .urls import existing_size, local_path, make_parent_folder, url_identity
 from .writer import TarWriter
 
 __all__ = ["map_shards", "ShardResult", "MapShardsError", "output_urls", "is_output_pattern"]
@@ -234,7 +234,7 @@ def _run_task(task: _Task) -> ShardResult:
     try:
         if not task.overwrite and existing_size(task.output, options) is not None:
             return ShardResult(task.input, task.output, skipped=True)
-        _make_parent(task.output)
+        make_parent_folder(task.output)
         samples = _Counted(tarfile_samples([{"url": task.input}], **options))
         written = 0
         with TarWriter(task.output, encoder=task.encoder, storage_options=options) as sink:
@@ -276,13 +276,6 @@ def _outputs(fn: Callable[..., Any], level: str, samples: Iterator[Sample]) -> I
             )
         else:
             yield from result
-
-
-def _make_parent(url: str) -> None:
-    path = local_path(url)
-    if path is not None:
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
 
 
 def _describe(exn: BaseException) -> str:

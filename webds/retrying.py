@@ -13,6 +13,12 @@ keeps failing at the same offset raises :class:`~webds.errors.ShardReadError` na
 offset and the number of attempts. Every retry is counted in ``stream.retries`` and logged at
 WARNING on the ``"webds"`` logger.
 
+``connect_retries`` bounds, separately, the retries when the server cannot be reached at all
+before a stream was ever opened (connection refused, unknown host, connect timeout, closed
+without an answer). :func:`~webds.urls.open_url` sets it to 0 for backends whose client already
+retries connections (s3fs through botocore, gcsfs): retrying on top multiplied their attempts,
+so a wrong endpoint took a minute (S3) to four minutes (GCS) to be reported.
+
 :func:`resumable_fsspec` / :func:`open_resumable` build one for an fsspec file: ``fs.open`` then
 ``seek(offset)``, which makes the next read a ranged request for http, s3 and gcs. fsspec fetches
 whole blocks, so after a cut the block in flight is fetched again from its start (nothing is
@@ -24,6 +30,7 @@ from __future__ import annotations
 import io
 import logging
 import random
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Dict, Optional, Union
@@ -66,6 +73,18 @@ _NETWORK_PACKAGES = frozenset(
         "fsspec",
         "ssl",
         "http",
+    }
+)
+# Exceptions (by class name, so that neither package must be imported) meaning the server was
+# not reached, or hung up before answering: botocore's EndpointConnectionError (refused, unknown
+# host, connect timeout) and ConnectionClosedError, aiohttp's connector and disconnect errors.
+_UNREACHABLE_NAMES = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ConnectionTimeoutError",
     }
 )
 _TRANSIENT_STATUSES = frozenset({408, 425, 429})
@@ -186,6 +205,27 @@ def _kind(exn: BaseException) -> str:
     return "permanent"
 
 
+def _unreachable(exn: BaseException) -> bool:
+    """True if ``exn`` says no answer came from the server: it could not be connected to (refused,
+    unknown host, connect timeout) or it closed the connection before responding."""
+    for e in _chain(exn):
+        if isinstance(e, (ConnectionRefusedError, socket.gaierror)):
+            return True
+        if any(cls.__name__ in _UNREACHABLE_NAMES for cls in type(e).__mro__):
+            return True
+    return False
+
+
+def _count(n: int, one: str, many: str) -> str:
+    """``_count(1, "attempt", "attempts") == "1 attempt"``; ``"3 attempts"`` for 3."""
+    return f"{n} {one if n == 1 else many}"
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ArgumentError(f"{name} must be a non-negative integer, got {value!r}")
+
+
 def is_transient(exn: BaseException) -> bool:
     """True if retrying could fix ``exn`` (a dropped connection, a timeout, a 5xx, a short body).
 
@@ -212,7 +252,9 @@ class ResumableStream(ReadStream):
     ``size`` (or the ``size`` attribute of the first stream opened, which fsspec files have)
     makes an early end of the body a failure to retry rather than the end of the data.
     ``stream.retries`` counts the retries made; ``stream.offset`` the bytes delivered.
-    The first open happens here, with the same retries. ``translate(exn)``, if given, turns an
+    The first open happens here, with the same retries, except that ``connect_retries`` (default:
+    ``retries``) bounds them while the server has not been reached yet (refused, unknown host,
+    closed without an answer; see the module docstring). ``translate(exn)``, if given, turns an
     error that retrying cannot fix into the WebdsError to raise (say, one naming the bucket);
     by default not-found and permission errors become OpenError, the others ShardReadError.
 
@@ -230,17 +272,21 @@ class ResumableStream(ReadStream):
         backoff: BackoffLike = None,
         offset: int = 0,
         translate: Optional[Callable[[Exception], Exception]] = None,
+        connect_retries: Optional[int] = None,
     ) -> None:
         super().__init__()
         if not callable(open_at):
             raise ArgumentError(f"open_at must be callable as open_at(offset), got {open_at!r}")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ArgumentError(f"retries must be a non-negative integer, got {retries!r}")
+        _check_count("retries", retries)
+        if connect_retries is not None:
+            _check_count("connect_retries", connect_retries)
         self.url = url
         self.size = size
         self.offset = offset
         self.retries = 0
         self.max_retries = retries
+        self.connect_retries = retries if connect_retries is None else connect_retries
+        self._reached = False  # a stream was opened: the server answered at least once
         self.backoff = _backoff(backoff)
         self._open_at = open_at
         self._translate = translate
@@ -276,6 +322,7 @@ class ResumableStream(ReadStream):
                     offset=self.offset,
                 )
         self._stream = stream
+        self._reached = True
 
     @property
     def current(self) -> Optional[Any]:
@@ -317,19 +364,25 @@ class ResumableStream(ReadStream):
                 offset=self.offset,
             ) from exn
         self._failures += 1
-        if self._failures > self.max_retries and not self.offset:
+        # Until the server has answered once, a failure to reach it has its own budget: a
+        # client below that retries connections itself has already spent one (module docstring).
+        unreachable = not self._reached and _unreachable(exn)
+        limit = self.connect_retries if unreachable else self.max_retries
+        if self._failures > limit and not self.offset:
             if self._translate is not None and not isinstance(exn, WebdsError):
                 # Not a byte delivered yet: say why the URL can't be read (e.g. "HTTP 503"), and
-                # that retrying did not help.
+                # that retrying did not help (unless webds did not retry: then the attempts
+                # were the client's, which only it can count).
                 final = self._translate(exn)
-                if isinstance(final, WebdsError):
-                    final.message += f" (after {self._failures} attempts)"
+                if isinstance(final, WebdsError) and not (unreachable and limit == 0):
+                    final.message += f" (after {_count(self._failures, 'attempt', 'attempts')})"
                 raise final from exn
-        if self._failures > self.max_retries:
+        if self._failures > limit:
             raise ShardReadError(
-                f"reading failed {where} after {self._failures} attempts "
-                f"({self.max_retries} retries); last error: {detail}. The source keeps failing: "
-                "check the network or server, or raise retries=",
+                f"reading failed {where} after {_count(self._failures, 'attempt', 'attempts')} "
+                f"({_count(limit, 'retry', 'retries')}); last error: "
+                f"{detail}. The source keeps failing: check the network or server, or raise "
+                "retries=",
                 url=self.url,
                 offset=self.offset,
             ) from exn
@@ -338,7 +391,7 @@ class ResumableStream(ReadStream):
         log.warning(
             "webds: retry %d/%d of %r at byte offset %d in %.2fs after %s",
             self._failures,
-            self.max_retries,
+            limit,
             self.url,
             self.offset,
             wait,

@@ -40,6 +40,7 @@ __all__ = [
     "local_path",
     "url_identity",
     "url_scheme",
+    "make_parent_folder",
     "existing_size",
     "filesystem_options",
     "ReadStream",
@@ -89,6 +90,18 @@ def local_path(url: PathOrURL) -> Optional[str]:
     if scheme == "" or len(scheme) == 1:
         return url
     return None
+
+
+def make_parent_folder(url: PathOrURL) -> None:
+    """Create the folder a local path or ``file:`` URL is in, if it is missing.
+
+    Remote URLs, ``pipe:`` commands and ``-`` are left alone: object stores have no folders to
+    create, and a command or stdout has no parent. ``make_parent_folder("out/a.tar")`` creates
+    ``out/``.
+    """
+    path = local_path(url)
+    if path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
 
 def url_identity(url: PathOrURL) -> str:
@@ -283,6 +296,27 @@ _GCS_CREDENTIALS = (
 _CREDENTIAL_HINTS = {"s3": _S3_CREDENTIALS, "s3a": _S3_CREDENTIALS}
 _CREDENTIAL_HINTS.update(gs=_GCS_CREDENTIALS, gcs=_GCS_CREDENTIALS)
 
+# Where a scheme's endpoint is set, for "cannot connect" errors.
+_S3_ENDPOINT = (
+    "the S3 endpoint (storage_options={'client_kwargs': {'endpoint_url': ...}}, or "
+    "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3)"
+)
+_GCS_ENDPOINT = "the GCS endpoint (storage_options={'endpoint_url': ...}, or STORAGE_EMULATOR_HOST)"
+_ENDPOINT_HINTS = {
+    "s3": _S3_ENDPOINT,
+    "s3a": _S3_ENDPOINT,
+    "gs": _GCS_ENDPOINT,
+    "gcs": _GCS_ENDPOINT,
+}
+
+# fsspec backends (by top-level package) whose client retries a failed connection itself, with
+# its own backoff: botocore under s3fs (5 attempts by default, set by AWS_MAX_ATTEMPTS and
+# AWS_RETRY_MODE; s3fs adds 5 of its own for a connection closed without an answer) and gcsfs
+# (6 attempts, about 35 s). webds does not retry an unreachable server on top of them before the
+# first successful open: against a closed port that took 67 s (s3) and 220 s (gs) to report.
+# Reads that fail after the server has answered are retried and resumed as always.
+_RETRIES_CONNECTIONS = frozenset({"s3fs", "gcsfs"})
+
 # Exception class names (anywhere in an error's chain) that mean "no usable credentials":
 # botocore's and google-auth's, matched by name so that neither needs to be imported.
 _NO_CREDENTIALS = {
@@ -359,12 +393,14 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
         if mode == "rb":
             # Reads survive broken connections: reopen at the byte offset reached (a range
             # request), with backoff; permanent errors (404, 403) are translated at once.
+            retried_below = type(fs).__module__.partition(".")[0] in _RETRIES_CONNECTIONS
             return ResumableStream(  # type: ignore[return-value]
                 open_at,
                 url=url,
                 retries=retries,
                 backoff=backoff,
                 translate=lambda exn: _remote_error(exn, url, scheme, fs=fs, path=path),
+                connect_retries=0 if retried_below else None,
             )
         return open_file()
     except WebdsError:
@@ -503,6 +539,20 @@ def _http_status(chain: list) -> Optional[int]:
     return None
 
 
+def _endpoint(chain: list) -> Optional[str]:
+    """The server a connection error names: botocore keeps the request URL in ``kwargs``,
+    aiohttp's connector errors have ``host`` and ``port``."""
+    for exn in chain:
+        fields = getattr(exn, "kwargs", None)
+        if isinstance(fields, dict) and isinstance(fields.get("endpoint_url"), str):
+            parsed = urlparse(fields["endpoint_url"])
+            return f"{parsed.scheme}://{parsed.netloc}" if parsed.netloc else None
+        host, port = getattr(exn, "host", None), getattr(exn, "port", None)
+        if isinstance(host, str) and isinstance(port, int):
+            return f"{host}:{port}"
+    return None
+
+
 def _bucket_and_key(fs: Any, path: str) -> Tuple[Optional[str], str]:
     """(bucket, key) on object stores (filesystems with ``split_path``), else (None, path)."""
     split = getattr(fs, "split_path", None)
@@ -542,11 +592,18 @@ def _remote_error(
         hint = _CREDENTIAL_HINTS.get(scheme, "pass credentials in storage_options")
         return OpenError(f"no credentials found for '{scheme}://' URLs ({detail}); {hint}", url=url)
     if status is None:
+        hint = _ENDPOINT_HINTS.get(scheme, "the host name and port in the URL")
+        server = _endpoint(chain) or "the server"
+        if names & {"ConnectionClosedError", "ServerDisconnectedError"}:
+            return OpenError(
+                f"{server} closed the connection without answering ({detail}); check {hint}: "
+                "the host, the port, http or https",
+                url=url,
+            )
         connection = {"ConnectionError", "ClientConnectorError", "EndpointConnectionError"}
         if names & connection or any(isinstance(e, TimeoutError) for e in chain):
             return OpenError(
-                f"cannot connect to the server ({detail}); check the host name, the endpoint "
-                "(storage_options, AWS_ENDPOINT_URL, STORAGE_EMULATOR_HOST) and the network",
+                f"cannot connect to {server} ({detail}); check {hint} and the network",
                 url=url,
             )
     if status in (401, 403) or (status is None and isinstance(exn, PermissionError)):

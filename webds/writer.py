@@ -30,7 +30,7 @@ from .errors import ArgumentError, EncodeError, WebdsError, WriteError
 from .index import ShardIndex, ShardInfo, default_index_name
 from .samples import is_meta_name
 from .tario import END_OF_ARCHIVE, header_encoder
-from .urls import CommitOnExit, open_url, url_scheme
+from .urls import CommitOnExit, make_parent_folder, open_url, url_scheme
 
 # numpy_dumps and torch_dumps are re-exported because webdataset's writer module has them.
 __all__ = ["TarWriter", "ShardWriter", "check_key", "numpy_dumps", "torch_dumps"]
@@ -348,6 +348,9 @@ class ShardWriter(CommitOnExit):
     error, by the writer). ``storage_options`` go to fsspec for remote patterns such as
     ``"s3://bucket/train-%06d.tar"``: each shard is uploaded as it is written and becomes visible
     when it is committed, before ``post`` runs; a discarded shard's upload is aborted.
+    A local pattern's missing folder (``out/`` of ``out/train-%06d.tar``, also with ``file:``)
+    is created when a shard is opened in it, as :func:`webds.pack` does; remote stores have no
+    folders to create, and ``pipe:`` and ``opener`` outputs are left alone.
     Other keywords go to :class:`TarWriter`. Attributes: ``fname`` (current
     or last shard), ``shard`` (the next shard number), ``count``/``size`` (samples and bytes in
     the current shard), ``total`` (all samples), ``shards`` (completed shard names).
@@ -483,6 +486,9 @@ class ShardWriter(CommitOnExit):
                 raise
         else:
             self._stream = None
+            # Like webds.pack: a local pattern's folder is created, for each shard (the number
+            # may be in the folder name: "out/%03d/data.tar"); remote and pipe: are left alone.
+            make_parent_folder(fname)
             self.tarstream = TarWriter(
                 fname,
                 storage_options=self.storage_options,

@@ -46,10 +46,11 @@ Sample = Dict[str, Any]
 
 EXAMPLE_LS = """example:
   webds ls data/train-000000.tar --count 5
-  cat shard.tar | webds ls - --long | grep -v jpg:
+  cat shard.tar | webds ls - --long | grep -v ' jpg '
 
-One line per sample: the key, then each field as name:size in the order of the tar (1.2k means
-1,200 bytes, 3.4M 3,400,000); --bytes prints exact sizes, --long adds the shard."""
+One line per sample: the key, then each field's name and size, in the order of the tar:
+"0001  cls 1 B, jpg 95.3 kB, json 45 B" (kB is 1,000 bytes, MB 1,000,000); --bytes prints exact
+sizes ("jpg 95312 B"), --long adds the shard."""
 
 EXAMPLE_SHOW = """example:
   webds show data/train-000000.tar --count 2 --fields jpg,cls,json
@@ -253,14 +254,27 @@ def _warn_unseen(args: argparse.Namespace, where: Where) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _size_text(n: int, exact: bool = False) -> str:
+    """A field size with its unit, so that it can't be read as the field's value: ``1 B``,
+    ``95.3 kB``, ``3.4 MB`` (powers of 1000, as :func:`human_size`); ``exact``: ``95312 B``."""
+    if exact or n < 1000:
+        return f"{n} B"
+    short = human_size(n)  # "95.3k"
+    return f"{short[:-1]} {short[-1]}B"
+
+
 def run_ls(args: argparse.Namespace) -> int:
-    size = str if args.bytes else human_size
+    exact = bool(args.bytes)
     out = sys.stdout
     with _samples(args, args.count) as samples:
         for sample in samples:
             names = field_names(sample) if args.fields is None else args.fields
-            parts = [f"{name}:{size(nbytes(sample[name]))}" for name in names if name in sample]
-            line = f"{sample['__key__']}  {' '.join(parts)}"
+            parts = [
+                f"{name} {_size_text(nbytes(sample[name]), exact)}"
+                for name in names
+                if name in sample
+            ]
+            line = f"{sample['__key__']}  {', '.join(parts)}"
             if args.long:
                 line += f"  {sample.get('__url__')}"
             out.write(line + "\n")

@@ -15,8 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError
 from ..index import ShardIndex
-from ..parallel import _make_parent
-from ..urls import local_path, open_url, url_scheme
+from ..urls import local_path, make_parent_folder, open_url, url_scheme
 from .items import _read_file
 from .packing import pack
 
@@ -126,7 +125,7 @@ def write_classes(
     url = _beside(os.fspath(pattern), "classes.json")
     doc = {"classes": list(classes), "class_to_idx": {c: i for i, c in enumerate(classes)}}
     text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
-    _make_parent(url)
+    make_parent_folder(url)
     stream = open_url(url, "wb", **dict(storage_options or {}))
     try:
         stream.write(text.encode("utf-8"))

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import WebdsError, WriteError
 from ..index import ShardInfo
-from ..parallel import _describe, _make_parent
-from ..urls import open_url
+from ..parallel import _describe
+from ..urls import make_parent_folder, open_url
 from ..writer import TarWriter
 from .items import _Config, _index_key, _sample
 
@@ -62,7 +62,7 @@ def _run_task(dataset: Any, cfg: _Config, task: _Task, report: Report) -> _Done:
     if task.hash_only:
         size, sha = _hash_url(task.url, cfg.storage_options)
         return _Done(task.shard, task.url, len(task.indices), size, sha)
-    _make_parent(task.url)
+    make_parent_folder(task.url)
     last, unreported = time.monotonic(), 0
     with TarWriter(
         task.url, encoder=False, storage_options=cfg.storage_options, checksum=True
