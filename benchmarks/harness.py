@@ -210,6 +210,10 @@ class Target:
     detail: str = ""
     skipped: str = ""  # why there is no value
     rounds: Optional[List[float]] = None  # the value in each round, where it has one
+    # The same ratio for a reference contestant that does less than any loader must (no loader,
+    # no I/O, the bytes alone): how far the goal lies from what is possible on this machine.
+    reference: Optional[float] = None
+    reference_label: str = ""
 
     @property
     def robust(self) -> Optional[bool]:
@@ -236,16 +240,28 @@ class Target:
             "rounds": self.rounds,
             "every_round_agrees": self.robust,
             "detail": self.skipped if self.status == "SKIP" else self.detail,
+            "reference": None
+            if self.reference is None
+            else {"contestant": self.reference_label, "value": self.reference},
         }
 
 
 def format_targets(targets: Sequence[Target]) -> str:
-    """The target table: each goal, the value achieved, PASS / MISS / SKIP, and the range of
-    the value over the rounds (``*`` marks a status that some round disagrees with)."""
+    """The target table: each goal, the value achieved, PASS / MISS / SKIP, the range of the
+    value over the rounds (``*`` marks a status that some round disagrees with), and the
+    reference contestant's value where there is one."""
     width = max([len(t.name) for t in targets] + [6])
-    head = f"{'target':<{width}}  {'achieved':>9}  {'goal':>9}  status  {'rounds':>15}  detail"
+    refs = [
+        "" if t.reference is None else f"{t.reference_label} {t.fmt.format(t.reference)}"
+        for t in targets
+    ]
+    rwidth = max([len(r) for r in refs] + [9])
+    head = (
+        f"{'target':<{width}}  {'achieved':>9}  {'goal':>9}  status  {'rounds':>15}  "
+        f"{'reference':>{rwidth}}  detail"
+    )
     lines = [head]
-    for t in targets:
+    for t, ref in zip(targets, refs):
         value = "-" if t.value is None else t.fmt.format(t.value)
         goal = f"{t.op} {t.fmt.format(t.threshold)}"
         detail = t.skipped if t.status == "SKIP" else t.detail
@@ -254,7 +270,8 @@ def format_targets(targets: Sequence[Target]) -> str:
         if t.rounds and t.value is not None:
             rounds = f"{t.fmt.format(min(t.rounds))}..{t.fmt.format(max(t.rounds))}"
         lines.append(
-            f"{t.name:<{width}}  {value:>9}  {goal:>9}  {status:<6}  {rounds:>15}  {detail}"
+            f"{t.name:<{width}}  {value:>9}  {goal:>9}  {status:<6}  {rounds:>15}  "
+            f"{ref:>{rwidth}}  {detail}"
         )
     return "\n".join(lines)
 
