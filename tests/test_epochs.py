@@ -88,6 +88,29 @@ def test_loader_len_and_same_seed_same_order(indexed, workers):
     assert keys(make_loader(indexed, workers, seed=4)) != first
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_rebatching_after_the_workers_keeps_len_exact(indexed, workers):
+    # Batches of 4 made in each worker (2 workers: 18 and 17 samples, partial batches at each
+    # end), mixed and rebatched by 6 in the main process: 35 samples, 6 batches (5 whole).
+    loader = make_loader(indexed, workers).unbatched().shuffle(10).batched(6)
+    assert len(loader) == 6
+    batches = list(loader)
+    assert len(batches) == 6 and sorted(len(b[0]) for b in batches) == [5] + [6] * 5
+    assert len(make_loader(indexed, workers).unbatched().batched(6, partial=False)) == 5
+    assert len(make_loader(indexed, workers).unbatched()) == 35
+
+
+@pytest.mark.parametrize("drop_last,samples", [(False, 35), (True, 32)])
+def test_rebatching_a_dataloader_that_batches_keeps_len_exact(indexed, drop_last, samples):
+    # The DataLoader batches by 4 in each of 2 workers (18 and 17 samples): with drop_last,
+    # each worker's last partial batch (2 and 1 samples) is dropped.
+    ds = webds.WebDataset(indexed).to_tuple("__key__", "cls")
+    loader = webds.WebLoader(ds, batch_size=4, num_workers=2, drop_last=drop_last)
+    assert len(loader.unbatched()) == samples == len(list(loader.unbatched()))
+    rebatched = loader.unbatched().batched(8)
+    assert len(rebatched) == -(-samples // 8) == len(list(rebatched))
+
+
 # Three workers on a 2-core machine: torch warns, and that is the point (more workers than cores).
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (3, True)])

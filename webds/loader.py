@@ -5,8 +5,9 @@ mixes samples across workers and rebatches them; ``.with_epoch(n)`` fixes the nu
 per epoch, ``.with_length(n)`` declares ``len()``.
 
 With a balanced :class:`~webds.fluent.WebDataset` (an index and ``balance=``), ``len(loader)`` is
-the exact number of batches this rank yields per epoch, and ``state_dict()`` /
-``load_state_dict()`` resume mid-epoch with exactly the batches that were still to come.
+the exact number of batches this rank yields per epoch (also after ``.unbatched()...batched(n)``
+in the main process), and ``state_dict()`` / ``load_state_dict()`` resume mid-epoch with exactly
+the batches that were still to come.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from .errors import LengthError
 from .fluent import FluentMixin
-from .pipeline import DataPipeline
+from .pipeline import DataPipeline, source_counts
+from .stages import Length
 
 __all__ = ["WebLoader"]
 
@@ -100,8 +102,9 @@ class _LoaderOrigin:
     def __init__(self, loader: DataLoader) -> None:
         self.loader = loader
 
-    def _worker_items(self) -> List[int]:
-        """Items (batches, when the DataLoader batches) each worker yields this epoch."""
+    def _worker_counts(self) -> List[Length]:
+        """What each worker yields this epoch (batches, when the DataLoader batches), with the
+        samples inside them."""
         loader, dataset = self.loader, self.loader.dataset
         workers = max(1, loader.num_workers)
         if not hasattr(dataset, "stream_lengths"):
@@ -110,16 +113,24 @@ class _LoaderOrigin:
                 "does not say how many items each worker yields; use .with_epoch(n) or "
                 ".with_length(n)"
             )
-        counts = dataset.stream_lengths(workers)
+        counts = source_counts(dataset, workers)
         size = loader.batch_size
         if size is None:
             return counts
         if loader.drop_last:
-            return [c // size for c in counts]
-        return [-(-c // size) for c in counts]
+            return [Length(c.items // size, Length(c.items // size * size)) for c in counts]
+        return [Length(-(-c.items // size), c) for c in counts]
+
+    def _worker_items(self) -> List[int]:
+        return [c.items for c in self._worker_counts()]
 
     def stream_lengths(self, num_workers: Optional[int] = None) -> List[int]:
-        return [sum(self._worker_items())]
+        return [n.items for n in self.stream_counts(num_workers)]
+
+    def stream_counts(self, num_workers: Optional[int] = None) -> List[Length]:
+        # The workers' streams arrive interleaved as one; what each batched, summed, is what
+        # an unbatched() after the loader gets back.
+        return [_total(self._worker_counts())]
 
     def stream_index(self) -> int:
         return 0
@@ -144,6 +155,13 @@ class _LoaderOrigin:
             shares = [k * size for k in shares]
         dataset._skip = {"shares": shares, "shift": shift}
         return True
+
+
+def _total(counts: List[Length]) -> Length:
+    """The sum of several streams' counts, level by level while every stream knows the level."""
+    inner = [c.inner for c in counts if c.inner is not None]
+    below = _total(inner) if inner and len(inner) == len(counts) else None
+    return Length(sum(c.items for c in counts), below)
 
 
 def _round_robin_share(items: List[int], n: int) -> Tuple[List[int], int]:

@@ -195,16 +195,21 @@ class DataPipeline(IterableDataset):
 
         Raises :class:`~webds.errors.LengthError` when a stage or the source cannot know.
         """
+        return [n.items for n in self.stream_counts(num_workers)]
+
+    def stream_counts(self, num_workers: Optional[int] = None) -> List[Length]:
+        """:meth:`stream_lengths` as :class:`~webds.stages.Length` values, which also carry the
+        counts before each batching (what a later ``unbatched()`` gets back)."""
         streams = max(1, num_workers or 1)
         if self.nsamples is not None:
-            return [self.nsamples] * streams
+            return [Length(self.nsamples)] * streams
         if self.length is not None:
             if streams > 1:
                 raise LengthError(
                     f"with_length({self.length}) declares a total, not a count per DataLoader "
                     "worker; use with_epoch(n) for a per-worker epoch length"
                 )
-            return [self.length]
+            return [Length(self.length)]
         origin = self._origin()
         if origin is None:
             src = self.pipeline[0] if self.pipeline else None
@@ -215,7 +220,7 @@ class DataPipeline(IterableDataset):
                 "declare it with .with_epoch(n) / .with_length(n)"
             )
         at, src = origin
-        lengths = [Length(n) for n in src.stream_lengths(num_workers)]
+        lengths = source_counts(src, num_workers)
         for s in self.pipeline[at + 1 :]:
             rule = getattr(s, "count", None)
             out = [rule.forward(n, s) for n in lengths] if isinstance(rule, Count) else [None]
@@ -226,7 +231,7 @@ class DataPipeline(IterableDataset):
                     "with .with_epoch(n) / .with_length(n)"
                 )
             lengths = out  # type: ignore[assignment]
-        return [n.items for n in lengths]
+        return lengths
 
     def stream_index(self) -> int:
         """This process's stream: its DataLoader worker number."""
@@ -507,6 +512,14 @@ def _release_free_heap() -> bool:
         return False
     trim(0)
     return True
+
+
+def source_counts(source: Any, num_workers: Optional[int] = None) -> List[Length]:
+    """A counted source's items per stream as :class:`~webds.stages.Length` values: with what
+    came before each batching when the source says (``stream_counts``), else plain counts."""
+    if hasattr(source, "stream_counts"):
+        return list(source.stream_counts(num_workers))
+    return [Length(n) for n in source.stream_lengths(num_workers)]
 
 
 def _exactly(it: Iterator[Any], count: int, where: Any) -> Iterator[Any]:
