@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Dict, Optional, Union
 
 from .errors import ArgumentError, OpenError, ShardReadError, WebdsError
-from .urls import ReadStream
+from .urls import _HUNG_UP_NAMES, ReadStream
 
 __all__ = [
     "Backoff",
@@ -77,16 +77,12 @@ _NETWORK_PACKAGES = frozenset(
 )
 # Exceptions (by class name, so that neither package must be imported) meaning the server was
 # not reached, or hung up before answering: botocore's EndpointConnectionError (refused, unknown
-# host, connect timeout) and ConnectionClosedError, aiohttp's connector and disconnect errors.
-_UNREACHABLE_NAMES = frozenset(
-    {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ClientConnectorError",
-        "ServerDisconnectedError",
-        "ConnectionTimeoutError",
-    }
-)
+# host, connect timeout) and aiohttp's connector errors, plus both packages' hang-ups.
+_UNREACHABLE_NAMES = _HUNG_UP_NAMES | {
+    "EndpointConnectionError",
+    "ClientConnectorError",
+    "ConnectionTimeoutError",
+}
 _TRANSIENT_STATUSES = frozenset({408, 425, 429})
 _NOT_FOUND_STATUSES = frozenset({404, 410})
 _DENIED_STATUSES = frozenset({401, 403})

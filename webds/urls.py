@@ -309,6 +309,10 @@ _ENDPOINT_HINTS = {
     "gcs": _GCS_ENDPOINT,
 }
 
+# Errors (by class name) of a server that closed the connection without answering: botocore's
+# and aiohttp's. webds.retrying counts them among the failures to reach a server.
+_HUNG_UP_NAMES = frozenset({"ConnectionClosedError", "ServerDisconnectedError"})
+
 # fsspec backends (by top-level package) whose client retries a failed connection itself, with
 # its own backoff: botocore under s3fs (5 attempts by default, set by AWS_MAX_ATTEMPTS and
 # AWS_RETRY_MODE; s3fs adds 5 of its own for a connection closed without an answer) and gcsfs
@@ -594,7 +598,7 @@ def _remote_error(
     if status is None:
         hint = _ENDPOINT_HINTS.get(scheme, "the host name and port in the URL")
         server = _endpoint(chain) or "the server"
-        if names & {"ConnectionClosedError", "ServerDisconnectedError"}:
+        if names & _HUNG_UP_NAMES:
             return OpenError(
                 f"{server} closed the connection without answering ({detail}); check {hint}: "
                 "the host, the port, http or https",
