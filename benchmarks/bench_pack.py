@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.data import fashion_images, fashion_labels  # noqa: E402
 from benchmarks.harness import Variant, machine_info, measure, write_json  # noqa: E402
 from webds.convert.packing import pack  # noqa: E402
-from webds.encode import imageencoder  # noqa: E402
+from webds.stages.encode import imageencoder  # noqa: E402
 from webds.writer import TarWriter  # noqa: E402
 
 

@@ -256,7 +256,7 @@ class Suite:
 
     def pipeline(self) -> None:
         import webds
-        from webds import fastjpeg
+        from webds.stages import fastjpeg
 
         n = self.config.decode
         items = [(p.read_bytes(), label) for p, label in self._labelled(n)]

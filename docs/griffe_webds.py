@@ -40,7 +40,7 @@ _FLUENT = re.compile(r"^_chain\((?P<target>[\w.]+)\)$")
 _STAGE_DECORATOR = re.compile(
     r"^(?:[\w.]+\.)?(?:stage|pipelinefilter|\w*Factory)(?:\(.*\))?$", re.DOTALL
 )
-# Parameters the pipeline passes to a stage function itself (see webds.stages.StageFactory).
+# Parameters the pipeline passes to a stage function itself (see webds.stages.core.StageFactory).
 _INJECTED = ("epoch", "pipeline_seed")
 
 
@@ -208,7 +208,7 @@ def _resolve(
         obj = _lookup(candidate, loader)
         if obj is None:
             continue
-        # webds.decode is both a module and, as a public name, the stage webds.decode.decode.
+        # webds.decode is both a module and, as a public name, the stage webds.stages.decode.decode.
         name = obj.name
         if obj.is_module and role != "mod" and name in obj.members:
             obj = obj.members[name]

@@ -85,8 +85,8 @@ from torch import nn
 from torchvision import transforms
 
 import webds
-from webds.index import default_index_name, is_index_url
-from webds.urls import local_path, open_url
+from webds.io.urls import local_path, open_url
+from webds.shards.index import default_index_name, is_index_url
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

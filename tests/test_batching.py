@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import pickle
 
 import numpy as np
@@ -9,9 +10,11 @@ import pytest
 import torch
 
 import webds
-from webds import batching as B
-from webds import filters as F
 from webds.errors import ArgumentError, SampleError
+from webds.stages import batching as B
+
+# webdataset's module name webds.filters (an alias module), where its code finds batched & co.
+F = importlib.import_module("webds.filters")
 
 
 def run(stage, items):

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from webds.cache import LRUCleanup, pipe_cleaner
 from webds.errors import ArgumentError
+from webds.io.cache import LRUCleanup, pipe_cleaner
 
 
 def test_pipe_cleaner_finds_the_url():
@@ -64,7 +64,7 @@ from conftest import sample_members, write_tar  # noqa: E402
 
 from webds.errors import OpenError, ShardReadError  # noqa: E402
 from webds.fluent import WebDataset  # noqa: E402
-from webds.handlers import ignore_and_continue  # noqa: E402
+from webds.stages.handlers import ignore_and_continue  # noqa: E402
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def test_cache_size_bound(remote, tmp_path):
 
 
 def test_local_files_are_read_in_place_unless_asked(tmp_path):
-    from webds.cache import ShardCache
+    from webds.io.cache import ShardCache
 
     path = write_tar(tmp_path / "a.tar", sample_members(3))
     cache = ShardCache(str(tmp_path / "cache"))
@@ -216,7 +216,7 @@ def test_killed_reader_leaves_no_visible_partial_file(tmp_path):
     assert visible(cache) == [], "no partial shard under a cache name"
     assert any(n.startswith(".") for n in os.listdir(cache))
     # The next user of the cache removes the dead process's temporary copy.
-    from webds.cache import ShardCache
+    from webds.io.cache import ShardCache
 
     ShardCache(str(cache))
     assert os.listdir(cache) == []
@@ -232,7 +232,7 @@ def _list(d):
 def test_entry_being_filled_elsewhere_is_streamed_not_copied(tmp_path):
     import fcntl
 
-    from webds.cache import ShardCache
+    from webds.io.cache import ShardCache
 
     path = write_tar(tmp_path / "a.tar", sample_members(20))
     url = f"pipe:cat {path}"

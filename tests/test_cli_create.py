@@ -11,7 +11,7 @@ import pytest
 from clitools import run_webds, tar_contents, tar_names
 
 from webds.cli import main
-from webds.samples import base_plus_ext, tarfile_samples
+from webds.tar.samples import base_plus_ext, tarfile_samples
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 from clitools import run_webds
 from conftest import sample_members, write_tar
 
-from webds.index import FORMAT, ShardIndex
+from webds.shards.index import FORMAT, ShardIndex
 
 #: ``webds ...`` as a subprocess; index and verify print text.
 webds = functools.partial(run_webds, text=True)

@@ -17,7 +17,7 @@ from conftest import sample_members, write_tar
 
 from webds.cli import main
 from webds.cli.sort import MERGE_FANIN
-from webds.samples import tarfile_samples
+from webds.tar.samples import tarfile_samples
 from webds.writer import TarWriter
 
 

@@ -35,7 +35,8 @@ from webds.decode import (
     torch_loads,
     torch_video,
 )
-from webds.encode import (
+from webds.errors import ArgumentError, DecodeError, EncodeError
+from webds.stages.encode import (
     cbor_dumps,
     default_handlers,
     encode_sample,
@@ -47,9 +48,8 @@ from webds.encode import (
     tenbin_dumps,
     torch_dumps,
 )
-from webds.errors import ArgumentError, DecodeError, EncodeError
-from webds.handlers import ignore_and_continue
-from webds.samples import tarfile_to_samples
+from webds.stages.handlers import ignore_and_continue
+from webds.tar.samples import tarfile_to_samples
 from webds.writer import TarWriter
 
 # -- helpers ----------------------------------------------------------------------------------

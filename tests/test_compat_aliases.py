@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 import webds
-import webds.aliases as aliases
-from webds import compat, samples, shards, urls
+import webds.compat.aliases as aliases
+from webds import compat, shards
+from webds.io import urls
+from webds.tar import samples
 
 # Not "from webds import decode": the package attribute is the decode stage, not the module.
-decode = importlib.import_module("webds.decode")
+decode = importlib.import_module("webds.stages.decode")
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,16 +187,17 @@ def test_gopen_both_spellings_whatever_the_import_order(order, tmp_path):
 
 
 def test_real_modules_win_and_no_alias_shadows_a_module_file():
-    # webds.compat, webds.filters, ... are the real modules, never alias modules.
-    for name in ("compat", "filters", "handlers", "pipeline", "writer", "tenbin"):
+    # webds.compat, webds.pipeline, ... are the real modules, never alias modules.
+    for name in ("compat", "pipeline", "writer", "shards", "stages", "fluent", "loader"):
         module = importlib.import_module(f"webds.{name}")
         assert not isinstance(module, aliases.AliasModule), name
-    for alias in aliases.ALIASES:
-        path = ROOT / "webds" / f"{alias}.py"
-        assert not path.exists(), (
-            f"{path} is a real module now: remove {alias!r} from webds.aliases.ALIASES "
-            "and make the real module hold those names"
-        )
+        assert module.__spec__.name == f"webds.{name}"
+    for alias in [*aliases.ALIASES, *aliases.MOVED]:
+        for path in (ROOT / "webds" / f"{alias}.py", ROOT / "webds" / alias / "__init__.py"):
+            assert not path.exists(), (
+                f"{path} is a real module now: remove {alias!r} from webds.compat.aliases "
+                "and make the real module hold those names"
+            )
 
 
 def test_package_getattr_imports_lazily():

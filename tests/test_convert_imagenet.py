@@ -28,7 +28,7 @@ from conftest import write_tar
 
 from webds.convert.imagenet import convert_imagenet, default_val_pattern
 from webds.errors import ArgumentError, ShardReadError
-from webds.index import ShardIndex
+from webds.shards.index import ShardIndex
 
 PIL = pytest.importorskip("PIL.Image")
 

@@ -26,7 +26,7 @@ from torchvision_cpu import import_torchvision
 import webds
 from webds.convert import ImageFolderFiles, pack, pack_folder
 from webds.errors import ArgumentError, EncodeError, SampleError
-from webds.index import ShardIndex
+from webds.shards.index import ShardIndex
 
 DATA = Path(__file__).resolve().parents[1] / "examples" / "data" / "fashion-mnist"
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import sample_members, write_tar
 from servers import free_port
 
-from webds.index import ShardIndex
+from webds.shards.index import ShardIndex
 
 SIZES = [13, 4, 9, 21, 6, 3, 17]  # 73 samples: divides by neither 2 nor 3
 ALL = {f"s{i}-{j:06d}" for i, n in enumerate(SIZES) for j in range(n)}

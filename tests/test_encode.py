@@ -11,14 +11,14 @@ import gzip
 import numpy as np
 import pytest
 
-from webds.encode import (
+from webds.errors import EncodeError
+from webds.stages.encode import (
     SampleEncoder,
     default_handlers,
     encode_value,
     int_dumps,
     make_encoder,
 )
-from webds.errors import EncodeError
 
 
 class Label(enum.IntEnum):

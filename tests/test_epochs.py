@@ -7,7 +7,7 @@ from conftest import sample_members, write_tar
 
 import webds
 from webds.errors import ArgumentError, LengthError, ShardReadError
-from webds.index import ShardIndex
+from webds.shards.index import ShardIndex
 
 SIZES = [7, 3, 11, 5, 9]  # 35 samples
 

@@ -8,8 +8,8 @@ import pytest
 from PIL import Image, ImageCms
 
 import webds
-from webds import fastjpeg
 from webds.decode import decode_image
+from webds.stages import fastjpeg
 
 simplejpeg = pytest.importorskip("simplejpeg")
 

@@ -20,13 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from webds import batching as B
-from webds import filters as F
 from webds.decode import decode
 from webds.errors import ArgumentError, SampleError
-from webds.handlers import ignore_and_continue, ignore_and_stop, warn_and_continue
 from webds.pipeline import DataPipeline
 from webds.shards import derive_seed, split_by_worker
+from webds.stages import batching as B
+from webds.stages import filters as F
+from webds.stages.handlers import ignore_and_continue, ignore_and_stop, warn_and_continue
 
 # -- helpers ---------------------------------------------------------------------------------------
 

@@ -13,12 +13,12 @@ import torch
 from conftest import sample_members, write_tar
 from PIL import Image
 
-from webds import batching, filters
 from webds.decode import decode as decode_stage
 from webds.errors import ArgumentError, OpenError, ShardReadError, WebdsError
 from webds.fluent import FluentMixin, WebDataset
-from webds.handlers import warn_and_continue
 from webds.pipeline import DataPipeline
+from webds.stages import batching, filters
+from webds.stages.handlers import warn_and_continue
 
 
 def jpeg_bytes(i: int) -> bytes:

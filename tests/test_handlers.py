@@ -11,7 +11,7 @@ import pytest
 from conftest import Tracked, write_tar
 
 from webds.fluent import WebDataset
-from webds.handlers import (
+from webds.stages.handlers import (
     ErrorPolicy,
     apply_each,
     ignore_and_continue,

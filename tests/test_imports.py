@@ -11,18 +11,22 @@ import textwrap
 from pathlib import Path
 
 import webds
-import webds.filters
 import webds.pipeline
 import webds.shards
 import webds.stages
+import webds.stages.filters
 
 ROOT = Path(__file__).resolve().parents[1]
 
 #: Modules that must import without torch: what the ``webds`` command and the writers use.
 TORCH_FREE = (
-    "webds webds.cli webds.tario webds.urls webds.writer webds.samples webds.index webds.encode "
-    "webds.errors webds.stages webds.shards webds.filters webds.decode webds.cache webds.plan "
-    "webds.handlers"
+    "webds webds.cli webds.tar.tario webds.io.urls webds.writer webds.tar.samples "
+    "webds.shards.index webds.stages.encode webds.errors webds.stages webds.shards "
+    "webds.stages.filters webds.stages.decode webds.io.cache webds.shards.plan "
+    "webds.stages.handlers webds.io webds.tar webds.compat webds.keywords "
+    # the same modules under their names before 0.2
+    "webds.tario webds.urls webds.samples webds.index webds.encode webds.filters webds.cache "
+    "webds.plan webds.handlers"
 ).split()
 
 
@@ -113,7 +117,8 @@ def test_submodules_and_webdataset_modules_without_an_import_statement():
         assert "torch" not in sys.modules
         assert webds.shards.expand_urls("a-{0..1}.tar") == ["a-0.tar", "a-1.tar"]
         assert webds.filters.shuffle is webds.shuffle
-        assert webds.tenbin.__name__ == "webds.tenbin" and webds.cache.__name__ == "webds.cache"
+        assert webds.tenbin.__name__ == "webds.stages.tenbin"
+        assert webds.cache.__name__ == "webds.io.cache"
         assert "torch" not in sys.modules
         assert webds.shardlists.SimpleShardList is webds.shards.SimpleShardList
         assert webds.compat.WebDataset is webds.WebDataset and webds.mix.RandomMix
@@ -145,10 +150,12 @@ def test_lazy_table_matches_all_and_the_type_checking_imports():
             for stmt in node.body:
                 assert isinstance(stmt, ast.ImportFrom) and stmt.level == 1, ast.dump(stmt)
                 for alias in stmt.names:
-                    if stmt.module is None:  # from . import cache
-                        seen[alias.name] = (f"webds.{alias.name}", None)
+                    package = f"webds.{stmt.module}" if stmt.module else "webds"
+                    folder = ROOT / package.replace(".", "/")
+                    if (folder / f"{alias.name}.py").exists() or (folder / alias.name).is_dir():
+                        seen[alias.name] = (f"{package}.{alias.name}", None)  # a module
                     else:
-                        seen[alias.asname or alias.name] = (f"webds.{stmt.module}", alias.name)
+                        seen[alias.asname or alias.name] = (package, alias.name)
     assert seen == webds._WHERE
     assert set(webds.__all__) == set(webds._WHERE) | {"decode", "gopen"}
     assert len(webds.__all__) == len(set(webds.__all__))
@@ -159,9 +166,9 @@ def test_pipeline_and_shards_keep_their_names():
     # now defined in webds.stages / webds.sharddatasets.
     for name in webds.stages.__all__:
         assert getattr(webds.pipeline, name) is getattr(webds.stages, name), name
-    from webds.sharddatasets import ResampledShardList, ResampledShards, SimpleShardList
     from webds.shards import ResampledShards as shards_resampled
     from webds.shards import SimpleShardList as shards_simple
+    from webds.shards.datasets import ResampledShardList, ResampledShards, SimpleShardList
 
     assert shards_simple is SimpleShardList and shards_resampled is ResampledShards
     assert webds.shards.ResampledShardList is ResampledShardList

@@ -17,7 +17,7 @@ from conftest import sample_members, write_tar
 
 import webds
 from webds.errors import ArgumentError, OpenError, ShardReadError
-from webds.index import (
+from webds.shards.index import (
     FORMAT,
     Problem,
     ShardIndex,

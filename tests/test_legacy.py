@@ -12,10 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from webds.batching import batched
-from webds.errors import ArgumentError, WebdsError
-from webds.filters import map as map_stage
-from webds.legacy import (
+from webds.compat.legacy import (
     MockDataset,
     ObsoleteException,
     PipelineStage,
@@ -35,7 +32,10 @@ from webds.legacy import (
     with_epoch,
     with_length,
 )
+from webds.errors import ArgumentError, WebdsError
 from webds.pipeline import DataPipeline
+from webds.stages.batching import batched
+from webds.stages.filters import map as map_stage
 
 
 class Doubler(PipelineStage):

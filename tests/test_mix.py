@@ -8,15 +8,15 @@ import pytest
 from torch.utils.data import DataLoader
 
 from webds.errors import ArgumentError
-from webds.mix import (
+from webds.pipeline import DataPipeline
+from webds.shards import SimpleShardList
+from webds.stages.mix import (
     RandomMix,
     RoundRobin,
     random_samples,
     round_robin_longest,
     round_robin_shortest,
 )
-from webds.pipeline import DataPipeline
-from webds.shards import SimpleShardList
 
 
 def test_round_robin_shortest_and_longest():

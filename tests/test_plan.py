@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from webds.errors import ArgumentError
-from webds.plan import epoch_order, plan_worker, rank_size, split_warning, worker_spans
+from webds.shards.plan import epoch_order, plan_worker, rank_size, split_warning, worker_spans
 
 COUNTS = [7, 3, 0, 11, 5, 1, 9]  # uneven, one empty shard
 URLS = [f"shard-{i}.tar" for i in range(len(COUNTS))]

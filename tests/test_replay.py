@@ -12,11 +12,11 @@ from conftest import sample_members
 from torch.utils.data import DataLoader
 
 from webds.errors import WebdsError
-from webds.filters import map as map_stage
 from webds.pipeline import DataPipeline
-from webds.replay import Cached, LMDBCached
-from webds.samples import tarfile_to_samples
 from webds.shards import SimpleShardList, split_by_worker
+from webds.stages.filters import map as map_stage
+from webds.stages.replay import Cached, LMDBCached
+from webds.tar.samples import tarfile_to_samples
 
 
 class Counting:

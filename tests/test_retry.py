@@ -25,15 +25,15 @@ from servers import LOOPBACK, free_port
 
 from webds.errors import OpenError, ShardReadError
 from webds.fluent import WebDataset
-from webds.retrying import (
+from webds.io.retrying import (
     Backoff,
     ResumableStream,
     is_transient,
     open_resumable,
     resumable_fsspec,
 )
-from webds.tario import read_members
-from webds.urls import SCHEMES, open_url
+from webds.io.urls import SCHEMES, open_url
+from webds.tar.tario import read_members
 
 FAST = Backoff(initial=0.001, maximum=0.005)
 

@@ -16,9 +16,9 @@ import pytest
 from conftest import sample_members, write_tar
 
 from webds.errors import OpenError, SampleError, ShardReadError
-from webds.handlers import ignore_and_continue, ignore_and_stop, reraise_exception
 from webds.pipeline import DataPipeline
-from webds.samples import (
+from webds.stages.handlers import ignore_and_continue, ignore_and_stop, reraise_exception
+from webds.tar.samples import (
     base_plus_ext,
     group_by_keys,
     tar_file_expander,
@@ -463,7 +463,7 @@ def test_peer_shards(stages, peer_dir: Path, name: str) -> None:
 
 
 def test_peer_member_bytes_match_tarfile(peer_dir: Path) -> None:
-    from webds.tario import read_members
+    from webds.tar.tario import read_members
 
     for path in sorted(peer_dir.glob("*.t*")):
         with tarfile.open(str(path), "r:*") as tf:

@@ -12,17 +12,17 @@ import pytest
 from conftest import sample_members, write_tar
 from torch.utils.data import DataLoader
 
-from webds.errors import ArgumentError, WebdsError
-from webds.pipeline import DataPipeline
-from webds.samples import tarfile_to_samples
-from webds.shards import SimpleShardList, non_empty, resampled, split_by_worker
-from webds.shardsources import (
+from webds.compat.shardsources import (
     DirectoryShardList,
     MultiShardSample,
     fnmatch_with_braces,
     glob_with_braces,
     shardspec,
 )
+from webds.errors import ArgumentError, WebdsError
+from webds.pipeline import DataPipeline
+from webds.shards import SimpleShardList, non_empty, resampled, split_by_worker
+from webds.tar.samples import tarfile_to_samples
 
 
 def urls(it):

@@ -18,7 +18,7 @@ from typing import List, Tuple
 import pytest
 
 from webds.errors import ArgumentError, ShardReadError, WebdsError
-from webds.tario import (
+from webds.tar.tario import (
     END_OF_ARCHIVE,
     encode_header,
     header_encoder,

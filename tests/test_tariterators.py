@@ -8,7 +8,7 @@ import pytest
 from conftest import sample_members, write_tar
 
 import webds
-from webds import tariterators as t
+from webds.compat import tariterators as t
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from webds.errors import ArgumentError, OpenError, WebdsError
-from webds.urls import AtomicFile, PipeStream, local_path, open_url
+from webds.io.urls import AtomicFile, PipeStream, local_path, open_url
 
 
 def test_local_path_rules(tmp_path):

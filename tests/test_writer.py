@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from webds.decode import Decoder
-from webds.encode import encode_sample
 from webds.errors import ArgumentError, EncodeError, WriteError
-from webds.samples import tarfile_to_samples
-from webds.tario import END_OF_ARCHIVE, member_bytes, read_members
+from webds.stages.encode import encode_sample
+from webds.tar.samples import tarfile_to_samples
+from webds.tar.tario import END_OF_ARCHIVE, member_bytes, read_members
 from webds.writer import ShardWriter, TarWriter, check_key
 
 

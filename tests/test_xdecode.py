@@ -12,10 +12,10 @@ from conftest import write_tar
 
 from webds.decode import decode_pickle, find_decoder, xdecode
 from webds.errors import DecodeError
-from webds.handlers import ignore_and_continue
 from webds.pipeline import DataPipeline
-from webds.samples import tarfile_to_samples
 from webds.shards import SimpleShardList
+from webds.stages.handlers import ignore_and_continue
+from webds.tar.samples import tarfile_to_samples
 
 
 def _samples(tmp_path, members):

@@ -13,24 +13,66 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-# Installs the import hook that serves webdataset's module names (webds.shardlists, ...); cheap.
-from . import aliases
+# Installs the import hook that serves webdataset's module names (webds.shardlists, ...) and
+# webds's own from before 0.2 (webds.io.urls, ...); cheap.
+from .compat import aliases
 
-# The stage webds.decode has the name of the submodule webds/decode.py, and importing that
-# submodule (as fluent.py does) binds the package attribute "decode" to the module. Binding the
-# stage here, after that, keeps webds.decode the stage whatever is imported later. decode.py
-# does not import torch or numpy.
-from .decode import decode
+# The stage webds.decode has the name of the old module webds.decode (now webds.stages.decode),
+# and the first import of that module name binds the package attribute "decode" to the module.
+# Importing it here, then binding the stage, keeps webds.decode the stage whatever is imported
+# later. The decode module does not import torch or numpy.
+importlib.import_module(f"{__name__}.decode")
+from .stages.decode import decode  # noqa: E402
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and __getattr__
-    from . import cache, compat, mix, tenbin
-    from .batching import batched, default_collation_fn, listed, unbatched, unlisted
-    from .cache import LRUCleanup, pipe_cleaner
+    from . import compat
     from .compat import gopen_schemes, reader
+    from .compat.legacy import (
+        MockDataset,
+        PipelineStage,
+        repeatedly,
+        with_epoch,
+        with_length,
+    )
+    from .compat.shardsources import DirectoryShardList, MultiShardSample, shardspec
     from .convert.folders import pack_folder
     from .convert.imagenet import convert_imagenet
     from .convert.packing import pack
-    from .decode import (
+    from .errors import (
+        ArgumentError,
+        DecodeError,
+        EncodeError,
+        LengthError,
+        OpenError,
+        SampleError,
+        ShardReadError,
+        WebdsError,
+        WriteError,
+    )
+    from .fluent import FluentMixin, FluidInterface, FluidWrapper, WebDataset
+    from .io import cache
+    from .io.cache import LRUCleanup, pipe_cleaner
+    from .io.urls import open_url
+    from .loader import WebLoader
+    from .parallel import MapShardsError, ShardResult, map_shards
+    from .pipeline import DataPipeline
+    from .shards.datasets import ResampledShards, SimpleShardList
+    from .shards.index import Problem as IndexProblem
+    from .shards.index import ShardIndex, ShardInfo
+    from .shards.plan import PlannedShards
+    from .shards.shardlists import (
+        expand_urls,
+        non_empty,
+        resampled,
+        single_node_only,
+        split_by_node,
+        split_by_worker,
+        worker_info,
+    )
+    from .stages import mix, tenbin
+    from .stages.batching import batched, default_collation_fn, listed, unbatched, unlisted
+    from .stages.core import BATCH, REORDER, SAME, UNBATCH, Count, Stage, pipelinefilter, stage
+    from .stages.decode import (
         IMAGE_EXTENSIONS,
         Continue,
         Decoder,
@@ -45,18 +87,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         torch_video,
         xdecode,
     )
-    from .errors import (
-        ArgumentError,
-        DecodeError,
-        EncodeError,
-        LengthError,
-        OpenError,
-        SampleError,
-        ShardReadError,
-        WebdsError,
-        WriteError,
-    )
-    from .filters import (
+    from .stages.filters import (
         associate,
         detshuffle,
         extract_keys,
@@ -74,30 +105,16 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         to_tuple,
         transform_with,
     )
-    from .fluent import FluentMixin, FluidInterface, FluidWrapper, WebDataset
-    from .handlers import (
+    from .stages.handlers import (
         ignore_and_continue,
         ignore_and_stop,
         reraise_exception,
         warn_and_continue,
         warn_and_stop,
     )
-    from .index import Problem as IndexProblem
-    from .index import ShardIndex, ShardInfo
-    from .legacy import (
-        MockDataset,
-        PipelineStage,
-        repeatedly,
-        with_epoch,
-        with_length,
-    )
-    from .loader import WebLoader
-    from .mix import RandomMix, RoundRobin
-    from .parallel import MapShardsError, ShardResult, map_shards
-    from .pipeline import DataPipeline
-    from .plan import PlannedShards
-    from .replay import Cached, LMDBCached
-    from .samples import (
+    from .stages.mix import RandomMix, RoundRobin
+    from .stages.replay import Cached, LMDBCached
+    from .tar.samples import (
         base_plus_ext,
         group_by_keys,
         tar_file_expander,
@@ -105,31 +122,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         tarfile_to_samples,
         url_opener,
     )
-    from .shards import (
-        ResampledShards,
-        SimpleShardList,
-        expand_urls,
-        non_empty,
-        resampled,
-        single_node_only,
-        split_by_node,
-        split_by_worker,
-        worker_info,
-    )
-    from .shardsources import DirectoryShardList, MultiShardSample, shardspec
-    from .stages import BATCH, REORDER, SAME, UNBATCH, Count, Stage, pipelinefilter, stage
-    from .urls import open_url
     from .writer import ShardWriter, TarWriter, numpy_dumps, torch_dumps
 
 __version__ = "0.1.0"
 
 #: {module: the public names it holds}, imported on first use. "new=old" serves the module's
-#: ``old`` as ``new``; "name=." is the module itself (``webds.cache``).
+#: ``old`` as ``new``; "name=." is the module itself (``webds.io.cache``).
 _EXPORTS: Dict[str, List[str]] = {
-    "batching": ["batched", "default_collation_fn", "listed", "unbatched", "unlisted"],
-    "cache": ["cache=.", "LRUCleanup", "pipe_cleaner"],
+    "stages.batching": ["batched", "default_collation_fn", "listed", "unbatched", "unlisted"],
+    "io.cache": ["cache=.", "LRUCleanup", "pipe_cleaner"],
     "compat": ["compat=.", "gopen_schemes", "reader"],
-    "decode": [
+    "stages.decode": [
         "IMAGE_EXTENSIONS",
         "Continue",
         "Decoder",
@@ -155,7 +158,7 @@ _EXPORTS: Dict[str, List[str]] = {
         "WebdsError",
         "WriteError",
     ],
-    "filters": [
+    "stages.filters": [
         "associate",
         "detshuffle",
         "extract_keys",
@@ -174,25 +177,25 @@ _EXPORTS: Dict[str, List[str]] = {
         "transform_with",
     ],
     "fluent": ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"],
-    "handlers": [
+    "stages.handlers": [
         "ignore_and_continue",
         "ignore_and_stop",
         "reraise_exception",
         "warn_and_continue",
         "warn_and_stop",
     ],
-    "index": ["IndexProblem=Problem", "ShardIndex", "ShardInfo"],
-    "legacy": ["MockDataset", "PipelineStage", "repeatedly", "with_epoch", "with_length"],
+    "shards.index": ["IndexProblem=Problem", "ShardIndex", "ShardInfo"],
+    "compat.legacy": ["MockDataset", "PipelineStage", "repeatedly", "with_epoch", "with_length"],
     "loader": ["WebLoader"],
-    "mix": ["mix=.", "RandomMix", "RoundRobin"],
+    "stages.mix": ["mix=.", "RandomMix", "RoundRobin"],
     "parallel": ["MapShardsError", "ShardResult", "map_shards"],
     "convert.folders": ["pack_folder"],
     "convert.imagenet": ["convert_imagenet"],
     "convert.packing": ["pack"],
     "pipeline": ["DataPipeline"],
-    "plan": ["PlannedShards"],
-    "replay": ["Cached", "LMDBCached"],
-    "samples": [
+    "shards.plan": ["PlannedShards"],
+    "stages.replay": ["Cached", "LMDBCached"],
+    "tar.samples": [
         "base_plus_ext",
         "group_by_keys",
         "tar_file_expander",
@@ -200,9 +203,8 @@ _EXPORTS: Dict[str, List[str]] = {
         "tarfile_to_samples",
         "url_opener",
     ],
-    "shards": [
-        "ResampledShards",
-        "SimpleShardList",
+    "shards.datasets": ["ResampledShards", "SimpleShardList"],
+    "shards.shardlists": [
         "expand_urls",
         "non_empty",
         "resampled",
@@ -211,10 +213,10 @@ _EXPORTS: Dict[str, List[str]] = {
         "split_by_worker",
         "worker_info",
     ],
-    "shardsources": ["DirectoryShardList", "MultiShardSample", "shardspec"],
-    "stages": ["BATCH", "REORDER", "SAME", "UNBATCH", "Count", "Stage", "pipelinefilter", "stage"],
-    "tenbin": ["tenbin=."],
-    "urls": ["open_url"],
+    "compat.shardsources": ["DirectoryShardList", "MultiShardSample", "shardspec"],
+    "stages.core": ["BATCH", "REORDER", "SAME", "UNBATCH", "Count", "Stage", "pipelinefilter",
+    "stage"], "stages.tenbin": ["tenbin=."],
+    "io.urls": ["open_url"],
     "writer": ["ShardWriter", "TarWriter", "numpy_dumps", "torch_dumps"],
 }
 
@@ -242,10 +244,10 @@ def __getattr__(name: str) -> Any:
             value = getattr(value, attribute)
         globals()[name] = value  # later lookups find it without calling this function
         return value
-    if name in aliases.ALIASES:  # webdataset's module names: webds.shardlists, webds.gopen, ...
+    if name in aliases.ALIASES or name in aliases.MOVED:  # webds.shardlists, webds.io.urls, ...
         return aliases.package_getattr(name)
-    # Every submodule used to be imported with the package, so code could use webds.filters or
-    # webds.shards after a bare "import webds"; that still works.
+    # Every submodule used to be imported with the package, so code could use webds.shards or
+    # webds.writer after a bare "import webds"; that still works.
     if (
         name.isidentifier()
         and not name.startswith("_")

@@ -1,8 +1,8 @@
 """The fluent face: ``WebDataset(url).shuffle(1000).decode("pil").to_tuple("jpg", "cls")``.
 
-Every chainable method is derived from a stage factory defined once in :mod:`webds.filters`,
-:mod:`webds.batching` or :mod:`webds.decode` (same name, signature and docstring) and returns a
-new pipeline with that stage appended; the original is unchanged.
+Every chainable method is derived from a stage factory defined once in :mod:`webds.stages.filters`,
+:mod:`webds.stages.batching` or :mod:`webds.stages.decode` (same name, signature and docstring) and
+returns a new pipeline with that stage appended; the original is unchanged.
 """
 
 from __future__ import annotations
@@ -12,21 +12,15 @@ import logging
 import os
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from . import batching, filters
-from .cache import cached_shards
-from .decode import decode as _decode_stage
-from .decode import xdecode as _xdecode_stage
 from .errors import ArgumentError, WebdsError
-from .handlers import Handler, reraise_exception
-from .index import ShardIndex, is_index_url
-from .mix import RandomMix
+from .io.cache import cached_shards
+from .io.urls import url_identity
+from .keywords import legacy_keywords
 from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, stage
-from .plan import PlannedShards, check_balance
-from .replay import Cached, LMDBCached
-from .samples import tarfile_to_samples
-from .shards import (
-    ResampledShards,
-    SimpleShardList,
+from .shards.datasets import ResampledShards, SimpleShardList
+from .shards.index import ShardIndex, is_index_url
+from .shards.plan import PlannedShards, check_balance
+from .shards.shardlists import (
     URLs,
     default_seed,
     expand_urls,
@@ -34,7 +28,13 @@ from .shards import (
     split_by_worker,
     worker_info,
 )
-from .urls import url_identity
+from .stages import batching, filters
+from .stages.decode import decode as _decode_stage
+from .stages.decode import xdecode as _xdecode_stage
+from .stages.handlers import Handler, reraise_exception
+from .stages.mix import RandomMix
+from .stages.replay import Cached, LMDBCached
+from .tar.samples import tarfile_to_samples
 
 __all__ = ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"]
 
@@ -95,7 +95,7 @@ class FluentMixin:
         """Mix this pipeline's items with ``others``' at random, with weights ``probs``.
 
         ``WebDataset(a, seed=0).mix(WebDataset(b, seed=0), probs=[3, 1])``; see
-        :class:`~webds.mix.RandomMix` (``seed`` defaults to this pipeline's).
+        :class:`~webds.stages.mix.RandomMix` (``seed`` defaults to this pipeline's).
         """
         if seed is None:
             seed = getattr(self, "seed", None)
@@ -203,17 +203,19 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``nodesplitter`` / ``workersplitter``: functions over the shard stream; by default shards are
       split by node (``split_by_node``) and by DataLoader worker (``split_by_worker``). ``None``
       turns a split off.
-    - ``handler``: what to do when a shard cannot be opened or read (see :mod:`webds.handlers`).
+    - ``handler``: what to do when a shard cannot be opened or read (see
+    :mod:`webds.stages.handlers`).
     - ``select_files`` / ``rename_files``: functions on member names (rename runs first).
     - ``empty_check``: raise when a single-process epoch yields no sample at all.
     - ``storage_options``: passed to fsspec when opening remote URLs, and when listing a remote
       prefix (``"s3://bucket/train/"``) or glob (``"gs://b/train-*.tar"``), which happens once,
       here, so every worker and rank reads the same shard list (see :func:`expand_urls`).
-    - ``index``: the dataset's shard index (see :mod:`webds.index`): a path or URL of its JSON
-      file, a :class:`~webds.index.ShardIndex`, or True to count the samples now by reading
+    - ``index``: the dataset's shard index (see :mod:`webds.shards.index`): a path or URL of its
+    JSON
+      file, a :class:`~webds.shards.index.ShardIndex`, or True to count the samples now by reading
       every shard. ``urls`` may itself be the index file (``WebDataset("data/index.json")``);
       otherwise its shards must all be in the index. With an index, samples are planned per
-      rank and DataLoader worker (see :mod:`webds.plan`): every rank yields exactly the same
+      rank and DataLoader worker (see :mod:`webds.shards.plan`): every rank yields exactly the same
       number of samples and batches per epoch, ``len()`` is exact, and ``state_dict()`` /
       ``load_state_dict()`` resume mid-epoch.
     - ``balance``: how ranks get equal shares when the samples don't divide evenly: ``"pad"``
@@ -221,10 +223,10 @@ class WebDataset(DataPipeline, FluentMixin):
       ``DistributedSampler`` does) or ``"drop"`` (up to ``world_size - 1`` are left out).
       It needs an index.
     - ``cache_dir``: keep remote shards in this local directory after their first read (see
-      :mod:`webds.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off;
+      :mod:`webds.io.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off;
       ``cache_local=True`` caches local files too (shards on a slow network filesystem).
 
-    Older keywords still work (see :func:`webds.compat.legacy_keywords`): webdataset 1.x's
+    Older keywords still work (see :func:`webds.keywords.legacy_keywords`): webdataset 1.x's
     ``mode="resampled"``, ``detshuffle``, ``verbose`` and ``url_to_name``, and the 0.1 style
     ``extensions=``, ``decoder=``, ``transforms=``, ``shuffle=``, which warns with its modern
     spelling.
@@ -255,10 +257,6 @@ class WebDataset(DataPipeline, FluentMixin):
         self.loader_hint: Optional[Tuple[int, Optional[int]]] = None
         extra_stages: list = []
         if legacy:
-            # Imported here because webds.compat also re-exports this class (as webdataset's
-            # compat module did), so it imports this module.
-            from .compat import legacy_keywords
-
             plan = legacy_keywords(legacy, resampled=resampled, shardshuffle=shardshuffle)
             resampled, shardshuffle, extra_stages = plan.resampled, plan.shardshuffle, plan.stages
         if seed is None:

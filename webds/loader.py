@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from .errors import LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline, source_counts
-from .stages import Length
+from .stages.core import Length
 
 __all__ = ["WebLoader"]
 

@@ -35,11 +35,11 @@ from typing import (
 )
 from urllib.parse import urlparse
 
-from .encode import EncoderSpec
 from .errors import ArgumentError, WebdsError
-from .samples import tarfile_samples
-from .shards import SHARD_SUFFIXES, expand_urls
-from .urls import existing_size, local_path, make_parent_folder, url_identity
+from .io.urls import existing_size, local_path, make_parent_folder, url_identity
+from .shards.shardlists import SHARD_SUFFIXES, expand_urls
+from .stages.encode import EncoderSpec
+from .tar.samples import tarfile_samples
 from .writer import TarWriter
 
 __all__ = ["map_shards", "ShardResult", "MapShardsError", "output_urls", "is_output_pattern"]
@@ -360,10 +360,12 @@ def map_shards(
     sample, None (dropped) or an iterable of samples. ``level="shard"``: ``fn(samples)`` gets the
     shard's sample iterator and returns an iterator of samples (a stage such as
     ``webds.map(f)``, or a generator function). Results are encoded by ``encoder`` (default: the
-    :mod:`webds.encode` table, so str/int/dict fields work; bytes pass through) and written with
+    :mod:`webds.stages.encode` table, so str/int/dict fields work; bytes pass through) and written
+    with
     :class:`~webds.writer.TarWriter`; an output appears only once its shard is complete.
 
-    ``inputs``: a shard spec or list (:func:`~webds.shards.expand_urls`); ``outputs``: see
+    ``inputs``: a shard spec or list (:func:`~webds.shards.shardlists.expand_urls`); ``outputs``:
+    see
     :func:`output_urls` (``'out/{stem}.tar'``, ``'s3://b/p/{index:06d}.tar'``, ``'out/'``).
     An output that exists is skipped unless ``overwrite``. ``executor``: None or
     ``"processes"`` (a local process pool of ``workers`` processes, default one per CPU),

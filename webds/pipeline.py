@@ -1,6 +1,6 @@
 """DataPipeline: a source followed by stages, the engine everything else in webds is built from.
 
-Stages (:mod:`webds.stages`) are written once, as generator functions taking the upstream
+Stages (:mod:`webds.stages.core`) are written once, as generator functions taking the upstream
 iterator first, and used both ways::
 
     DataPipeline(source, select(f), ...)  # composable style
@@ -18,7 +18,7 @@ whose source knows its size computes a truthful ``len()``, and a pipeline resume
 (:meth:`DataPipeline.load_state_dict`) skips already consumed items as far upstream as it can.
 
 The stage machinery (:func:`stage`, :class:`Stage`, :class:`Count`, ...) is defined in
-:mod:`webds.stages`, which does not import torch, and re-exported here.
+:mod:`webds.stages.core`, which does not import torch, and re-exported here.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .errors import ArgumentError, LengthError
 # The stage machinery lives in webds.stages (no torch import); these names stay importable from
 # here, where webdataset code and pickles made before the split look for them (a pickled stage
 # factory refers to webds.pipeline._import_object).
-from .stages import (  # noqa: F401
+from .stages.core import (  # noqa: F401
     BATCH,
     REORDER,
     SAME,
@@ -198,7 +198,7 @@ class DataPipeline(IterableDataset):
         return [n.items for n in self.stream_counts(num_workers)]
 
     def stream_counts(self, num_workers: Optional[int] = None) -> List[Length]:
-        """:meth:`stream_lengths` as :class:`~webds.stages.Length` values, which also carry the
+        """:meth:`stream_lengths` as :class:`~webds.stages.core.Length` values, which also carry the
         counts before each batching (what a later ``unbatched()`` gets back)."""
         streams = max(1, num_workers or 1)
         if self.nsamples is not None:
@@ -235,7 +235,7 @@ class DataPipeline(IterableDataset):
 
     def stream_index(self) -> int:
         """This process's stream: its DataLoader worker number."""
-        from .shards import worker_info
+        from .shards.shardlists import worker_info
 
         return worker_info().worker
 
@@ -306,7 +306,7 @@ class DataPipeline(IterableDataset):
         skip, self._skip = self._skip, 0
         from torch.utils.data import get_worker_info
 
-        from .shards import renumber_worker
+        from .shards.shardlists import renumber_worker
 
         info = get_worker_info()
         if info is not None and info.dataset is self:
@@ -515,7 +515,7 @@ def _release_free_heap() -> bool:
 
 
 def source_counts(source: Any, num_workers: Optional[int] = None) -> List[Length]:
-    """A counted source's items per stream as :class:`~webds.stages.Length` values: with what
+    """A counted source's items per stream as :class:`~webds.stages.core.Length` values: with what
     came before each batching when the source says (``stream_counts``), else plain counts."""
     if hasattr(source, "stream_counts"):
         return list(source.stream_counts(num_workers))

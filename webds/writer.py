@@ -1,7 +1,7 @@
 """Writing shards: :class:`TarWriter` (one tar) and :class:`ShardWriter` (a numbered series).
 
 Samples are dicts with a ``__key__`` and one value per extension; each field is encoded by
-:mod:`webds.encode` and written as the tar member ``f"{key}.{ext}"``, fields in sorted order.
+:mod:`webds.stages.encode` and written as the tar member ``f"{key}.{ext}"``, fields in sorted order.
 Output is deterministic by default (mtime 0, uid/gid 0, gzip without timestamp or name), so the
 same samples always give byte-identical shards. A shard appears under its final name only once
 it is complete: an exception while writing discards it. That holds for remote URLs too
@@ -24,13 +24,26 @@ import os
 import tarfile
 from typing import Any, BinaryIO, Callable, List, Mapping, Optional, Union
 
-from . import aliases
-from .encode import EncoderSpec, make_encoder, numpy_dumps, torch_dumps
 from .errors import ArgumentError, EncodeError, WebdsError, WriteError
-from .index import ShardIndex, ShardInfo, default_index_name
-from .samples import is_meta_name
-from .tario import END_OF_ARCHIVE, header_encoder
-from .urls import CommitOnExit, make_parent_folder, open_url, url_scheme
+from .io.urls import CommitOnExit, discard_stream, make_parent_folder, open_url, url_scheme
+from .shards.index import ShardIndex, ShardInfo, default_index_name
+
+# webdataset's writer module also exported its encoders; code imports them from there.
+from .stages.encode import (  # noqa: F401, E402, I001
+    EncoderSpec,
+    cbor_dumps,
+    default_handlers,
+    imageencoder,
+    make_encoder,
+    mp_dumps,
+    numpy_dumps,
+    numpy_npz_dumps,
+    tenbin_dumps,
+    torch_dumps,
+)
+from .stages.encode import encode_sample as encode_based_on_extension  # noqa: F401, E402
+from .tar.samples import is_meta_name
+from .tar.tario import END_OF_ARCHIVE, header_encoder
 
 # numpy_dumps and torch_dumps are re-exported because webdataset's writer module has them.
 __all__ = ["TarWriter", "ShardWriter", "check_key", "numpy_dumps", "torch_dumps"]
@@ -130,10 +143,11 @@ def single_shard_name(pattern: str) -> str:
 class TarWriter(CommitOnExit):
     """Write samples to one tar archive (a path or URL, or an open binary file object).
 
-    ``write(sample)`` encodes the sample (``encoder``: see :func:`webds.encode.make_encoder`),
-    writes one member per field as ``f"{key}.{ext}"`` and returns the payload byte count. Fields
-    starting with ``_`` are skipped unless ``keep_meta``. A str destination is opened with
-    :func:`webds.urls.open_url` (so ``pipe:``, ``s3://`` ... work) and committed by ``close()``;
+    ``write(sample)`` encodes the sample (``encoder``: see
+    :func:`webds.stages.encode.make_encoder`), writes one member per field as ``f"{key}.{ext}"``
+    and returns the payload byte count. Fields starting with ``_`` are skipped unless
+    ``keep_meta``. A str destination is opened with
+    :func:`webds.io.urls.open_url` (so ``pipe:``, ``s3://`` ... work) and committed by ``close()``;
     a file object is written to and left open. ``compress=None`` gzips when the name ends in
     ``.gz``/``.tgz``. ``format`` is accepted for webdataset compatibility: webds always writes
     ustar, with a pax header in front of a member only when its name or size does not fit.
@@ -311,7 +325,7 @@ class TarWriter(CommitOnExit):
                 except Exception:
                     pass
             if self._own_stream:
-                _discard_stream(self._raw)
+                discard_stream(self._raw)
         finally:
             self._finish()
 
@@ -355,13 +369,13 @@ class ShardWriter(CommitOnExit):
     or last shard), ``shard`` (the next shard number), ``count``/``size`` (samples and bytes in
     the current shard), ``total`` (all samples), ``shards`` (completed shard names).
 
-    ``index`` writes a shard index (:mod:`webds.index`) of the committed shards, with their
+    ``index`` writes a shard index (:mod:`webds.shards.index`) of the committed shards, with their
     sample counts, sizes and sha256 computed while writing, when the writer stops (``close()``,
     ``discard()``, an error), if any shard was committed: ``True`` (the default) writes it next
-    to the shards as :func:`~webds.index.default_index_name` of the pattern
+    to the shards as :func:`~webds.shards.index.default_index_name` of the pattern
     (``out/train-%06d.tar`` -> ``out/train.index.json``; none with an ``opener`` or into a
     ``pipe:``), a str is its path or URL, ``False`` writes none (and skips the hashing).
-    The ``index`` attribute is the :class:`~webds.index.ShardIndex` of the shards so far.
+    The ``index`` attribute is the :class:`~webds.shards.index.ShardIndex` of the shards so far.
     """
 
     def __init__(
@@ -482,7 +496,7 @@ class ShardWriter(CommitOnExit):
             try:
                 self.tarstream = TarWriter(stream, checksum=self.index is not None, **kw)
             except BaseException:
-                _discard_stream(stream)
+                discard_stream(stream)
                 raise
         else:
             self._stream = None
@@ -513,7 +527,7 @@ class ShardWriter(CommitOnExit):
                 stream.close()
         except BaseException:
             if stream is not None:
-                _discard_stream(stream)
+                discard_stream(stream)
             self._end(failing=True)  # the shard's samples are lost; don't carry on silently
             raise
         assert self.fname is not None
@@ -532,7 +546,7 @@ class ShardWriter(CommitOnExit):
         if tarstream is not None:
             tarstream.discard()
         if stream is not None:
-            _discard_stream(stream)
+            discard_stream(stream)
 
     def write(self, obj: Mapping[str, Any]) -> int:
         """Write one sample, starting a new shard first if the current one is full."""
@@ -644,7 +658,7 @@ class _HashingWriter:
         self.raw.close()
 
     def discard(self) -> None:
-        _discard_stream(self.raw)
+        discard_stream(self.raw)
 
     @property
     def closed(self) -> bool:
@@ -652,28 +666,3 @@ class _HashingWriter:
 
     def __repr__(self) -> str:
         return repr(self.raw)
-
-
-def _discard_stream(stream: Any) -> None:
-    """Abandon what was written to ``stream``: abort it if it can be, else just close it."""
-    discard = getattr(stream, "discard", None)
-    try:
-        if callable(discard):
-            discard()
-        else:
-            stream.close()
-    except Exception:
-        pass
-    # fsspec's buffered files (s3fs, gcsfs) stay "open" after discard(): s3fs's aborts the
-    # multipart upload but not a small shard still in its buffer, and gcsfs's does nothing
-    # before the first part; their finalizer would then close() and upload the partial shard.
-    # Marking them closed is what fsspec's own discard paths do to end a file.
-    if callable(discard) and not getattr(stream, "closed", True):
-        try:
-            stream.closed = True
-        except (AttributeError, TypeError):
-            pass  # not an fsspec file; close() could commit, so leave it to its own discard()
-
-
-# webdataset's writer module also exported the encoders; they live in webds.encode.
-__getattr__ = aliases.module_getattr(__name__)

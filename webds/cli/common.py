@@ -3,7 +3,7 @@ tars, progress bars.
 
 Inputs are shard specs as the library takes them (paths, URLs, brace patterns, globs, folders or
 prefixes ending in ``/``, ``pipe:CMD``) or ``-`` for standard input. Samples are read with the
-same grouping rules as training (:func:`webds.samples.tarfile_samples`), except that field names
+same grouping rules as training (:func:`webds.tar.samples.tarfile_samples`), except that field names
 keep the case they have in the tar (``a.JPG`` stays ``JPG``), so commands that copy shards write
 the same member names back; ``__meta__`` files are skipped. Outputs are a path, a URL or ``-`` for
 standard output; a file or object appears only when complete (written to a temporary name, then
@@ -18,8 +18,8 @@ import sys
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from ..errors import ArgumentError
-from ..samples import tarfile_samples
-from ..shards import expand_urls
+from ..shards.shardlists import expand_urls
+from ..tar.samples import tarfile_samples
 from ..writer import TarWriter
 
 __all__ = [

@@ -16,7 +16,7 @@ import os
 from typing import Any, List, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError, WriteError
-from ..urls import open_url
+from ..io.urls import open_url
 
 __all__ = [
     "PAD",

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from ..index import ShardIndex
+from ..shards.index import ShardIndex
 from .common import positive_int, show_progress
 
 EXAMPLE_INDEX = """example:

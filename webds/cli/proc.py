@@ -36,7 +36,7 @@ from typing import (
 
 from ..errors import ArgumentError, OpenError, WebdsError
 from ..parallel import MapShardsError, ShardResult, is_output_pattern, map_shards
-from ..tario import encode_header
+from ..tar.tario import encode_header
 from .common import (
     add_inputs,
     add_quiet,

@@ -17,8 +17,8 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import ArgumentError
-from ..filters import shuffle
-from ..index import default_index_name
+from ..shards.index import default_index_name
+from ..stages.filters import shuffle
 from ..writer import ShardWriter
 from .common import (
     add_inputs,

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from ..urls import local_path
+from ..io.urls import local_path
 from ..writer import TarWriter
 from .common import (
     add_inputs,

@@ -14,8 +14,8 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError
-from ..index import ShardIndex
-from ..urls import local_path, make_parent_folder, open_url, url_scheme
+from ..io.urls import local_path, make_parent_folder, open_url, url_scheme
+from ..shards.index import ShardIndex
 from .items import _read_file
 from .packing import pack
 

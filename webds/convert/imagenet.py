@@ -33,9 +33,9 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError, EncodeError, ShardReadError
-from ..index import default_index_name
-from ..tario import read_members
-from ..urls import local_path, open_url, url_scheme
+from ..io.urls import local_path, open_url, url_scheme
+from ..shards.index import default_index_name
+from ..tar.tario import read_members
 from ..writer import ShardWriter, check_key
 from .folders import write_classes
 from .imagenet_labels import _Labels, _read_labels

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ..errors import ArgumentError
-from ..urls import open_url
+from ..io.urls import open_url
 
 
 def _image_stem(name: str) -> str:

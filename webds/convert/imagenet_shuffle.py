@@ -50,8 +50,8 @@ from operator import itemgetter
 from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import EncodeError, ShardReadError, WriteError
-from ..tario import read_members
-from ..urls import local_path
+from ..io.urls import local_path
+from ..tar.tario import read_members
 from ..writer import ShardWriter, check_key
 from .tarstream import MemberStream, TarStreamError, member_streams
 

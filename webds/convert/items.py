@@ -36,9 +36,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..encode import IMAGE_FORMATS, default_handlers, encode_value, imageencoder
 from ..errors import ArgumentError, EncodeError, SampleError, WebdsError
 from ..parallel import _describe
+from ..stages.encode import IMAGE_FORMATS, default_handlers, encode_value, imageencoder
 from ..writer import check_key
 
 # The loaders that only decode the file: storing the file's bytes gives the same image back.

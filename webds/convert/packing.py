@@ -18,7 +18,7 @@ Shards are written by ``workers`` processes (default: one per CPU; ``0``: in thi
 dataset going to each of them (inherited through fork on Linux, pickled elsewhere). Each shard
 appears under its name only once complete, so after a crash or an error a rerun with the same
 arguments writes only the shards still missing. Last comes the shard index (``index=True``:
-:func:`~webds.index.default_index_name` of the pattern), listing every shard with its count,
+:func:`~webds.shards.index.default_index_name` of the pattern), listing every shard with its count,
 size and sha256, and the plan under ``"pack"``; a rerun against an index whose plan differs
 stops rather than mix two plans (``overwrite=True`` rewrites everything).
 """
@@ -30,10 +30,10 @@ import os
 import random
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from ..encode import IMAGE_FORMATS
 from ..errors import ArgumentError, OpenError, WebdsError
-from ..index import ShardIndex, ShardInfo, default_index_name
-from ..urls import existing_size, url_identity, url_scheme
+from ..io.urls import existing_size, url_identity, url_scheme
+from ..shards.index import ShardIndex, ShardInfo, default_index_name
+from ..stages.encode import IMAGE_FORMATS
 from ..writer import is_numbered_pattern, single_shard_name
 from .items import (
     _BLOCK,
@@ -173,7 +173,7 @@ def pack(
     index: Union[bool, str, "os.PathLike[str]"] = True,
 ) -> ShardIndex:
     """Write a map-style dataset (``len`` and ``dataset[i]``) to shards named ``pattern % n``
-    (a path or any fsspec URL) and return their :class:`~webds.index.ShardIndex`.
+    (a path or any fsspec URL) and return their :class:`~webds.shards.index.ShardIndex`.
 
     How items become fields and how encoded files are kept as they are:
     :mod:`webds.convert.items`; how shards are planned: :mod:`webds.convert.packing`.

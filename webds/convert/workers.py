@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from ..errors import WebdsError, WriteError
-from ..index import ShardInfo
+from ..io.urls import make_parent_folder, open_url
 from ..parallel import _describe
-from ..urls import make_parent_folder, open_url
+from ..shards.index import ShardInfo
 from ..writer import TarWriter
 from .items import _Config, _index_key, _sample
 

@@ -1,11 +1,11 @@
 """The user-facing stages: shuffle, select, map, rename, to_tuple, ... (batching is in
-:mod:`webds.batching`).
+:mod:`webds.stages.batching`).
 
 Each stage is written once, as a generator function (or, for the stages that turn each sample into
-one result, a function returning :func:`webds.handlers.apply_each`'s loop) turned into a curried,
-picklable factory by :func:`webds.pipeline.stage`; the fluent methods (``dataset.shuffle(1000)``)
-are derived from these same factories, so the signatures here are the public API (webdataset
-1.x's, with its bugs fixed).
+one result, a function returning :func:`webds.stages.handlers.apply_each`'s loop) turned into a
+curried, picklable factory by :func:`webds.pipeline.stage`; the fluent methods
+(``dataset.shuffle(1000)``) are derived from these same factories, so the signatures here are the
+public API (webdataset 1.x's, with its bugs fixed).
 
 Samples are dicts (``{"__key__": ..., "jpg": ..., "cls": ...}``) until :func:`to_tuple` or
 :func:`extract_keys` turns them into tuples. A malformed sample raises :class:`SampleError` naming
@@ -38,11 +38,10 @@ from typing import (
     Union,
 )
 
-from . import aliases
-from .errors import ArgumentError, SampleError, WebdsError
+from ..errors import ArgumentError, SampleError, WebdsError
+from ..shards.shardlists import derive_seed, worker_info
+from .core import REORDER, SAME, Stage, StageFactory, stage
 from .handlers import Handler, apply_each, reraise_exception
-from .shards import derive_seed, worker_info
-from .stages import REORDER, SAME, Stage, StageFactory, stage
 
 __all__ = [
     "derive_seed",
@@ -747,8 +746,3 @@ def log_keys(src: Iterable[Any], logfile: Optional[str] = None) -> Iterator[Any]
             yield sample
     finally:
         os.close(fd)
-
-
-# webdataset's filters module also exported the batching, decoding and caching stages; they
-# live in webds.batching, webds.decode and webds.replay and are served from the alias table.
-__getattr__ = aliases.module_getattr(__name__)

@@ -26,10 +26,10 @@ import tempfile
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
+from ..errors import ArgumentError, DecodeError
 from . import fastjpeg
-from .errors import ArgumentError, DecodeError
+from .core import SAME, stage
 from .handlers import Handler, apply_each, reraise_exception
-from .stages import SAME, stage
 
 __all__ = [
     "Continue",
@@ -166,7 +166,7 @@ def decode_image(data: bytes, imagespec: str, fast_jpeg: bool = True) -> Any:
     """Decode image bytes according to an image spec (see :data:`imagespecs`).
 
     With ``fast_jpeg`` (the default), RGB JPEGs go through ``simplejpeg`` when it is installed
-    (see :mod:`webds.fastjpeg`: same pixels, faster); everything else through Pillow.
+    (see :mod:`webds.stages.fastjpeg`: same pixels, faster); everything else through Pillow.
     """
     atype, etype, mode = imagespecs[imagespec]
     a: Any = None
@@ -263,7 +263,7 @@ def npz_loads(data: bytes) -> Dict[str, Any]:
 
 def tenbin_loads(data: bytes) -> List[Any]:
     """Decode a tenbin field into a list of arrays."""
-    from . import tenbin  # numpy, only when a tenbin field is decoded
+    from . import tenbin
 
     return tenbin.decode_buffer(data)
 

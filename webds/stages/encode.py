@@ -1,4 +1,4 @@
-"""Encoding sample fields for writing: the mirror of :mod:`webds.decode`.
+"""Encoding sample fields for writing: the mirror of :mod:`webds.stages.decode`.
 
 Each field is encoded by its last extension (``"seg.png"`` -> PNG); a trailing ``.gz`` gzips the
 encoded bytes (deterministically: no timestamp, no file name). bytes pass through unchanged (so
@@ -20,7 +20,7 @@ import numbers
 import pickle
 from typing import Any, Callable, Dict, Mapping, Optional, Union
 
-from .errors import ArgumentError, EncodeError
+from ..errors import ArgumentError, EncodeError
 
 __all__ = [
     "make_encoder",
@@ -127,7 +127,7 @@ def numpy_npz_dumps(x: Any) -> bytes:
 
 def tenbin_dumps(x: Any) -> bytes:
     """An array, or a list of arrays, in tenbin format (decoded back as a list)."""
-    from . import tenbin  # numpy, only when a tenbin field is encoded
+    from . import tenbin
 
     if isinstance(x, (list, tuple)):
         return tenbin.encode_buffer(list(x))

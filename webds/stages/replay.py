@@ -17,9 +17,8 @@ import pickle
 import types
 from typing import Any, Iterable, Iterator, List, Optional
 
-from .errors import ArgumentError, WebdsError
-from .legacy import PipelineStage
-from .shards import worker_info
+from ..errors import ArgumentError, WebdsError
+from ..shards.shardlists import worker_info
 
 __all__ = ["Cached", "LMDBCached"]
 
@@ -31,7 +30,21 @@ def _nothing_recorded(stage: Any) -> ArgumentError:
     )
 
 
-class Cached(PipelineStage):
+class _Replay:
+    """A stage object: ``stage(src)`` runs :meth:`run`; as a pipeline's first stage, ``stage()``.
+
+    (webdataset built these on its ``PipelineStage``, which :mod:`webds.compat.legacy` serves to
+    old code; the core does not depend on it.)
+    """
+
+    def run(self, src: Optional[Iterable[Any]] = None) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def __call__(self, src: Optional[Iterable[Any]] = None) -> Iterator[Any]:
+        return self.run(src)
+
+
+class Cached(_Replay):
     """In-memory cache: the first complete pass records every item, later passes replay them
     (the upstream stages are then not read at all).
 
@@ -83,7 +96,7 @@ def _lmdb() -> Any:
     return lmdb
 
 
-class LMDBCached(PipelineStage):
+class LMDBCached(_Replay):
     """Cache a stream in the LMDB database ``fname`` (a directory): the first complete pass
     writes every item, pickled, in transactions of ``chunksize``; later passes (in this process
     or a later run) replay them in order.

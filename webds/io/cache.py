@@ -26,11 +26,11 @@ import time
 import uuid
 from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
-from .errors import ArgumentError, WebdsError
-from .handlers import Handler, reraise_exception
-from .samples import open_shards
-from .stages import stage
-from .tario import read_members
+from ..errors import ArgumentError, WebdsError
+from ..stages.core import stage
+from ..stages.handlers import Handler, reraise_exception
+from ..tar.samples import open_shards
+from ..tar.tario import read_members
 from .urls import ReadStream, local_path, open_url
 
 __all__ = ["LRUCleanup", "pipe_cleaner", "ShardCache", "cached_shards"]
@@ -368,7 +368,7 @@ def cached_shards(
     """Open each shard ``{"url": ...}`` through a :class:`ShardCache` in ``cache_dir``.
 
     Adds ``"stream"`` (and ``"local_path"`` when the shard is read from disk), which
-    :func:`~webds.samples.tarfile_to_samples` reads and closes. ``cache_size`` > 0 bounds the
+    :func:`~webds.tar.samples.tarfile_to_samples` reads and closes. ``cache_size`` > 0 bounds the
     directory in bytes (least recently used shards go first).
     """
     cache = ShardCache(cache_dir, cache_size, cache_local=cache_local, verbose=verbose)

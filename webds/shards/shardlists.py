@@ -12,9 +12,9 @@ Where each process is (:func:`worker_info`) comes from ``torch.distributed`` and
 launcher without ``torch.distributed`` can still split shards.
 
 Importing this module does not import torch (the ``webds`` command lists shards with
-:func:`expand_urls`): :class:`SimpleShardList` and :class:`ResampledShards`, which subclass
-torch's ``IterableDataset``, are defined in :mod:`webds.sharddatasets` and served from here on
-first use (``from webds.shards import SimpleShardList`` works as always).
+:func:`expand_urls`): :class:`~webds.shards.datasets.SimpleShardList` and
+:class:`~webds.shards.datasets.ResampledShards`, which subclass torch's ``IterableDataset``, are
+in :mod:`webds.shards.datasets`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import sys
 from itertools import islice
 from pathlib import Path
 from typing import (
-    TYPE_CHECKING,
     Any,
     Dict,
     Iterable,
@@ -43,12 +42,9 @@ from urllib.parse import urlparse
 
 import braceexpand
 
-from .errors import ArgumentError, OpenError, WebdsError
-from .stages import stage
-from .urls import filesystem_options, local_path, url_scheme
-
-if TYPE_CHECKING:
-    from .sharddatasets import ResampledShardList, ResampledShards, SimpleShardList  # noqa: F401
+from ..errors import ArgumentError, OpenError, WebdsError
+from ..io.urls import filesystem_options, local_path, url_scheme
+from ..stages.core import stage
 
 __all__ = [
     "WorkerInfo",
@@ -57,8 +53,6 @@ __all__ = [
     "default_seed",
     "expand_urls",
     "SHARD_SUFFIXES",
-    "SimpleShardList",
-    "ResampledShards",
     "split_by_node",
     "split_by_worker",
     "single_node_only",
@@ -306,24 +300,6 @@ def _list_remote(url: str, kind: str, storage_options: Dict[str, Any]) -> List[s
             url=url,
         ) from exn
     return sorted(fs.unstrip_protocol(name) for name in names)
-
-
-# The torch datasets of this module, defined in webds.sharddatasets (see the module docstring).
-_DATASETS = ("SimpleShardList", "ResampledShards", "ResampledShardList")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _DATASETS:
-        from . import sharddatasets
-
-        value = getattr(sharddatasets, name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_DATASETS))
 
 
 def split_by_node(src: Iterable[Any], group: Any = None) -> Iterator[Any]:

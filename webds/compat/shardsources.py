@@ -32,8 +32,9 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 import braceexpand
 from torch.utils.data import IterableDataset
 
-from .errors import ArgumentError, WebdsError
-from .shards import SimpleShardList, derive_seed, worker_info
+from ..errors import ArgumentError, WebdsError
+from ..shards.datasets import SimpleShardList
+from ..shards.shardlists import derive_seed, worker_info
 
 __all__ = [
     "MultiShardSample",

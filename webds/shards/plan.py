@@ -1,9 +1,9 @@
 """Epoch plans: which samples each rank and DataLoader worker reads, so that every rank yields
 exactly the same number of samples, and of batches, in every epoch.
 
-Given the sample count of every shard (a :class:`~webds.index.ShardIndex`), an epoch's *global
-order* is the shard list, shuffled by (seed, epoch) when asked, laid end to end: ``N`` sample
-positions. Then:
+Given the sample count of every shard (a :class:`~webds.shards.index.ShardIndex`), an epoch's
+*global order* is the shard list, shuffled by (seed, epoch) when asked, laid end to end: ``N``
+sample positions. Then:
 
 - rank ``r`` of ``W`` takes positions ``[r*M, (r+1)*M)``. With ``balance="pad"``,
   ``M = ceil(N/W)`` and positions past ``N`` wrap round to the start of the order, so up to
@@ -30,8 +30,8 @@ import logging
 import random
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
-from .errors import ArgumentError
-from .shards import derive_seed, worker_info
+from ..errors import ArgumentError
+from .shardlists import derive_seed, worker_info
 
 __all__ = ["BALANCE_MODES", "Segment", "rank_size", "worker_spans", "epoch_order", "plan_worker"]
 
@@ -94,8 +94,8 @@ def worker_spans(size: int, num_workers: int, granule: int = 1) -> List[Tuple[in
 def epoch_order(count: int, seed: Optional[int], epoch: int) -> List[int]:
     """Shard numbers in this epoch's order: as listed, or shuffled by (seed, epoch).
 
-    The same rule as :class:`~webds.shards.SimpleShardList`, so an index does not change the
-    shard order of a dataset.
+    The same rule as :class:`~webds.shards.datasets.SimpleShardList`, so an index does not change
+    the shard order of a dataset.
     """
     order = list(range(count))
     if seed is not None:
@@ -220,7 +220,7 @@ class PlannedShards:
     """A shard source that reads an epoch plan: this rank's and this worker's shard segments.
 
     Made by ``WebDataset(index, balance=...)``; it yields ``{"url", "start", "stop",
-    "samples"}`` descriptors, which :func:`~webds.samples.tarfile_to_samples` reads as sample
+    "samples"}`` descriptors, which :func:`~webds.tar.samples.tarfile_to_samples` reads as sample
     ranges. ``granule`` is the batch size the plan aligns workers to (set by the pipeline).
     """
 

@@ -31,7 +31,7 @@ from typing import IO, Any, BinaryIO, Callable, Dict, Optional, Tuple, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from .errors import ArgumentError, OpenError, WebdsError
+from ..errors import ArgumentError, OpenError, WebdsError
 
 log = logging.getLogger("webds")
 
@@ -310,7 +310,7 @@ _ENDPOINT_HINTS = {
 }
 
 # Errors (by class name) of a server that closed the connection without answering: botocore's
-# and aiohttp's. webds.retrying counts them among the failures to reach a server.
+# and aiohttp's. webds.io.retrying counts them among the failures to reach a server.
 _HUNG_UP_NAMES = frozenset({"ConnectionClosedError", "ServerDisconnectedError"})
 
 # fsspec backends (by top-level package) whose client retries a failed connection itself, with
@@ -337,7 +337,7 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
 
     ``block_size``, ``cache_type`` and ``cache_options`` in ``storage_options`` go to
     ``fs.open()``; ``retries`` and ``retry_backoff`` set how reads recover from a broken
-    connection (:class:`~webds.retrying.ResumableStream`: reopen at the offset reached); the rest
+    connection (:class:`~webds.io.retrying.ResumableStream`: reopen at the offset reached); the rest
     configure the filesystem (credentials, endpoint). Reads default to a read-ahead cache of
     :data:`REMOTE_BLOCK_SIZE` blocks where the backend takes them.
     """
@@ -358,7 +358,7 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
         if "protocol not known" in str(exn).lower():
             raise OpenError(
                 f"unknown URL scheme '{scheme}://' ({exn}); use a local path, 'pipe:CMD', a "
-                "protocol fsspec knows, or register an opener in webds.urls.SCHEMES",
+                "protocol fsspec knows, or register an opener in webds.io.urls.SCHEMES",
                 url=url,
             ) from None
         raise _remote_error(exn, url, scheme) from exn
@@ -683,6 +683,27 @@ class CommitOnExit:
             self.discard()  # type: ignore[attr-defined]
         else:
             self.close()  # type: ignore[attr-defined]
+
+
+def discard_stream(stream: Any) -> None:
+    """Abandon what was written to ``stream``: abort it if it can be, else just close it."""
+    discard = getattr(stream, "discard", None)
+    try:
+        if callable(discard):
+            discard()
+        else:
+            stream.close()
+    except Exception:
+        pass
+    # fsspec's buffered files (s3fs, gcsfs) stay "open" after discard(): s3fs's aborts the
+    # multipart upload but not a small shard still in its buffer, and gcsfs's does nothing
+    # before the first part; their finalizer would then close() and upload the partial shard.
+    # Marking them closed is what fsspec's own discard paths do to end a file.
+    if callable(discard) and not getattr(stream, "closed", True):
+        try:
+            stream.closed = True
+        except (AttributeError, TypeError):
+            pass  # not an fsspec file; close() could commit, so leave it to its own discard()
 
 
 class AtomicFile(CommitOnExit, io.BufferedWriter):

@@ -1,15 +1,11 @@
-"""What code written for webdataset needs beyond the engine's own names.
+"""The old ``WebDataset(...)`` keywords, translated into the modern constructor and stages.
 
-- :func:`gopen` / :data:`gopen_schemes` / :func:`reader`: webdataset's stream opener and its
-  registry of scheme handlers. ``gopen_schemes`` *is* :data:`webds.urls.SCHEMES`, so a handler
-  registered here (``gopen_schemes["s3"] = my_boto3_opener``) is used by every reader in webds,
-  ``WebDataset(...)`` included.
-- ``FluidInterface``, ``FluidWrapper``, ``WebDataset``, ``WebLoader``: the names webdataset's own
-  ``compat`` module held, so ``from webds.compat import WebDataset`` works.
-- :func:`legacy_keywords`: the translation of old ``WebDataset(...)`` keywords (webdataset 1.x's
-  ``mode=``, ``detshuffle=``, ``verbose=``, ``url_to_name=``, and the 0.1 style
-  ``extensions=``, ``decoder=``, ``transforms=``, ``shuffle=``) into the modern constructor's
-  arguments plus the extra stages they stand for.
+webdataset 1.x's ``mode=``, ``detshuffle=``, ``verbose=``, ``url_to_name=``, and the 0.1 style
+``extensions=``, ``decoder=``, ``transforms=``, ``shuffle=``: :func:`legacy_keywords` turns them
+into :class:`LegacyPlan` (constructor values plus the stages they stand for), which
+:class:`~webds.fluent.WebDataset` applies. It lives beside the core rather than in
+:mod:`webds.compat` because the core's constructor takes these keywords and the core never
+imports compat; :mod:`webds.compat` re-exports both names, as before.
 """
 
 from __future__ import annotations
@@ -17,52 +13,14 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
-from . import filters
-from .decode import Decoder, handle_extension, make_decoder
-from .decode import decode as decode_stage
 from .errors import ArgumentError
-from .fluent import FluentMixin, FluidInterface, FluidWrapper, WebDataset
-from .loader import WebLoader
-from .urls import DEFAULT_BUFSIZE, SCHEMES, SchemeOpener, open_url
+from .stages import filters
+from .stages.decode import Decoder, handle_extension, make_decoder
+from .stages.decode import decode as decode_stage
 
-__all__ = [
-    "gopen",
-    "gopen_schemes",
-    "reader",
-    "SchemeOpener",
-    "FluentMixin",
-    "FluidInterface",
-    "FluidWrapper",
-    "WebDataset",
-    "WebLoader",
-    "LegacyPlan",
-    "legacy_keywords",
-]
-
-#: webdataset's registry of scheme handlers ``fn(url, mode, bufsize, **kw) -> stream``; the very
-#: same dict as :data:`webds.urls.SCHEMES`. Empty at start: webds has no curl/gsutil handlers.
-gopen_schemes: Dict[str, SchemeOpener] = SCHEMES
-
-
-def gopen(url: str, mode: str = "rb", bufsize: int = DEFAULT_BUFSIZE, **kw: Any) -> BinaryIO:
-    """Open ``url`` like webdataset's ``gopen``: ``"-"``, paths, ``file:``, ``pipe:``, the
-    handlers in :data:`gopen_schemes`, then fsspec for every other scheme.
-
-    ``with gopen("pipe:cat a.tar") as stream: data = stream.read()``. It is
-    :func:`webds.urls.open_url` under webdataset's signature; ``bufsize`` goes to registered
-    handlers only, and ``kw`` to the handler or to fsspec.
-    """
-    return open_url(url, mode, bufsize=bufsize, **kw)
-
-
-def reader(url: str, **kw: Any) -> BinaryIO:
-    """``gopen(url, "rb", **kw)``."""
-    return gopen(url, "rb", **kw)
-
-
-# -- old WebDataset keywords -----------------------------------------------------------------------
+__all__ = ["LegacyPlan", "legacy_keywords"]
 
 _V1_KEYWORDS = ("mode", "detshuffle", "verbose", "url_to_name")
 _V01_KEYWORDS = ("extensions", "decoder", "transforms", "shuffle", "pipeline", "associate")

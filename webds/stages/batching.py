@@ -28,9 +28,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 import numpy as np
 import torch
 
-from .errors import ArgumentError, SampleError
+from ..errors import ArgumentError, SampleError
+from .core import BATCH, UNBATCH, stage
 from .filters import _check_callable, _check_int, _where
-from .stages import BATCH, UNBATCH, stage
 
 __all__ = ["batched", "listed", "unbatched", "unlisted", "default_collation_fn"]
 

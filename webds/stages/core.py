@@ -29,7 +29,7 @@ import importlib
 import inspect
 from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional
 
-from .errors import ArgumentError
+from ..errors import ArgumentError
 
 __all__ = [
     "stage",

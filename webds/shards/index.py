@@ -12,7 +12,7 @@ opening any shard::
   fsspec URL). Relative URLs resolve against the index's own location, local or remote:
   ``s3://b/p/index.json`` + ``train-0.tar`` -> ``s3://b/p/train-0.tar``.
 - ``samples``: the number of samples webds's reader yields from the shard with its default rules
-  (:func:`webds.samples.tarfile_to_samples`: meta members and dotless names skipped).
+  (:func:`webds.tar.samples.tarfile_to_samples`: meta members and dotless names skipped).
 - ``bytes``: the file size; ``sha256``: the hex digest of the file's bytes as stored (gzipped
   shards: of the compressed bytes), or null when unknown.
 - Unknown keys, at the top level or in a shard entry, are kept on load and written back on save.
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Union
 from urllib.parse import urlparse
 
-from .errors import ArgumentError, OpenError, ShardReadError, WebdsError
-from .samples import tarfile_samples
-from .shards import expand_urls
-from .urls import local_path, open_url, url_scheme
+from ..errors import ArgumentError, OpenError, ShardReadError, WebdsError
+from ..io.urls import discard_stream, local_path, open_url, url_scheme
+from ..tar.samples import tarfile_samples
+from .shardlists import expand_urls
 
 __all__ = ["ShardIndex", "ShardInfo", "Problem", "default_index_name", "is_index_url"]
 
@@ -204,7 +204,7 @@ class ShardIndex:
         try:
             stream.write(text.encode("utf-8"))
         except BaseException:
-            _abandon(stream)
+            discard_stream(stream)
             raise
         stream.close()
         self.location = location
@@ -224,9 +224,9 @@ class ShardIndex:
         workers: int = 1,
         progress: bool = False,
     ) -> "ShardIndex":
-        """Read every shard once (``urls``: anything :func:`webds.shards.expand_urls` takes) for
-        its sample count, size and sha256. A shard that cannot be read raises the webds error
-        naming it::
+        """Read every shard once (``urls``: anything :func:`webds.shards.shardlists.expand_urls`
+        takes) for its sample count, size and sha256. A shard that cannot be read raises the webds
+        error naming it::
 
             ShardIndex.build("data/train-{000000..000099}.tar").save("data/index.json")
         """
@@ -448,7 +448,7 @@ def _run(
     fn: Callable[[Any], Any], items: List[Any], workers: int, progress: bool, what: str
 ) -> list:
     """``[fn(x) for x in items]``, on ``workers`` threads, with a progress bar on stderr."""
-    from .progress import progress_bar
+    from ..progress import progress_bar
 
     if not _is_count(workers) or workers < 1:
         raise ArgumentError(f"workers must be a positive int, got {workers!r}")
@@ -464,10 +464,3 @@ def _run(
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
     return out
-
-
-def _abandon(stream: Any) -> None:
-    """Drop a half-written output without committing it."""
-    from .writer import _discard_stream  # writer imports this module
-
-    _discard_stream(stream)

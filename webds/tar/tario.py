@@ -25,7 +25,7 @@ import struct
 import zlib
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
 
-from .errors import ArgumentError, ShardReadError, WebdsError
+from ..errors import ArgumentError, ShardReadError, WebdsError
 
 log = logging.getLogger("webds")
 

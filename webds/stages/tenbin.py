@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .errors import ArgumentError, DecodeError, EncodeError
+from ..errors import ArgumentError, DecodeError, EncodeError
 
 __all__ = [
     "encode_buffer",

@@ -34,11 +34,11 @@ import re
 import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
-from .errors import ArgumentError, OpenError, SampleError, ShardReadError, WebdsError
-from .handlers import ErrorPolicy, Handler, reraise_exception
-from .stages import stage
+from ..errors import ArgumentError, OpenError, SampleError, ShardReadError, WebdsError
+from ..io.urls import local_path, open_url
+from ..stages.core import stage
+from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
 from .tario import read_members
-from .urls import local_path, open_url
 
 __all__ = [
     "base_plus_ext",
@@ -186,7 +186,7 @@ def url_opener(
 ) -> Iterator[Dict[str, Any]]:
     """Open each shard ``{"url": ...}``, adding ``"stream"`` (and ``"local_path"`` for files).
 
-    ``storage_options`` go to :func:`webds.urls.open_url` (fsspec credentials, endpoints...).
+    ``storage_options`` go to :func:`webds.io.urls.open_url` (fsspec credentials, endpoints...).
     The stream is the next stage's to close.
     """
     return open_shards(
@@ -397,7 +397,7 @@ def tarfile_to_samples(
             cur_key: Optional[str] = None
             dotless, first_dotless = 0, None
             stop = False
-            # A planned segment (see webds.plan) reads samples [first, last) of the shard.
+            # A planned segment (see webds.shards.plan) reads samples [first, last) of the shard.
             first, last, indexed = _sample_range(shard)
             n = 0  # samples of this shard seen so far
             try:

@@ -62,9 +62,12 @@ def warn_and_stop(exn: BaseException) -> bool:
     return False
 
 
-# This package's folder as its code objects name it (as imported, and made absolute).
+# The webds package's folder (this module is in webds/stages/), as given and as an absolute path.
 _PACKAGE_DIRS = tuple(
-    {os.path.dirname(__file__) + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep}
+    {
+        os.path.dirname(os.path.dirname(__file__)) + os.sep,
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    }
 )
 
 

@@ -15,7 +15,7 @@ WARNING on the ``"webds"`` logger.
 
 ``connect_retries`` bounds, separately, the retries when the server cannot be reached at all
 before a stream was ever opened (connection refused, unknown host, connect timeout, closed
-without an answer). :func:`~webds.urls.open_url` sets it to 0 for backends whose client already
+without an answer). :func:`~webds.io.urls.open_url` sets it to 0 for backends whose client already
 retries connections (s3fs through botocore, gcsfs): retrying on top multiplied their attempts,
 so a wrong endpoint took a minute (S3) to four minutes (GCS) to be reported.
 
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Dict, Optional, Union
 
-from .errors import ArgumentError, OpenError, ShardReadError, WebdsError
+from ..errors import ArgumentError, OpenError, ShardReadError, WebdsError
 from .urls import _HUNG_UP_NAMES, ReadStream
 
 __all__ = [

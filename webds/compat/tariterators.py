@@ -14,17 +14,17 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
-from . import samples
-from .errors import WebdsError
-from .handlers import ErrorPolicy, Handler, reraise_exception
-from .samples import (
+from ..errors import WebdsError
+from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
+from ..tar import samples
+from ..tar.samples import (
     META_PATTERN,
     _rename_select,
     base_plus_ext,
     tarfile_samples,
     tarfile_to_samples,
 )
-from .tario import read_members
+from ..tar.tario import read_members
 
 __all__ = [
     "base_plus_ext",

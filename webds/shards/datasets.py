@@ -3,8 +3,8 @@
 They subclass ``torch.utils.data.IterableDataset`` (so a ``DataLoader`` takes them as iterable
 datasets), which makes this the one part of the shard-list machinery that imports torch. Their
 public home is :mod:`webds.shards`, which serves them from here on first use; everything else
-there (URL expansion, worker info, seeds, splitting) stays importable without torch, for the
-``webds`` command and the writers.
+(URL expansion, worker info, seeds, splitting: :mod:`webds.shards.shardlists`) stays importable
+without torch, for the ``webds`` command and the writers.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Dict, Iterator, Optional, Union
 
 from torch.utils.data import IterableDataset
 
-from .errors import ArgumentError
-from .shards import URLs, derive_seed, expand_urls, worker_info
+from ..errors import ArgumentError
+from .shardlists import URLs, derive_seed, expand_urls, worker_info
 
 __all__ = ["SimpleShardList", "ResampledShards", "ResampledShardList"]
 

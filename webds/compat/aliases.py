@@ -1,14 +1,17 @@
-"""webdataset's module names, served from one table: ``import webds.shardlists`` and the like.
+"""Module names that code imports but webds has no file for: one table each, served by one hook.
 
-Code written for webdataset imports its modules by name (``from webdataset.tariterators import
-tar_file_expander``, ``webdataset.autodecode.Decoder``, ``from webdataset.gopen import
-gopen_schemes``). webds keeps its own layout, and :data:`ALIASES` says, for each webdataset
-module name that webds has no real module for, which webds objects it holds. A small import
-hook creates those modules on first import; their attributes are looked up in the real modules
-every time, so they are the very same objects (``webds.shardlists.SimpleShardList is
-webds.shards.SimpleShardList``), never copies. Modules whose name already matches (``filters``,
-``handlers``, ``pipeline``, ``writer``, ``tenbin``, ``mix``, ``compat``, ``cache``,
-``tariterators``) are the real modules.
+- :data:`ALIASES`: webdataset's module names. Code written for webdataset imports its modules by
+  name (``from webdataset.tariterators import tar_file_expander``, ``webdataset.autodecode.
+  Decoder``, ``from webdataset.gopen import gopen_schemes``); for each such name that webds has
+  no real module for, the table says which webds objects it holds. Their attributes are looked
+  up in the real modules every time, so they are the very same objects
+  (``webds.shardlists.SimpleShardList is webds.shards.SimpleShardList``), never copies.
+- :data:`MOVED`: webds's own module names from before 0.2, when every module stood flat in
+  ``webds/`` (``webds.urls``, ``webds.tario``, ``webds.filters``, ...). ``import webds.urls``
+  gives the module that holds that code now (``webds.io.urls``, the same module object), so
+  imports, ``mock.patch("webds.urls....")`` and pickles written by webds 0.1 keep working. A
+  name whose module was split, or that also serves webdataset's extra names (:data:`EXTRAS`),
+  is an :class:`AliasModule` that looks each name up in its modules in order.
 
 ``webds.gopen`` is special, as in webdataset where the package attribute ``gopen`` is the
 function: here it is one object that is both the module (``webds.gopen.gopen_schemes``) and
@@ -28,7 +31,8 @@ import sys
 import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["ALIASES", "PACKAGE", "AliasModule", "CallableAliasModule", "package_getattr"]
+__all__ = ["ALIASES", "MOVED", "EXTRAS", "PACKAGE", "AliasModule", "CallableAliasModule",
+"package_getattr"]
 
 PACKAGE = "webds"
 
@@ -38,7 +42,7 @@ PACKAGE = "webds"
 ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
     "autodecode": [
         (
-            "webds.decode",
+            "webds.stages.decode",
             [
                 "Continue",
                 "Decoder",
@@ -65,7 +69,7 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
             ],
         ),
     ],
-    "extradatasets": [("webds.legacy", ["MockDataset", "with_epoch", "with_length"])],
+    "extradatasets": [("webds.compat.legacy", ["MockDataset", "with_epoch", "with_length"])],
     "gopen": [("webds.compat", ["gopen", "gopen_schemes", "reader"])],
     "pytorch": [
         ("torch.utils.data", ["IterableDataset", "DataLoader"]),
@@ -86,11 +90,11 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
                 "resampled",
             ],
         ),
-        ("webds.shardsources", ["MultiShardSample", "shardspec", "DirectoryShardList"]),
+        ("webds.compat.shardsources", ["MultiShardSample", "shardspec", "DirectoryShardList"]),
     ],
     "utils": [
         (
-            "webds.legacy",
+            "webds.compat.legacy",
             [
                 "PipelineStage",
                 "repeatedly",
@@ -108,38 +112,49 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
                 "compute_sample_weights",
             ],
         ),
-        ("webds.filters", ["identity"]),
+        ("webds.stages.filters", ["identity"]),
     ],
 }
 
-#: Names that webdataset's modules of the same name as a real webds module (``filters``,
-#: ``writer``) exported but that live elsewhere in webds. The real module's ``__getattr__``
-#: (:func:`module_getattr`) serves them, so ``from webds.filters import batched`` works without
-#: the real module importing (or copying) them.
+#: webds's own module names from before 0.2, when every module stood flat in ``webds/``, and the
+#: modules that hold their code now. (``webds.stages``, ``webds.shards`` and ``webds.compat``
+#: became packages of the same name that serve the old names themselves.)
+MOVED: Dict[str, List[str]] = {
+    "aliases": ["webds.compat.aliases"],
+    "batching": ["webds.stages.batching"],
+    "cache": ["webds.io.cache"],
+    "decode": ["webds.stages.decode"],
+    "encode": ["webds.stages.encode"],
+    "fastjpeg": ["webds.stages.fastjpeg"],
+    "filters": ["webds.stages.filters"],
+    "handlers": ["webds.stages.handlers"],
+    "index": ["webds.shards.index"],
+    "legacy": ["webds.compat.legacy"],
+    "mix": ["webds.stages.mix"],
+    "plan": ["webds.shards.plan"],
+    "replay": ["webds.stages.replay"],
+    "retrying": ["webds.io.retrying"],
+    "samples": ["webds.tar.samples"],
+    "sharddatasets": ["webds.shards.datasets"],
+    "shardsources": ["webds.compat.shardsources"],
+    "tariterators": ["webds.compat.tariterators"],
+    "tario": ["webds.tar.tario"],
+    "tenbin": ["webds.stages.tenbin"],
+    "urls": ["webds.io.urls"],
+}
+
+#: Names that webdataset's module of the same name as an old webds module (``filters``) exported
+#: but that live elsewhere in webds: ``from webds.filters import batched`` works, and the real
+#: module neither imports nor copies them.
 EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
     "filters": [
         (
-            "webds.batching",
+            "webds.stages.batching",
             ["batched", "unbatched", "listed", "unlisted", "default_collation_fn"],
         ),
-        ("webds.decode", ["decode", "xdecode", "default_decoders=default_xdecoders"]),
-        ("webds.stages", ["pipelinefilter"]),
-        ("webds.replay", ["Cached", "LMDBCached"]),
-    ],
-    "writer": [
-        (
-            "webds.encode",
-            [
-                "imageencoder",
-                "default_handlers",
-                "encode_based_on_extension=encode_sample",
-                "make_encoder",
-                "numpy_npz_dumps",
-                "tenbin_dumps",
-                "mp_dumps",
-                "cbor_dumps",
-            ],
-        ),
+        ("webds.stages.decode", ["decode", "xdecode", "default_decoders=default_xdecoders"]),
+        ("webds.stages.core", ["pipelinefilter"]),
+        ("webds.stages.replay", ["Cached", "LMDBCached"]),
     ],
 }
 
@@ -166,52 +181,36 @@ _INDEX = _index(ALIASES)
 _EXTRAS_INDEX = _index(EXTRAS)
 
 
-def module_getattr(module_name: str) -> Any:
-    """A ``__getattr__`` for the real module ``module_name`` serving its :data:`EXTRAS`.
-
-    In ``webds/filters.py``: ``__getattr__ = aliases.module_getattr(__name__)``.
-    """
-    short = module_name.rpartition(".")[2]
-    names = _EXTRAS_INDEX.get(short, {})
-
-    def __getattr__(name: str) -> Any:
-        if name in names:
-            real_module, real = names[name]
-            return getattr(importlib.import_module(real_module), real)
-        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
-
-    return __getattr__
-
-
 class AliasModule(types.ModuleType):
-    """A webdataset module name whose attributes are looked up in webds's real modules."""
+    """A module name whose attributes are looked up in webds's real modules."""
 
     def __getattr__(self, name: str) -> Any:
         alias = self.__name__.rpartition(".")[2]
-        names = _INDEX.get(alias, {})
         if name == "__all__":
-            return [n for n in names if _resolve(alias, n) is not _MISSING]
-        if name not in names:
-            raise AttributeError(
-                f"module {self.__name__!r} (webdataset's {alias!r} module, served from "
-                f"{_sources(alias)}) has no attribute {name!r}"
-            )
-        value = _resolve(alias, name)
+            return _public(alias)
+        value = _lookup(alias, name)
         if value is _MISSING:
-            module, real = names[name]
+            names = _names(alias)
+            if name in names:
+                module, real = names[name]
+                raise AttributeError(
+                    f"{self.__name__}.{name} is webdataset's {alias}.{name}, which webds serves "
+                    f"as {module}.{real}; that is not available in this version of webds"
+                )
             raise AttributeError(
-                f"{self.__name__}.{name} is webdataset's {alias}.{name}, which webds serves as "
-                f"{module}.{real}; that is not available in this version of webds"
+                f"module {self.__name__!r} ({_what(alias)}, served from {_sources(alias)}) has "
+                f"no attribute {name!r}"
             )
         return value
 
     def __dir__(self) -> List[str]:
         alias = self.__name__.rpartition(".")[2]
-        present = [n for n in _INDEX.get(alias, {}) if _resolve(alias, n) is not _MISSING]
-        return sorted(set(self.__dict__) | set(present))
+        moved = [n for m in MOVED.get(alias, []) for n in dir(importlib.import_module(m))]
+        return sorted(set(self.__dict__) | set(_public(alias)) | set(moved))
 
     def __repr__(self) -> str:
-        return f"<module {self.__name__!r} (webdataset name, from {_sources(self.__name__)})>"
+        alias = self.__name__.rpartition(".")[2]
+        return f"<module {self.__name__!r} ({_what(alias)}, from {_sources(alias)})>"
 
 
 class CallableAliasModule(AliasModule):
@@ -225,8 +224,31 @@ class CallableAliasModule(AliasModule):
 _MISSING = object()
 
 
+def _names(alias: str) -> Dict[str, Tuple[str, str]]:
+    """The names listed for ``alias``: {name: (real module, real name)}."""
+    return _INDEX.get(alias) or _EXTRAS_INDEX.get(alias) or {}
+
+
+def _lookup(alias: str, name: str) -> Any:
+    """``alias.name``: a listed name, else the first of the alias's moved modules that has it."""
+    if name in _names(alias):
+        return _resolve(alias, name)
+    for module in MOVED.get(alias, []):
+        value = getattr(importlib.import_module(module), name, _MISSING)
+        if value is not _MISSING:
+            return value
+    return _MISSING
+
+
+def _public(alias: str) -> List[str]:
+    listed = [n for n in _names(alias) if _resolve(alias, n) is not _MISSING]
+    moved = [n for m in MOVED.get(alias, []) for n in getattr(importlib.import_module(m),
+    "__all__", [])]
+    return list(dict.fromkeys(listed + moved))
+
+
 def _resolve(alias: str, name: str) -> Any:
-    module_name, real = _INDEX[alias][name]
+    module_name, real = _names(alias)[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exn:
@@ -238,13 +260,25 @@ def _resolve(alias: str, name: str) -> Any:
     return getattr(module, real, _MISSING)
 
 
+def _what(alias: str) -> str:
+    if alias in ALIASES:
+        return f"webdataset's {alias!r} module"
+    return f"webds's {alias!r} module before 0.2"
+
+
 def _sources(alias: str) -> str:
     alias = alias.rpartition(".")[2]
-    return ", ".join(module for module, _ in ALIASES.get(alias, []))
+    modules = [module for module, _ in ALIASES.get(alias, []) + EXTRAS.get(alias, [])]
+    return ", ".join(dict.fromkeys(MOVED.get(alias, []) + modules))
+
+
+def _is_whole_module(alias: str) -> bool:
+    """True when ``webds.<alias>`` is simply another name for one real module."""
+    return len(MOVED.get(alias, [])) == 1 and alias not in EXTRAS
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds ``webds.<alias>`` for the names in :data:`ALIASES` and creates their modules.
+    """Finds ``webds.<alias>`` for the names in :data:`ALIASES` and :data:`MOVED`.
 
     It sits at the end of ``sys.meta_path``, so a real module file of the same name wins.
     """
@@ -255,19 +289,26 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self, fullname: str, path: Optional[Sequence[str]], target: Any = None
     ) -> Optional[importlib.machinery.ModuleSpec]:
         package, _, alias = fullname.rpartition(".")
-        if package != PACKAGE or alias not in ALIASES:
+        if package != PACKAGE or (alias not in ALIASES and alias not in MOVED):
             return None
         return importlib.util.spec_from_loader(fullname, self, origin=f"alias:{_sources(alias)}")
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         alias = spec.name.rpartition(".")[2]
+        if _is_whole_module(alias):
+            module = importlib.import_module(MOVED[alias][0])
+            # The import system sets the module's __spec__ to this alias spec; exec_module
+            # puts the real one back.
+            spec.loader_state = module.__spec__
+            return module
         cls = CallableAliasModule if alias in CALLABLE_ALIASES else AliasModule
-        doc = f"webdataset's {alias!r} module: names served from {_sources(alias)}."
-        return cls(spec.name, doc)
+        return cls(spec.name, f"{_what(alias)}: names served from {_sources(alias)}.")
 
     def exec_module(self, module: types.ModuleType) -> None:
         # Nothing to run: attributes are looked up on access (AliasModule.__getattr__).
-        pass
+        alias_spec = module.__spec__
+        if alias_spec is not None and alias_spec.loader_state is not None:
+            module.__spec__ = alias_spec.loader_state
 
 
 def _install() -> None:
@@ -278,8 +319,9 @@ def _install() -> None:
 
 
 def package_getattr(name: str) -> Any:
-    """The ``webds`` package's ``__getattr__``: ``webds.shardlists`` imports the alias module."""
-    if name in ALIASES:
+    """The ``webds`` package's ``__getattr__``: ``webds.shardlists`` (or the old
+    ``webds.urls``) imports the alias module."""
+    if name in ALIASES or name in MOVED:
         return importlib.import_module(f"{PACKAGE}.{name}")
     raise AttributeError(f"module {PACKAGE!r} has no attribute {name!r}")
 

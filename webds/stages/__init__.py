@@ -1,0 +1,46 @@
+"""Stages: the machinery (:mod:`webds.stages.core`) and the stages users chain.
+
+- :mod:`~webds.stages.core`: ``@stage``, :class:`Stage`, and the count rules (``SAME``,
+  ``REORDER``, ``BATCH``, ``UNBATCH``) from which a pipeline computes ``len()`` and resumes.
+- :mod:`~webds.stages.handlers`: what a stage does with an exception (``warn_and_continue``, ...).
+- :mod:`~webds.stages.filters`: shuffle, select, map, rename, to_tuple, ...
+- :mod:`~webds.stages.batching`: batched, unbatched, collation.
+- :mod:`~webds.stages.decode` (with :mod:`~webds.stages.fastjpeg` and
+  :mod:`~webds.stages.tenbin`) and :mod:`~webds.stages.encode`: field codecs.
+- :mod:`~webds.stages.mix`: mixing several datasets; :mod:`~webds.stages.replay`: record a pass
+  and replay it.
+
+The core and the handlers import nothing of webds but :mod:`webds.errors`, so every room (the tar
+reader's stages included) builds on them. This package serves the names the flat module
+``webds.stages`` had before webds 0.2, so pickles naming ``webds.stages.core.Stage`` still load.
+"""
+
+from .core import (  # noqa: F401 (the private names: pickles written by webds 0.1 name them)
+    BATCH,
+    REORDER,
+    SAME,
+    UNBATCH,
+    Count,
+    Length,
+    Stage,
+    StageFactory,
+    _Batch,
+    _import_object,
+    _Reorder,
+    _Unbatch,
+    pipelinefilter,
+    stage,
+)
+
+__all__ = [
+    "stage",
+    "pipelinefilter",
+    "Stage",
+    "StageFactory",
+    "Count",
+    "Length",
+    "SAME",
+    "REORDER",
+    "BATCH",
+    "UNBATCH",
+]
