@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.data import fashion_images  # noqa: E402
 from benchmarks.harness import Variant, machine_info, measure, write_json  # noqa: E402
 from webds.convert.imagenet import convert_imagenet  # noqa: E402
-from webds.tar.tario import read_members  # noqa: E402
+from webds.tar.reader import read_members  # noqa: E402
 from webds.writer import TarWriter  # noqa: E402
 
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import Variant, machine_info, measure, moto_s3, write_json  # noqa: E402
 from webds.tar.samples import tarfile_to_samples  # noqa: E402
-from webds.tar.tario import END_OF_ARCHIVE, member_bytes  # noqa: E402
+from webds.tar.writing import END_OF_ARCHIVE, member_bytes  # noqa: E402
 
 BUCKET = "webds-bench"
 KEY = "train/shard-000000.tar"

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import format_table, machine_info, measure, write_json  # noqa: E402
 from webds.fluent import WebDataset  # noqa: E402
 from webds.tar.samples import tarfile_to_samples  # noqa: E402
-from webds.tar.tario import END_OF_ARCHIVE, write_member  # noqa: E402
+from webds.tar.writing import END_OF_ARCHIVE, write_member  # noqa: E402
 
 
 def build_shard(path: Path, nmembers: int, min_size: int, max_size: int, exts: List[str]) -> int:
@@ -76,7 +76,7 @@ def run_bare(path: Path) -> int:
 
 
 def run_read_members(path: Path) -> int:
-    from webds.tar.tario import read_members
+    from webds.tar.reader import read_members
 
     n = 0
     with open(path, "rb") as f:

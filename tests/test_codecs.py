@@ -16,26 +16,28 @@ import torch
 from PIL import Image
 
 from webds.decode import (
-    AUDIO_EXTENSIONS,
-    IMAGE_EXTENSIONS,
-    VIDEO_EXTENSIONS,
-    BasicHandlers,
     Continue,
     Decoder,
     DecodingError,
-    basichandlers,
     decode,
     default_decoder,
     gzfilter,
     handle_extension,
+    make_decoder,
+)
+from webds.errors import ArgumentError, DecodeError, EncodeError
+from webds.stages.codecs import (
+    AUDIO_EXTENSIONS,
+    IMAGE_EXTENSIONS,
+    VIDEO_EXTENSIONS,
+    BasicHandlers,
+    basichandlers,
     imagehandler,
     imagespecs,
-    make_decoder,
     torch_audio,
     torch_loads,
     torch_video,
 )
-from webds.errors import ArgumentError, DecodeError, EncodeError
 from webds.stages.encode import (
     cbor_dumps,
     default_handlers,

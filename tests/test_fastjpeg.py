@@ -8,8 +8,8 @@ import pytest
 from PIL import Image, ImageCms
 
 import webds
-from webds.decode import decode_image
 from webds.stages import fastjpeg
+from webds.stages.codecs import decode_image
 
 simplejpeg = pytest.importorskip("simplejpeg")
 

@@ -1,4 +1,4 @@
-"""The user-facing stages in webds.filters."""
+"""The user-facing stages in webds.stages.filters and webds.stages.fields."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from webds.errors import ArgumentError, SampleError
 from webds.pipeline import DataPipeline
 from webds.shards import derive_seed, split_by_worker
 from webds.stages import batching as B
+from webds.stages import fields as FD
 from webds.stages import filters as F
 from webds.stages.handlers import ignore_and_continue, ignore_and_stop, warn_and_continue
 
@@ -354,33 +355,33 @@ def test_map_handlers(caplog):
 
 def test_map_dict_and_map_tuple():
     sample = {"__key__": "a", "x": 2, "y": 3}
-    out = run(F.map_dict(x=square, y=add_one), [sample])
+    out = run(FD.map_dict(x=square, y=add_one), [sample])
     assert out == [{"__key__": "a", "x": 4, "y": 4}]
     assert sample == {"__key__": "a", "x": 2, "y": 3}  # input untouched
     with pytest.raises(SampleError, match="no field 'z'") as info:
-        run(F.map_dict(z=square), [{"__key__": "k9", "__url__": "s.tar", "x": 1}])
+        run(FD.map_dict(z=square), [{"__key__": "k9", "__url__": "s.tar", "x": 1}])
     assert "k9" in str(info.value) and "s.tar" in str(info.value)
-    assert run(F.map_dict(handler=ignore_and_continue, z=square), [sample, {"z": 3}]) == [{"z": 9}]
+    assert run(FD.map_dict(handler=ignore_and_continue, z=square), [sample, {"z": 3}]) == [{"z": 9}]
 
-    assert run(F.map_tuple(square, None), [(2, 3, 4)]) == [(4, 3, 4)]
-    assert run(F.map_tuple(square, add_one, add_one), [(2,)]) == [(4,)]
-    assert run(F.map_tuple(square), [[3, "x"]]) == [(9, "x")]
+    assert run(FD.map_tuple(square, None), [(2, 3, 4)]) == [(4, 3, 4)]
+    assert run(FD.map_tuple(square, add_one, add_one), [(2,)]) == [(4,)]
+    assert run(FD.map_tuple(square), [[3, "x"]]) == [(9, "x")]
     with pytest.raises(SampleError, match="map_tuple needs tuple samples"):
-        run(F.map_tuple(square), [{"__key__": "a"}])
-    out = run(F.map_tuple(fail_on_three, handler=ignore_and_continue), [(1,), (3,), (5,)])
+        run(FD.map_tuple(square), [{"__key__": "a"}])
+    out = run(FD.map_tuple(fail_on_three, handler=ignore_and_continue), [(1,), (3,), (5,)])
     assert out == [(1,), (5,)]
     with pytest.raises(ArgumentError, match="argument 1 must be callable"):
-        run(F.map_tuple(None, 5), [(1, 2)])
+        run(FD.map_tuple(None, 5), [(1, 2)])
 
 
 @pytest.mark.parametrize(
     "make",
     [
         lambda: F.map("nope"),
-        lambda: F.map_dict(x=3),
-        lambda: F.map_tuple(square, 5),
-        lambda: F.rename(image=3),
-        lambda: F.to_tuple(),
+        lambda: FD.map_dict(x=3),
+        lambda: FD.map_tuple(square, 5),
+        lambda: FD.rename(image=3),
+        lambda: FD.to_tuple(),
         lambda: decode(42),
     ],
     ids=["map", "map_dict", "map_tuple", "rename", "to_tuple", "decode"],
@@ -397,98 +398,98 @@ def test_argument_errors_come_no_later_than_the_first_item(make):
 
 
 def test_rename(tar_samples, caplog):
-    out = run(F.rename(image="png;jpg", label="cls"), tar_samples)
+    out = run(FD.rename(image="png;jpg", label="cls"), tar_samples)
     assert out[0]["image"] == tar_samples[0]["jpg"] and out[0]["label"] == b"0"
     assert set(out[0]) == {"__key__", "__url__", "image", "label", "json"}
-    out = run(F.rename(keep=False, image="jpg", label="cls"), tar_samples)
+    out = run(FD.rename(keep=False, image="jpg", label="cls"), tar_samples)
     assert set(out[0]) == {"image", "label"}
     with pytest.raises(SampleError) as info:
-        run(F.rename(image="png"), tar_samples)
+        run(FD.rename(image="png"), tar_samples)
     msg = str(info.value)
     assert "'png'" in msg and "'jpg'" in msg and "000000" in msg and "shard-000.tar" in msg
     mixed = [{"__key__": "a", "png": 1}, {"__key__": "b", "gif": 2}]
     with caplog.at_level(logging.WARNING, logger="webds"):
-        assert run(F.rename(handler=ignore_and_continue, image="png"), mixed) == [
+        assert run(FD.rename(handler=ignore_and_continue, image="png"), mixed) == [
             {"__key__": "a", "image": 1}
         ]
     assert "rename skipped 1 item(s)" in caplog.text
     with pytest.raises(ArgumentError, match="rename"):
-        run(F.rename(image=3), mixed)
+        run(FD.rename(image=3), mixed)
 
 
 def test_to_tuple(tar_samples):
-    out = run(F.to_tuple("png;jpg", "cls"), tar_samples)
+    out = run(FD.to_tuple("png;jpg", "cls"), tar_samples)
     assert out[3] == (b"sample 000003 jpg", b"3")
-    assert run(F.to_tuple("png;jpg cls"), tar_samples) == out
-    assert run(F.to_tuple("cls"), tar_samples)[0] == (b"0",)
-    assert run(F.to_tuple("cls", "txt", missing_is_error=False), tar_samples)[0] == (b"0", None)
+    assert run(FD.to_tuple("png;jpg cls"), tar_samples) == out
+    assert run(FD.to_tuple("cls"), tar_samples)[0] == (b"0",)
+    assert run(FD.to_tuple("cls", "txt", missing_is_error=False), tar_samples)[0] == (b"0", None)
     # A missing field is None even when None values are errors; a present None is not.
-    strict_none = F.to_tuple("cls", "txt", missing_is_error=False, none_is_error=True)
+    strict_none = FD.to_tuple("cls", "txt", missing_is_error=False, none_is_error=True)
     assert run(strict_none, tar_samples)[0] == (b"0", None)
     with pytest.raises(SampleError, match="'cls' is None"):
         run(strict_none, [{"__key__": "a", "cls": None}])
     with pytest.raises(SampleError) as info:
-        run(F.to_tuple("png;gif", "cls"), tar_samples)
+        run(FD.to_tuple("png;gif", "cls"), tar_samples)
     msg = str(info.value)
     assert "'png' or 'gif'" in msg and "'jpg', 'cls', 'json'" in msg
     assert "000000" in msg and "shard-000.tar" in msg and "missing_is_error=False" in msg
     nones = [{"__key__": "a", "cls": None}]
     with pytest.raises(SampleError, match="is None"):
-        run(F.to_tuple("cls"), nones)
-    assert run(F.to_tuple("cls", none_is_error=False), nones) == [(None,)]
+        run(FD.to_tuple("cls"), nones)
+    assert run(FD.to_tuple("cls", none_is_error=False), nones) == [(None,)]
     bad = [{"__key__": "a", "cls": 1}, {"__key__": "b"}, {"__key__": "c", "cls": 3}]
-    assert run(F.to_tuple("cls", handler=ignore_and_continue), bad) == [(1,), (3,)]
+    assert run(FD.to_tuple("cls", handler=ignore_and_continue), bad) == [(1,), (3,)]
     with pytest.raises(ArgumentError, match="at least one field"):
-        run(F.to_tuple(), bad)
+        run(FD.to_tuple(), bad)
     with pytest.raises(SampleError, match="needs dict samples"):
-        run(F.to_tuple("cls"), [(1, 2)])
+        run(FD.to_tuple("cls"), [(1, 2)])
 
 
 def test_extract_keys():
     sample = {"__key__": "k", "a.jpg": 1, "b.txt": 2, "cls": 3}
-    assert run(F.extract_keys("*.jpg", "cls"), [sample]) == [(1, 3)]
-    assert run(F.extract_keys("*.png;*.jpg", "*.txt"), [sample]) == [(1, 2)]
+    assert run(FD.extract_keys("*.jpg", "cls"), [sample]) == [(1, 3)]
+    assert run(FD.extract_keys("*.png;*.jpg", "*.txt"), [sample]) == [(1, 2)]
     # Patterns are also tried against "." + key, so "*.cls" finds the field "cls".
-    assert run(F.extract_keys("*.cls"), [sample]) == [(3,)]
+    assert run(FD.extract_keys("*.cls"), [sample]) == [(3,)]
     with pytest.raises(SampleError, match="no field matches"):
-        run(F.extract_keys("*.png"), [sample])
-    assert run(F.extract_keys("*.png", "cls", ignore_missing=True), [sample]) == [(3,)]
+        run(FD.extract_keys("*.png"), [sample])
+    assert run(FD.extract_keys("*.png", "cls", ignore_missing=True), [sample]) == [(3,)]
     with pytest.raises(SampleError, match="all match"):
-        run(F.extract_keys("*.*"), [sample])
-    assert run(F.extract_keys("*.jpg;*.txt", duplicate_is_error=False), [sample]) == [(1,)]
+        run(FD.extract_keys("*.*"), [sample])
+    assert run(FD.extract_keys("*.jpg;*.txt", duplicate_is_error=False), [sample]) == [(1,)]
 
 
 def test_rename_keys():
     sample = {"__key__": "k", "dir/A.JPG": 1, "b.txt": 2, "c.cls": 3}
-    assert run(F.rename_keys(("image", "*.jpg"), label="*.cls"), [sample]) == [
+    assert run(FD.rename_keys(("image", "*.jpg"), label="*.cls"), [sample]) == [
         {"image": 1, "label": 3}
     ]
-    out = run(F.rename_keys(image="*.jpg", keep_unselected=True), [sample])
+    out = run(FD.rename_keys(image="*.jpg", keep_unselected=True), [sample])
     assert out == [{"__key__": "k", "image": 1, "b.txt": 2, "c.cls": 3}]
     # Later rules win.
-    assert run(F.rename_keys(("x", "*"), ("y", "*.txt"), must_match=False), [{"b.txt": 2}]) == [
+    assert run(FD.rename_keys(("x", "*"), ("y", "*.txt"), must_match=False), [{"b.txt": 2}]) == [
         {"y": 2}
     ]
     with pytest.raises(SampleError, match=r"patterns \['\*.png'\] match no field"):
-        run(F.rename_keys(image="*.jpg", other="*.png"), [sample])
+        run(FD.rename_keys(image="*.jpg", other="*.png"), [sample])
     with pytest.raises(SampleError, match="more than one field is renamed to 'x'"):
-        run(F.rename_keys(x="*.*"), [sample])
-    out = run(F.rename_keys(x="*.*", duplicate_is_error=False), [sample])
+        run(FD.rename_keys(x="*.*"), [sample])
+    out = run(FD.rename_keys(x="*.*", duplicate_is_error=False), [sample])
     assert out == [{"x": 1}]
     with pytest.raises(ArgumentError, match="pairs"):
-        run(F.rename_keys("image"), [sample])
+        run(FD.rename_keys("image"), [sample])
 
 
 def test_associate():
     samples = [{"__key__": "a", "v": 1}, {"__key__": "b", "v": 2}]
-    assert run(F.associate({"a": {"w": 10}}), samples) == [
+    assert run(FD.associate({"a": {"w": 10}}), samples) == [
         {"__key__": "a", "v": 1, "w": 10},
         {"__key__": "b", "v": 2},
     ]
-    assert run(F.associate(lookup_extra, suffix="!"), samples)[1]["extra"] == "b!"
+    assert run(FD.associate(lookup_extra, suffix="!"), samples)[1]["extra"] == "b!"
     assert samples[0] == {"__key__": "a", "v": 1}
     with pytest.raises(SampleError, match="no __key__"):
-        run(F.associate({}), [{"v": 1}])
+        run(FD.associate({}), [{"v": 1}])
 
 
 def test_info_and_log_keys(tmp_path, capsys):
@@ -526,8 +527,8 @@ def test_a_real_shard_through_a_pipeline(tmp_path):
     pipe = DataPipeline(
         tuple(samples_from_tar(path)),
         F.shuffle(8, seed=0),
-        F.map_dict(cls=lambda b: int(b)),
-        F.to_tuple("txt", "cls"),
+        FD.map_dict(cls=lambda b: int(b)),
+        FD.to_tuple("txt", "cls"),
         B.batched(6),
         B.unbatched(),
     )
@@ -540,17 +541,17 @@ def test_a_real_shard_through_a_pipeline(tmp_path):
 
 
 def test_helpers():
-    assert F.getfirst({"a": 1, "b": 2}, "c;b;a") == 2
-    assert F.getfirst({"a": 1}, ["x", "a"]) == 1
-    assert F.getfirst({"a": 1}, "x", default=5, missing_is_error=False) == 5
+    assert FD.getfirst({"a": 1, "b": 2}, "c;b;a") == 2
+    assert FD.getfirst({"a": 1}, ["x", "a"]) == 1
+    assert FD.getfirst({"a": 1}, "x", default=5, missing_is_error=False) == 5
     with pytest.raises(SampleError, match="no field 'x' or 'y'.*'a'"):
-        F.getfirst({"__key__": "k", "a": 1}, "x;y")
-    assert F.transform_with((1, 2, 3), [add_one, None]) == [2, 2, 3]
-    assert F.transform_with((1, 2), None) == (1, 2)
+        FD.getfirst({"__key__": "k", "a": 1}, "x;y")
+    assert FD.transform_with((1, 2, 3), [add_one, None]) == [2, 2, 3]
+    assert FD.transform_with((1, 2), None) == (1, 2)
     with pytest.raises(ArgumentError):
-        F.transform_with((1,), [add_one, add_one])
-    assert F.parse_field_spec("jpg;png cls") == [["jpg", "png"], ["cls"]]
-    assert F.parse_field_spec(["a", "b;c"]) == [["a"], ["b", "c"]]
+        FD.transform_with((1,), [add_one, add_one])
+    assert FD.parse_field_spec("jpg;png cls") == [["jpg", "png"], ["cls"]]
+    assert FD.parse_field_spec(["a", "b;c"]) == [["a"], ["b", "c"]]
     assert F.identity(x := object()) is x
     buf = list(range(10))
     rng = random.Random(0)
@@ -569,13 +570,13 @@ STAGES = [
     F.select(is_even),
     F.slice(2, 8),
     F.map(square),
-    F.map_dict(x=square),
-    F.map_tuple(square, None),
-    F.rename(a="x;y", keep=False),
-    F.to_tuple("x", "y"),
-    F.extract_keys("*.x"),
-    F.rename_keys(("a", "*.x")),
-    F.associate({"k": {}}),
+    FD.map_dict(x=square),
+    FD.map_tuple(square, None),
+    FD.rename(a="x;y", keep=False),
+    FD.to_tuple("x", "y"),
+    FD.extract_keys("*.x"),
+    FD.rename_keys(("a", "*.x")),
+    FD.associate({"k": {}}),
     F.info(n=0),
     F.log_keys(),
 ]
@@ -604,9 +605,10 @@ def test_pickled_stages_behave_the_same():
 
 
 def test_factories_are_all_exported_and_documented():
-    for name in F.__all__:
-        obj = getattr(F, name)
-        assert obj.__doc__, name
+    for module in (F, FD):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            assert obj.__doc__, name
 
 
 def test_dataloader_workers_shuffle_their_own_shards():

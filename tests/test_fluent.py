@@ -17,7 +17,7 @@ from webds.decode import decode as decode_stage
 from webds.errors import ArgumentError, OpenError, ShardReadError, WebdsError
 from webds.fluent import FluentMixin, WebDataset
 from webds.pipeline import DataPipeline
-from webds.stages import batching, filters
+from webds.stages import batching, fields, filters
 from webds.stages.handlers import warn_and_continue
 
 
@@ -88,7 +88,7 @@ def test_fluent_methods_derive_from_stages():
     pairs = {
         "shuffle": filters.shuffle,
         "map": filters.map,
-        "to_tuple": filters.to_tuple,
+        "to_tuple": fields.to_tuple,
         "batched": batching.batched,
         "decode": decode_stage,
         "select": filters.select,

@@ -19,8 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from webds.errors import WebdsError
+from webds.tar.reader import read_members
 from webds.tar.samples import tarfile_to_samples
-from webds.tar.tario import END_OF_ARCHIVE, member_bytes, read_members
+from webds.tar.writing import END_OF_ARCHIVE, member_bytes
 
 FUZZ = settings(
     max_examples=300,

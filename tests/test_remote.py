@@ -21,7 +21,8 @@ from conftest import sample_members, write_tar
 from webds.compat import gopen
 from webds.errors import OpenError
 from webds.fluent import WebDataset
-from webds.io.urls import REMOTE_BLOCK_SIZE, open_url
+from webds.io.remote import REMOTE_BLOCK_SIZE
+from webds.io.urls import open_url
 from webds.loader import WebLoader
 
 NAMES = [f"shard-{i:03d}.tar" for i in range(3)]

@@ -25,15 +25,10 @@ from servers import LOOPBACK, free_port
 
 from webds.errors import OpenError, ShardReadError
 from webds.fluent import WebDataset
-from webds.io.retrying import (
-    Backoff,
-    ResumableStream,
-    is_transient,
-    open_resumable,
-    resumable_fsspec,
-)
+from webds.io.remote import open_resumable, resumable_fsspec
+from webds.io.retrying import Backoff, ResumableStream, is_transient
 from webds.io.urls import SCHEMES, open_url
-from webds.tar.tario import read_members
+from webds.tar.reader import read_members
 
 FAST = Backoff(initial=0.001, maximum=0.005)
 

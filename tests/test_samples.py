@@ -463,7 +463,7 @@ def test_peer_shards(stages, peer_dir: Path, name: str) -> None:
 
 
 def test_peer_member_bytes_match_tarfile(peer_dir: Path) -> None:
-    from webds.tar.tario import read_members
+    from webds.tar.reader import read_members
 
     for path in sorted(peer_dir.glob("*.t*")):
         with tarfile.open(str(path), "r:*") as tf:

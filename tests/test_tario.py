@@ -1,4 +1,4 @@
-"""webds.tario: our tar reader against GNU tar and Python's tarfile, and the writing primitives."""
+"""webds.tar.reader against GNU tar and Python's tarfile, and webds.tar.writing's primitives."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from typing import List, Tuple
 import pytest
 
 from webds.errors import ArgumentError, ShardReadError, WebdsError
-from webds.tar.tario import (
+from webds.tar.reader import read_members
+from webds.tar.writing import (
     END_OF_ARCHIVE,
     encode_header,
     header_encoder,
     member_bytes,
-    read_members,
     write_member,
 )
 

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from webds.errors import ArgumentError, OpenError, WebdsError
-from webds.io.urls import AtomicFile, PipeStream, local_path, open_url
+from webds.io.streams import AtomicFile, PipeStream
+from webds.io.urls import local_path, open_url
 
 
 def test_local_path_rules(tmp_path):

@@ -16,8 +16,9 @@ import pytest
 from webds.decode import Decoder
 from webds.errors import ArgumentError, EncodeError, WriteError
 from webds.stages.encode import encode_sample
+from webds.tar.reader import read_members
 from webds.tar.samples import tarfile_to_samples
-from webds.tar.tario import END_OF_ARCHIVE, member_bytes, read_members
+from webds.tar.writing import END_OF_ARCHIVE, member_bytes
 from webds.writer import ShardWriter, TarWriter, check_key
 
 

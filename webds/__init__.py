@@ -71,40 +71,35 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
     )
     from .stages import mix, tenbin
     from .stages.batching import batched, default_collation_fn, listed, unbatched, unlisted
+    from .stages.codecs import (
+        IMAGE_EXTENSIONS,
+        imagehandler,
+        imagespecs,
+        torch_audio,
+        torch_loads,
+        torch_video,
+    )
     from .stages.core import BATCH, REORDER, SAME, UNBATCH, Count, Stage, pipelinefilter, stage
     from .stages.decode import (
-        IMAGE_EXTENSIONS,
         Continue,
         Decoder,
         DecodingError,
         gzfilter,
         handle_extension,
-        imagehandler,
-        imagespecs,
         pytorch_weights_only,
-        torch_audio,
-        torch_loads,
-        torch_video,
-        xdecode,
     )
-    from .stages.filters import (
+    from .stages.fields import (
         associate,
-        detshuffle,
         extract_keys,
         getfirst,
-        info,
-        map,
         map_dict,
         map_tuple,
         rename,
         rename_keys,
-        rsample,
-        select,
-        shuffle,
-        slice,
         to_tuple,
         transform_with,
     )
+    from .stages.filters import detshuffle, info, map, rsample, select, shuffle, slice
     from .stages.handlers import (
         ignore_and_continue,
         ignore_and_stop,
@@ -114,6 +109,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
     )
     from .stages.mix import RandomMix, RoundRobin
     from .stages.replay import Cached, LMDBCached
+    from .stages.xdecode import xdecode
     from .tar.samples import (
         base_plus_ext,
         group_by_keys,
@@ -127,25 +123,28 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
 __version__ = "0.1.0"
 
 #: {module: the public names it holds}, imported on first use. "new=old" serves the module's
-#: ``old`` as ``new``; "name=." is the module itself (``webds.io.cache``).
+#: ``old`` as ``new``; "name=." is the module itself (``webds.cache``).
 _EXPORTS: Dict[str, List[str]] = {
     "stages.batching": ["batched", "default_collation_fn", "listed", "unbatched", "unlisted"],
-    "io.cache": ["cache=.", "LRUCleanup", "pipe_cleaner"],
+    # webds.cache: the old module name, serving webds.io.cache and the stage in webds.tar.cached
+    "cache": ["cache=."],
+    "io.cache": ["LRUCleanup", "pipe_cleaner"],
     "compat": ["compat=.", "gopen_schemes", "reader"],
-    "stages.decode": [
+    "stages.codecs": [
         "IMAGE_EXTENSIONS",
+        "imagehandler",
+        "imagespecs",
+        "torch_audio",
+        "torch_loads",
+        "torch_video",
+    ],
+    "stages.decode": [
         "Continue",
         "Decoder",
         "DecodingError",
         "gzfilter",
         "handle_extension",
-        "imagehandler",
-        "imagespecs",
         "pytorch_weights_only",
-        "torch_audio",
-        "torch_loads",
-        "torch_video",
-        "xdecode",
     ],
     "errors": [
         "ArgumentError",
@@ -158,24 +157,18 @@ _EXPORTS: Dict[str, List[str]] = {
         "WebdsError",
         "WriteError",
     ],
-    "stages.filters": [
+    "stages.fields": [
         "associate",
-        "detshuffle",
         "extract_keys",
         "getfirst",
-        "info",
-        "map",
         "map_dict",
         "map_tuple",
         "rename",
         "rename_keys",
-        "rsample",
-        "select",
-        "shuffle",
-        "slice",
         "to_tuple",
         "transform_with",
     ],
+    "stages.filters": ["detshuffle", "info", "map", "rsample", "select", "shuffle", "slice"],
     "fluent": ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"],
     "stages.handlers": [
         "ignore_and_continue",
@@ -195,6 +188,7 @@ _EXPORTS: Dict[str, List[str]] = {
     "pipeline": ["DataPipeline"],
     "shards.plan": ["PlannedShards"],
     "stages.replay": ["Cached", "LMDBCached"],
+    "stages.xdecode": ["xdecode"],
     "tar.samples": [
         "base_plus_ext",
         "group_by_keys",
@@ -214,8 +208,17 @@ _EXPORTS: Dict[str, List[str]] = {
         "worker_info",
     ],
     "compat.shardsources": ["DirectoryShardList", "MultiShardSample", "shardspec"],
-    "stages.core": ["BATCH", "REORDER", "SAME", "UNBATCH", "Count", "Stage", "pipelinefilter",
-    "stage"], "stages.tenbin": ["tenbin=."],
+    "stages.core": [
+        "BATCH",
+        "REORDER",
+        "SAME",
+        "UNBATCH",
+        "Count",
+        "Stage",
+        "pipelinefilter",
+        "stage",
+    ],
+    "stages.tenbin": ["tenbin=."],
     "io.urls": ["open_url"],
     "writer": ["ShardWriter", "TarWriter", "numpy_dumps", "torch_dumps"],
 }

@@ -1,8 +1,9 @@
 """The fluent face: ``WebDataset(url).shuffle(1000).decode("pil").to_tuple("jpg", "cls")``.
 
 Every chainable method is derived from a stage factory defined once in :mod:`webds.stages.filters`,
-:mod:`webds.stages.batching` or :mod:`webds.stages.decode` (same name, signature and docstring) and
-returns a new pipeline with that stage appended; the original is unchanged.
+:mod:`webds.stages.fields`, :mod:`webds.stages.batching`, :mod:`webds.stages.decode` or
+:mod:`webds.stages.xdecode` (same name, signature and docstring) and returns a new pipeline with
+that stage appended; the original is unchanged.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import os
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .errors import ArgumentError, WebdsError
-from .io.cache import cached_shards
 from .io.urls import url_identity
 from .keywords import legacy_keywords
 from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, stage
@@ -28,12 +28,13 @@ from .shards.shardlists import (
     split_by_worker,
     worker_info,
 )
-from .stages import batching, filters
+from .stages import batching, fields, filters
 from .stages.decode import decode as _decode_stage
-from .stages.decode import xdecode as _xdecode_stage
 from .stages.handlers import Handler, reraise_exception
 from .stages.mix import RandomMix
 from .stages.replay import Cached, LMDBCached
+from .stages.xdecode import xdecode as _xdecode_stage
+from .tar.cached import cached_shards
 from .tar.samples import tarfile_to_samples
 
 __all__ = ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"]
@@ -67,20 +68,20 @@ class FluentMixin:
     detshuffle = _chain(filters.detshuffle)
     decode = _chain(_decode_stage)
     map = _chain(filters.map)
-    map_dict = _chain(filters.map_dict)
-    map_tuple = _chain(filters.map_tuple)
+    map_dict = _chain(fields.map_dict)
+    map_tuple = _chain(fields.map_tuple)
     select = _chain(filters.select)
-    rename = _chain(filters.rename)
-    rename_keys = _chain(filters.rename_keys)
-    extract_keys = _chain(filters.extract_keys)
-    to_tuple = _chain(filters.to_tuple)
+    rename = _chain(fields.rename)
+    rename_keys = _chain(fields.rename_keys)
+    extract_keys = _chain(fields.extract_keys)
+    to_tuple = _chain(fields.to_tuple)
     batched = _chain(batching.batched)
     unbatched = _chain(batching.unbatched)
     listed = _chain(batching.listed)
     unlisted = _chain(batching.unlisted)
     slice = _chain(filters.slice)
     rsample = _chain(filters.rsample)
-    associate = _chain(filters.associate)
+    associate = _chain(fields.associate)
     info = _chain(filters.info)
     log_keys = _chain(filters.log_keys)
     xdecode = _chain(_xdecode_stage)

@@ -19,6 +19,7 @@ from .errors import ArgumentError
 from .stages import filters
 from .stages.decode import Decoder, handle_extension, make_decoder
 from .stages.decode import decode as decode_stage
+from .stages.fields import associate, map_tuple, to_tuple
 
 __all__ = ["LegacyPlan", "legacy_keywords"]
 
@@ -129,12 +130,12 @@ def _plan_v01(plan: LegacyPlan, options: Dict[str, Any]) -> None:
         calls.append(call)
     assoc = options.get("associate")
     if assoc is not None:
-        stages.append(filters.associate(assoc))
+        stages.append(associate(assoc))
         calls.append(f".associate({_name(assoc)})")
     fields = _extensions(options.get("extensions"))
     transforms = _transforms(options.get("transforms"))
     if fields is not None:
-        stages.append(filters.to_tuple(*fields))
+        stages.append(to_tuple(*fields))
         calls.append(f".to_tuple({', '.join(_lit(f) for f in fields)})")
     if transforms:
         if fields is None:
@@ -143,7 +144,7 @@ def _plan_v01(plan: LegacyPlan, options: Dict[str, Any]) -> None:
                 "needs extensions= too (e.g. extensions='jpg cls'); for a function of the whole "
                 "sample use .map(f)"
             )
-        stages.append(filters.map_tuple(*transforms))
+        stages.append(map_tuple(*transforms))
         calls.append(f".map_tuple({', '.join(_name(f) for f in transforms)})")
     pipeline = options.get("pipeline")
     if pipeline is not None:

@@ -16,9 +16,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
+from .counting import source_counts
 from .errors import LengthError
 from .fluent import FluentMixin
-from .pipeline import DataPipeline, source_counts
+from .pipeline import DataPipeline
 from .stages.core import Length
 
 __all__ = ["WebLoader"]

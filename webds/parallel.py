@@ -6,7 +6,7 @@ threads, or a Dask cluster (``distributed.Client(...).get_executor()``)::
 
     results = webds.map_shards(resize, "data/train-{000000..000999}.tar", "small/{name}")
 
-Outputs are written atomically (:class:`~webds.writer.TarWriter`: a shard appears under its name
+Outputs are written atomically (:class:`~webds.tarwriter.TarWriter`: a shard appears under its name
 only once complete), so an output that exists is complete, and a rerun skips it: after a crash
 or a failed shard, running the same call again does only the shards still missing.
 """
@@ -40,7 +40,7 @@ from .io.urls import existing_size, local_path, make_parent_folder, url_identity
 from .shards.shardlists import SHARD_SUFFIXES, expand_urls
 from .stages.encode import EncoderSpec
 from .tar.samples import tarfile_samples
-from .writer import TarWriter
+from .tarwriter import TarWriter
 
 __all__ = ["map_shards", "ShardResult", "MapShardsError", "output_urls", "is_output_pattern"]
 
@@ -362,7 +362,7 @@ def map_shards(
     ``webds.map(f)``, or a generator function). Results are encoded by ``encoder`` (default: the
     :mod:`webds.stages.encode` table, so str/int/dict fields work; bytes pass through) and written
     with
-    :class:`~webds.writer.TarWriter`; an output appears only once its shard is complete.
+    :class:`~webds.tarwriter.TarWriter`; an output appears only once its shard is complete.
 
     ``inputs``: a shard spec or list (:func:`~webds.shards.shardlists.expand_urls`); ``outputs``:
     see

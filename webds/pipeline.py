@@ -18,7 +18,8 @@ whose source knows its size computes a truthful ``len()``, and a pipeline resume
 (:meth:`DataPipeline.load_state_dict`) skips already consumed items as far upstream as it can.
 
 The stage machinery (:func:`stage`, :class:`Stage`, :class:`Count`, ...) is defined in
-:mod:`webds.stages.core`, which does not import torch, and re-exported here.
+:mod:`webds.stages.core`, which does not import torch, and re-exported here. The arithmetic of
+lengths and resuming (what the count rules give) is in :mod:`webds.counting`.
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ import copy
 import ctypes
 import functools
 import itertools
-import logging
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import IterableDataset
 
+from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
+    _exactly,
+    check_resume_config,
+    exact_count,
+    forward_counts,
+    resume_share,
+    skip_point,
+    source_counts,
+)
 from .errors import ArgumentError, LengthError
 
 # The stage machinery lives in webds.stages (no torch import); these names stay importable from
@@ -65,8 +74,6 @@ __all__ = [
     "BATCH",
     "UNBATCH",
 ]
-
-log = logging.getLogger("webds")
 
 
 def _as_iterator(source: Any) -> Iterator[Any]:
@@ -221,17 +228,7 @@ class DataPipeline(IterableDataset):
             )
         at, src = origin
         lengths = source_counts(src, num_workers)
-        for s in self.pipeline[at + 1 :]:
-            rule = getattr(s, "count", None)
-            out = [rule.forward(n, s) for n in lengths] if isinstance(rule, Count) else [None]
-            if any(n is None for n in out):
-                raise LengthError(
-                    f"the length of this {type(self).__name__} is unknown: the stage {s!r} can "
-                    "change the number of items in ways nobody can count in advance. Declare it "
-                    "with .with_epoch(n) / .with_length(n)"
-                )
-            lengths = out  # type: ignore[assignment]
-        return lengths
+        return forward_counts(self.pipeline[at + 1 :], lengths, type(self).__name__)
 
     def stream_index(self) -> int:
         """This process's stream: its DataLoader worker number."""
@@ -285,14 +282,7 @@ class DataPipeline(IterableDataset):
         """
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ArgumentError(f"not a webds pipeline state (from state_dict()): {state!r}")
-        saved, mine = state.get("config") or {}, self._resume_config()
-        changed = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-        if changed and strict:
-            diffs = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in changed)
-            raise ArgumentError(
-                f"cannot resume exactly: the pipeline changed since the state was saved ({diffs}). "
-                "Restore the same configuration, or pass strict=False to continue approximately"
-            )
+        check_resume_config(state.get("config") or {}, self._resume_config(), strict)
         epoch, consumed = int(state["epoch"]), int(state["consumed"])
         self.epoch = epoch
         self._skip = consumed
@@ -304,22 +294,14 @@ class DataPipeline(IterableDataset):
     def _take_skip(self) -> int:
         """The items to skip in this iteration (and, in a DataLoader worker, which worker to be)."""
         skip, self._skip = self._skip, 0
-        from torch.utils.data import get_worker_info
-
         from .shards.shardlists import renumber_worker
 
-        info = get_worker_info()
-        if info is not None and info.dataset is self:
+        worker = None
+        if _is_worker_dataset(self):
             # Only the DataLoader's own dataset renumbers its worker (a WebLoader resuming
             # mid-epoch, see loader._LoaderOrigin.skip), and undoes that in the epochs after.
-            shift = skip["shift"] if isinstance(skip, dict) else 0
-            worker = renumber_worker(shift)
-            if isinstance(skip, dict):
-                shares = skip["shares"]
-                skip = shares[worker] if worker < len(shares) else 0
-        elif isinstance(skip, dict):  # no workers: one share
-            skip = skip["shares"][0]
-        return max(0, int(skip))
+            worker = renumber_worker(skip["shift"] if isinstance(skip, dict) else 0)
+        return resume_share(skip, worker)
 
     def _skip_point(self, count: int) -> Tuple[int, int, Any]:
         """Where to skip ``count`` output items: (stage position, items there, origin or None).
@@ -328,37 +310,11 @@ class DataPipeline(IterableDataset):
         and stops at one that cannot (shuffle), where skipping means replaying and dropping.
         When it reaches the origin, the origin skips without reading.
         """
-        origin = self._origin()
-        floor = origin[0] if origin else 0
-        at = len(self.pipeline) - 1
-        while at > floor:
-            s = self.pipeline[at]
-            rule = getattr(s, "count", None)
-            back = rule.backward(count, s) if isinstance(rule, Count) else None
-            if back is None:
-                return at, count, None
-            count, at = back, at - 1
-        if origin is not None:
-            return at, count, origin[1]
-        source = self.pipeline[0] if self.pipeline else None
-        return at, count, source if at == 0 and hasattr(source, "skip") else None
+        return skip_point(self.pipeline, self._origin(), count)
 
     def _exact_count(self) -> Optional[int]:
         """The items this process must yield this epoch, for sources that promise it."""
-        origin = self._origin()
-        if origin is None or not getattr(origin[1], "exact", False):
-            return None
-        try:
-            lengths = self.stream_lengths(None)
-        except LengthError as exn:
-            if not self._warned_inexact:
-                self._warned_inexact = True
-                log.warning(
-                    "webds: ranks may yield different numbers of items (and DDP may hang): %s",
-                    exn,
-                )
-            return None
-        return lengths[origin[1].stream_index()]
+        return exact_count(self)
 
     # -- running -----------------------------------------------------------------------------
 
@@ -512,49 +468,3 @@ def _release_free_heap() -> bool:
         return False
     trim(0)
     return True
-
-
-def source_counts(source: Any, num_workers: Optional[int] = None) -> List[Length]:
-    """A counted source's items per stream as :class:`~webds.stages.core.Length` values: with what
-    came before each batching when the source says (``stream_counts``), else plain counts."""
-    if hasattr(source, "stream_counts"):
-        return list(source.stream_counts(num_workers))
-    return [Length(n) for n in source.stream_lengths(num_workers)]
-
-
-def _exactly(it: Iterator[Any], count: int, where: Any) -> Iterator[Any]:
-    """Yield exactly ``count`` items: pad a short stream by repeating its last item, cut a long one.
-
-    Every rank must yield the same number of batches or DDP hangs; a sample dropped by an error
-    handler (or a shard shorter than its index says, under a skipping handler) must not break
-    that, so the shortfall is made up, and said.
-    """
-    n = 0
-    last: Any = None
-    for item in it:
-        if n >= count:
-            log.warning(
-                "webds: %s yielded more items than its plan (%d); the rest of this epoch's items "
-                "are dropped to keep ranks equal",
-                type(where).__name__,
-                count,
-            )
-            return
-        n += 1
-        last = item
-        yield item
-    if n < count:
-        if n == 0:
-            raise LengthError(
-                f"{type(where).__name__} yielded no item but its plan promised {count}: every "
-                "shard of this worker failed; see the errors logged above"
-            )
-        log.warning(
-            "webds: %s yielded %d items, %d fewer than planned (samples dropped by an error "
-            "handler?); repeating its last item to keep every rank's count equal",
-            type(where).__name__,
-            n,
-            count - n,
-        )
-        for _ in range(count - n):
-            yield last

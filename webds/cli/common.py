@@ -20,7 +20,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 from ..errors import ArgumentError
 from ..shards.shardlists import expand_urls
 from ..tar.samples import tarfile_samples
-from ..writer import TarWriter
+from ..tarwriter import TarWriter
 
 __all__ = [
     "INPUTS_HELP",

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 from ..errors import ArgumentError, OpenError, SampleError, WebdsError
 from ..io.urls import local_path, open_url
 from ..tar.samples import base_plus_ext
-from ..writer import check_key
+from ..tarwriter import check_key
 from .common import add_quiet, byte_size, positive_int, progress, say
 from .shardio import open_writer, shard_range, warn, write_samples
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import ArgumentError
 from ..shards.index import default_index_name
+from ..shardwriter import ShardWriter
 from ..stages.filters import shuffle
-from ..writer import ShardWriter
 from .common import (
     add_inputs,
     add_output,

@@ -12,7 +12,8 @@ import sys
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 from ..errors import ArgumentError
-from ..writer import ShardWriter, TarWriter, is_numbered_pattern
+from ..shardwriter import ShardWriter
+from ..tarwriter import TarWriter, is_numbered_pattern
 from .common import open_output
 
 __all__ = [

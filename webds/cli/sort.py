@@ -19,7 +19,7 @@ import tempfile
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from ..io.urls import local_path
-from ..writer import TarWriter
+from ..tarwriter import TarWriter
 from .common import (
     add_inputs,
     add_output,

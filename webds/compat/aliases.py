@@ -31,8 +31,15 @@ import sys
 import types
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["ALIASES", "MOVED", "EXTRAS", "PACKAGE", "AliasModule", "CallableAliasModule",
-"package_getattr"]
+__all__ = [
+    "ALIASES",
+    "MOVED",
+    "EXTRAS",
+    "PACKAGE",
+    "AliasModule",
+    "CallableAliasModule",
+    "package_getattr",
+]
 
 PACKAGE = "webds"
 
@@ -49,12 +56,18 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
                 "DecodingError",
                 "gzfilter",
                 "handle_extension",
+                "default_decoder",
+                "pytorch_weights_only",
+            ],
+        ),
+        (
+            "webds.stages.codecs",
+            [
                 "imagehandler",
                 "ImageHandler",
                 "IMAGE_EXTENSIONS",
                 "imagespecs",
                 "basichandlers",
-                "default_decoder",
                 "npy_loads",
                 "npz_loads",
                 "unpickle_loads",
@@ -64,10 +77,9 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
                 "tenbin_loads",
                 "torch_audio",
                 "torch_video",
-                "xdecode",
-                "pytorch_weights_only",
             ],
         ),
+        ("webds.stages.xdecode", ["xdecode"]),
     ],
     "extradatasets": [("webds.compat.legacy", ["MockDataset", "with_epoch", "with_length"])],
     "gopen": [("webds.compat", ["gopen", "gopen_schemes", "reader"])],
@@ -122,25 +134,25 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
 MOVED: Dict[str, List[str]] = {
     "aliases": ["webds.compat.aliases"],
     "batching": ["webds.stages.batching"],
-    "cache": ["webds.io.cache"],
-    "decode": ["webds.stages.decode"],
+    "cache": ["webds.io.cache", "webds.tar.cached"],
+    "decode": ["webds.stages.decode", "webds.stages.codecs", "webds.stages.xdecode"],
     "encode": ["webds.stages.encode"],
     "fastjpeg": ["webds.stages.fastjpeg"],
-    "filters": ["webds.stages.filters"],
+    "filters": ["webds.stages.filters", "webds.stages.fields"],
     "handlers": ["webds.stages.handlers"],
     "index": ["webds.shards.index"],
     "legacy": ["webds.compat.legacy"],
     "mix": ["webds.stages.mix"],
     "plan": ["webds.shards.plan"],
     "replay": ["webds.stages.replay"],
-    "retrying": ["webds.io.retrying"],
+    "retrying": ["webds.io.retrying", "webds.io.remote"],
     "samples": ["webds.tar.samples"],
     "sharddatasets": ["webds.shards.datasets"],
     "shardsources": ["webds.compat.shardsources"],
     "tariterators": ["webds.compat.tariterators"],
-    "tario": ["webds.tar.tario"],
+    "tario": ["webds.tar.reader", "webds.tar.writing", "webds.tar.compression"],
     "tenbin": ["webds.stages.tenbin"],
-    "urls": ["webds.io.urls"],
+    "urls": ["webds.io.urls", "webds.io.streams", "webds.io.remote"],
 }
 
 #: Names that webdataset's module of the same name as an old webds module (``filters``) exported
@@ -152,7 +164,8 @@ EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
             "webds.stages.batching",
             ["batched", "unbatched", "listed", "unlisted", "default_collation_fn"],
         ),
-        ("webds.stages.decode", ["decode", "xdecode", "default_decoders=default_xdecoders"]),
+        ("webds.stages.decode", ["decode"]),
+        ("webds.stages.xdecode", ["xdecode", "default_decoders=default_xdecoders"]),
         ("webds.stages.core", ["pipelinefilter"]),
         ("webds.stages.replay", ["Cached", "LMDBCached"]),
     ],
@@ -242,8 +255,9 @@ def _lookup(alias: str, name: str) -> Any:
 
 def _public(alias: str) -> List[str]:
     listed = [n for n in _names(alias) if _resolve(alias, n) is not _MISSING]
-    moved = [n for m in MOVED.get(alias, []) for n in getattr(importlib.import_module(m),
-    "__all__", [])]
+    moved = [
+        n for m in MOVED.get(alias, []) for n in getattr(importlib.import_module(m), "__all__", [])
+    ]
     return list(dict.fromkeys(listed + moved))
 
 

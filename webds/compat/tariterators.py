@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 from ..errors import WebdsError
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
 from ..tar import samples
+from ..tar.reader import read_members
 from ..tar.samples import (
     META_PATTERN,
     _rename_select,
@@ -24,7 +25,6 @@ from ..tar.samples import (
     tarfile_samples,
     tarfile_to_samples,
 )
-from ..tar.tario import read_members
 
 __all__ = [
     "base_plus_ext",

@@ -35,8 +35,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 from ..errors import ArgumentError, EncodeError, ShardReadError
 from ..io.urls import local_path, open_url, url_scheme
 from ..shards.index import default_index_name
-from ..tar.tario import read_members
-from ..writer import ShardWriter, check_key
+from ..shardwriter import ShardWriter
+from ..tar.reader import read_members
+from ..tarwriter import check_key
 from .folders import write_classes
 from .imagenet_labels import _Labels, _read_labels
 from .imagenet_shuffle import _gather, _input_size, _plan_buckets, _scatter, _split_image_name

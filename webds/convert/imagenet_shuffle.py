@@ -9,7 +9,7 @@ from the input size so that a bucket holds about 3/4 of ``memory`` (at most 256 
 when the size is unknown, e.g. from a pipe).
 
 **Pass 2 (gather)** takes the buckets in key order: it loads one, sorts it by key, appends its
-samples to a :class:`~webds.writer.ShardWriter` and deletes it. A bucket that came out larger
+samples to a :class:`~webds.shardwriter.ShardWriter` and deletes it. A bucket that came out larger
 than ``memory`` is first split by key range into smaller buckets (the same rule, applied again;
 with ``memory`` below ~1/190 of the dataset every bucket needs it: one more pass over the data).
 
@@ -51,8 +51,9 @@ from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import EncodeError, ShardReadError, WriteError
 from ..io.urls import local_path
-from ..tar.tario import read_members
-from ..writer import ShardWriter, check_key
+from ..shardwriter import ShardWriter
+from ..tar.reader import read_members
+from ..tarwriter import check_key
 from .tarstream import MemberStream, TarStreamError, member_streams
 
 #: Image member extensions (lower case) and the sample field each is stored as.

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from ..errors import ArgumentError, EncodeError, SampleError, WebdsError
 from ..parallel import _describe
 from ..stages.encode import IMAGE_FORMATS, default_handlers, encode_value, imageencoder
-from ..writer import check_key
+from ..tarwriter import check_key
 
 # The loaders that only decode the file: storing the file's bytes gives the same image back.
 _PLAIN_LOADERS = {"default_loader", "pil_loader", "accimage_loader"}

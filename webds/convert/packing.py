@@ -34,7 +34,7 @@ from ..errors import ArgumentError, OpenError, WebdsError
 from ..io.urls import existing_size, url_identity, url_scheme
 from ..shards.index import ShardIndex, ShardInfo, default_index_name
 from ..stages.encode import IMAGE_FORMATS
-from ..writer import is_numbered_pattern, single_shard_name
+from ..tarwriter import is_numbered_pattern, single_shard_name
 from .items import (
     _BLOCK,
     _INDEX_WIDTH,

@@ -2,7 +2,7 @@
 
 For tars inside a tar (ImageNet's training tar holds one tar per class): each member is handed
 out as a stream of exactly its bytes, so a reader of the member (such as
-:func:`webds.tar.tario.read_members` for a tar inside) never needs the member whole in memory, and
+:func:`webds.tar.reader.read_members` for a tar inside) never needs the member whole in memory, and
 the outer tar can come from a pipe.
 """
 
@@ -12,7 +12,7 @@ import tarfile
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from ..errors import ShardReadError, WebdsError
-from ..tar.tario import uncompressed_chunks
+from ..tar.compression import uncompressed_chunks
 
 __all__ = ["MemberStream", "TarStreamError", "member_streams"]
 
@@ -34,8 +34,9 @@ class TarStreamError(ShardReadError):
 
 
 class _Reader:
-    """The uncompressed bytes of the tar, from :func:`webds.tar.tario`'s chunk reader (which sniffs
-    and undoes gzip, bzip2 and xz); its errors become TarStreamError naming the tar."""
+    """The uncompressed bytes of the tar, from
+    :func:`webds.tar.compression.uncompressed_chunks` (which sniffs and undoes gzip, bzip2 and xz);
+    its errors become TarStreamError naming the tar."""
 
     def __init__(self, stream: Any, url: str, what: str) -> None:
         self.url = url
@@ -135,7 +136,7 @@ def member_streams(
 
     Each member must be read (or left) before the next item; the rest is skipped for you. A
     member that is itself a tar can be read as a stream in turn, e.g. with
-    :func:`webds.tar.tario.read_members`, so it is never held whole in memory; tarfile's streaming
+    :func:`webds.tar.reader.read_members`, so it is never held whole in memory; tarfile's streaming
     mode would do this at a third of the speed. Errors name ``url`` and call the tar ``what``
     ("the training tar"); a link or device member is an error ("not ``expected``"), since tar
     stores a second copy of a file as a link; ``hint`` says what to give instead of something

@@ -1,7 +1,7 @@
 """Writing the shards :func:`~webds.convert.pack` planned: one task per shard, run in this
 process or in a pool of worker processes, with a progress bar of samples.
 
-Each shard is written by one :class:`~webds.writer.TarWriter`, which shows it under its name only
+Each shard is written by one :class:`~webds.tarwriter.TarWriter`, which shows it under its name only
 once complete; a shard already there whose index entry can't be reused is only hashed. The
 dataset goes to each worker once (inherited through fork on Linux, pickled elsewhere). After a
 failure no new shard is started, the shards in progress finish, and the error raised says what
@@ -24,7 +24,7 @@ from ..errors import WebdsError, WriteError
 from ..io.urls import make_parent_folder, open_url
 from ..parallel import _describe
 from ..shards.index import ShardInfo
-from ..writer import TarWriter
+from ..tarwriter import TarWriter
 from .items import _Config, _index_key, _sample
 
 # -- one shard ---------------------------------------------------------------------------------

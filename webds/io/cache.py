@@ -1,6 +1,7 @@
 """The shard cache: remote shards are kept on local disk after their first read.
 
-``WebDataset(urls, cache_dir="/local/cache")`` (or the stage :func:`cached_shards`) streams a
+``WebDataset(urls, cache_dir="/local/cache")`` (or the stage
+:func:`~webds.tar.cached.cached_shards`) streams a
 shard that is not in the cache yet and writes it to the cache *while* it is read, so the first
 epoch does not wait for whole downloads; later epochs read the local copy. A shard enters the
 cache only once it was read to its end and checked as a complete tar: it is written under a hidden
@@ -24,16 +25,17 @@ import os
 import re
 import time
 import uuid
-from typing import Any, BinaryIO, Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Optional, Tuple
 
 from ..errors import ArgumentError, WebdsError
-from ..stages.core import stage
-from ..stages.handlers import Handler, reraise_exception
-from ..tar.samples import open_shards
-from ..tar.tario import read_members
-from .urls import ReadStream, local_path, open_url
+from .streams import ReadStream
+from .urls import local_path, open_url
 
-__all__ = ["LRUCleanup", "pipe_cleaner", "ShardCache", "cached_shards"]
+__all__ = ["LRUCleanup", "pipe_cleaner", "ShardCache", "CopyCheck"]
+
+#: ``check(copy, url)`` raises :class:`~webds.errors.WebdsError` when a copy read to its end is
+#: still not a whole shard (the tar stages pass a check that reads every member).
+CopyCheck = Callable[[BinaryIO, str], None]
 
 log = logging.getLogger("webds")
 
@@ -136,7 +138,9 @@ class ShardCache:
 
     ``open(url)`` returns ``(stream, local_path)``: the cached file if there is one, otherwise
     the remote stream, copied into the cache as it is read. Local files are read in place
-    unless ``cache_local`` is true (e.g. shards on a slow network filesystem).
+    unless ``cache_local`` is true (e.g. shards on a slow network filesystem). ``check`` (see
+    :data:`CopyCheck`) decides whether a copy read to its end is complete; without one, every
+    such copy is kept.
     """
 
     def __init__(
@@ -146,6 +150,7 @@ class ShardCache:
         *,
         cache_local: bool = False,
         verbose: bool = False,
+        check: Optional[CopyCheck] = None,
     ) -> None:
         if not cache_dir:
             raise ArgumentError("ShardCache needs a cache directory")
@@ -153,6 +158,7 @@ class ShardCache:
         os.makedirs(self.cache_dir, exist_ok=True)
         self.cache_local = cache_local
         self.verbose = verbose
+        self.check = check
         # Run after every new shard: a directory walk costs far less than a shard download.
         self.lru = LRUCleanup(self.cache_dir, cache_size, interval=None) if cache_size > 0 else None
         self._remove_orphans()
@@ -190,7 +196,7 @@ class ShardCache:
         except BaseException:
             _unlock(lock)
             raise
-        stream = _CachingStream(source, path, url, self.verbose, self.lru, lock)
+        stream = _CachingStream(source, path, url, self.verbose, self.lru, lock, self.check)
         return stream, None  # type: ignore[return-value]
 
     def _remove_orphans(self) -> None:
@@ -256,7 +262,7 @@ def _alive(pid: int) -> bool:
 
 class _CachingStream(ReadStream):
     """A remote stream that copies what is read into a temporary file, committed on close when
-    the shard was read to its end and is a complete tar."""
+    the shard was read to its end and passes ``check``."""
 
     def __init__(
         self,
@@ -266,8 +272,10 @@ class _CachingStream(ReadStream):
         verbose: bool,
         lru: Optional[LRUCleanup],
         lock: Optional[_Lock] = None,
+        check: Optional[CopyCheck] = None,
     ) -> None:
         self.source = source
+        self.check = check
         self.lru = lru
         self.lock = lock
         self.path = path
@@ -317,9 +325,9 @@ class _CachingStream(ReadStream):
         self.temp.close()
         self.temp = None
         try:
-            with open(self.temp_path, "rb") as f:
-                for _ in read_members(f, self.url):
-                    pass
+            if self.check is not None:
+                with open(self.temp_path, "rb") as f:
+                    self.check(f, self.url)
         except WebdsError as exn:
             log.warning("webds: not caching %s: the copy is not a complete tar (%s)", self.url, exn)
             self._discard()
@@ -353,28 +361,3 @@ class _CachingStream(ReadStream):
         except Exception:
             pass
         self._discard()
-
-
-@stage
-def cached_shards(
-    src: Iterable[Dict[str, Any]],
-    cache_dir: str,
-    cache_size: int = -1,
-    handler: Handler = reraise_exception,
-    cache_local: bool = False,
-    verbose: bool = False,
-    **storage_options: Any,
-) -> Iterator[Dict[str, Any]]:
-    """Open each shard ``{"url": ...}`` through a :class:`ShardCache` in ``cache_dir``.
-
-    Adds ``"stream"`` (and ``"local_path"`` when the shard is read from disk), which
-    :func:`~webds.tar.samples.tarfile_to_samples` reads and closes. ``cache_size`` > 0 bounds the
-    directory in bytes (least recently used shards go first).
-    """
-    cache = ShardCache(cache_dir, cache_size, cache_local=cache_local, verbose=verbose)
-
-    def open_shard(shard: Any) -> Tuple[str, Any, Optional[str]]:
-        url = shard["url"] if isinstance(shard, dict) else os.fspath(shard)
-        return (url, *cache.open(url, **storage_options))
-
-    return open_shards(src, open_shard, handler, "cached_shards")

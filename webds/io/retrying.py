@@ -19,31 +19,27 @@ without an answer). :func:`~webds.io.urls.open_url` sets it to 0 for backends wh
 retries connections (s3fs through botocore, gcsfs): retrying on top multiplied their attempts,
 so a wrong endpoint took a minute (S3) to four minutes (GCS) to be reported.
 
-:func:`resumable_fsspec` / :func:`open_resumable` build one for an fsspec file: ``fs.open`` then
-``seek(offset)``, which makes the next read a ranged request for http, s3 and gcs. fsspec fetches
-whole blocks, so after a cut the block in flight is fetched again from its start (nothing is
-duplicated: the reader only ever received whole blocks).
+:func:`~webds.io.remote.resumable_fsspec` / :func:`~webds.io.remote.open_resumable` build one
+for an fsspec file: ``fs.open`` then ``seek(offset)``, which makes the next read a ranged request
+for http, s3 and gcs. fsspec fetches whole blocks, so after a cut the block in flight is fetched
+again from its start (nothing is duplicated: the reader only ever received whole blocks).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import random
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable, Dict, Optional, Union
+from typing import Any, BinaryIO, Callable, Optional, Union
 
 from ..errors import ArgumentError, OpenError, ShardReadError, WebdsError
-from .urls import _HUNG_UP_NAMES, ReadStream
+from .streams import ReadStream
 
 __all__ = [
     "Backoff",
     "ResumableStream",
-    "resumable_fsspec",
-    "seek_opener",
-    "open_resumable",
     "is_transient",
     "DEFAULT_RETRIES",
 ]
@@ -75,6 +71,10 @@ _NETWORK_PACKAGES = frozenset(
         "http",
     }
 )
+# Errors (by class name) of a server that closed the connection without answering: botocore's
+# and aiohttp's. Defined here, where they count among the failures to reach a server, so that
+# webds.io.remote can name them in its errors without importing urls.py back.
+_HUNG_UP_NAMES = frozenset({"ConnectionClosedError", "ServerDisconnectedError"})
 # Exceptions (by class name, so that neither package must be imported) meaning the server was
 # not reached, or hung up before answering: botocore's EndpointConnectionError (refused, unknown
 # host, connect timeout) and aiohttp's connector errors, plus both packages' hang-ups.
@@ -464,96 +464,3 @@ class ResumableStream(ReadStream):
             f"ResumableStream(url={self.url!r}, offset={self.offset}, size={self.size}, "
             f"retries={self.retries})"
         )
-
-
-def seek_opener(
-    open_file: Callable[[], BinaryIO], url: Optional[str] = None
-) -> Callable[[int], BinaryIO]:
-    """Turn ``open_file()`` into ``open_at(offset)``: open, then ``seek(offset)``.
-
-    For fsspec files the seek makes the next read a ranged request. A file that cannot seek
-    (an HTTP server without range support, a streaming ``block_size=0`` file) raises a clear
-    ShardReadError for any offset past 0.
-    """
-
-    def open_at(offset: int) -> BinaryIO:
-        f = open_file()
-        if offset:
-            try:
-                f.seek(offset)
-            except (ValueError, OSError, io.UnsupportedOperation) as exn:
-                _close_quietly(f)
-                raise ShardReadError(
-                    f"the read failed at byte offset {offset} and this source cannot resume "
-                    f"there ({type(exn).__name__}: {exn}); the server must support range "
-                    "requests (HTTP 'Accept-Ranges: bytes'), and fsspec must open a seekable "
-                    "file (block_size > 0)",
-                    url=url,
-                    offset=offset,
-                ) from exn
-        return f
-
-    return open_at
-
-
-def resumable_fsspec(
-    fs: Any,
-    path: str,
-    *,
-    url: Optional[str] = None,
-    retries: int = DEFAULT_RETRIES,
-    backoff: BackoffLike = None,
-    open_kwargs: Optional[Dict[str, Any]] = None,
-    translate: Optional[Callable[[Exception], Exception]] = None,
-) -> ResumableStream:
-    """A :class:`ResumableStream` over ``fs.open(path, "rb", **open_kwargs)``, resumed by seek.
-
-    ``url`` is the name used in errors and logs (default: ``path``). A file that cannot seek is
-    still retried when it fails before its first byte, and raises a clear ShardReadError past
-    that (see :func:`seek_opener`).
-    """
-    kwargs = dict(open_kwargs or {})
-    name = url if url is not None else path
-    return ResumableStream(
-        seek_opener(lambda: fs.open(path, "rb", **kwargs), name),
-        url=name,
-        retries=retries,
-        backoff=backoff,
-        translate=translate,
-    )
-
-
-def open_resumable(
-    url: str,
-    *,
-    retries: int = DEFAULT_RETRIES,
-    backoff: BackoffLike = None,
-    open_kwargs: Optional[Dict[str, Any]] = None,
-    **storage_options: Any,
-) -> ResumableStream:
-    """Open an fsspec URL for reading with retries and resume.
-
-    ``storage_options`` configure the filesystem (credentials, endpoints); ``open_kwargs`` go to
-    ``fs.open`` (``block_size``, ``cache_type``).
-
-    >>> with open_resumable("https://host/a.tar", retries=5, backoff=Backoff(initial=1)) as s:
-    ...     members = list(read_members(s, "https://host/a.tar"))
-    """
-    import fsspec
-
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    except ImportError as exn:
-        raise OpenError(
-            f"no fsspec backend installed for this URL's scheme ({exn}); for S3 install "
-            "'webds[s3]', for GCS 'webds[gcs]'",
-            url=url,
-        ) from None
-    except ValueError as exn:
-        raise OpenError(
-            f"unknown URL scheme ({exn}); use a local path, 'pipe:CMD', or a protocol fsspec knows",
-            url=url,
-        ) from None
-    return resumable_fsspec(
-        fs, path, url=url, retries=retries, backoff=backoff, open_kwargs=open_kwargs
-    )

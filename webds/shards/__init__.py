@@ -64,4 +64,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> List[str]:
     return sorted(set(globals()) | set(_DATASETS))
-

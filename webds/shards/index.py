@@ -34,7 +34,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 from urllib.parse import urlparse
 
 from ..errors import ArgumentError, OpenError, ShardReadError, WebdsError
-from ..io.urls import discard_stream, local_path, open_url, url_scheme
+from ..io.streams import discard_stream
+from ..io.urls import local_path, open_url, url_scheme
 from ..tar.samples import tarfile_samples
 from .shardlists import expand_urls
 

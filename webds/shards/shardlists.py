@@ -43,7 +43,8 @@ from urllib.parse import urlparse
 import braceexpand
 
 from ..errors import ArgumentError, OpenError, WebdsError
-from ..io.urls import filesystem_options, local_path, url_scheme
+from ..io.remote import filesystem_options
+from ..io.urls import local_path, url_scheme
 from ..stages.core import stage
 
 __all__ = [

@@ -3,10 +3,12 @@
 - :mod:`~webds.stages.core`: ``@stage``, :class:`Stage`, and the count rules (``SAME``,
   ``REORDER``, ``BATCH``, ``UNBATCH``) from which a pipeline computes ``len()`` and resumes.
 - :mod:`~webds.stages.handlers`: what a stage does with an exception (``warn_and_continue``, ...).
-- :mod:`~webds.stages.filters`: shuffle, select, map, rename, to_tuple, ...
+- :mod:`~webds.stages.filters`: shuffle, select, map, slice, info, ...
+- :mod:`~webds.stages.fields`: to_tuple, rename, map_dict, map_tuple, extract_keys, ...
 - :mod:`~webds.stages.batching`: batched, unbatched, collation.
-- :mod:`~webds.stages.decode` (with :mod:`~webds.stages.fastjpeg` and
-  :mod:`~webds.stages.tenbin`) and :mod:`~webds.stages.encode`: field codecs.
+- :mod:`~webds.stages.decode` (with :mod:`~webds.stages.codecs`, :mod:`~webds.stages.fastjpeg`,
+  :mod:`~webds.stages.tenbin` and :mod:`~webds.stages.xdecode`) and :mod:`~webds.stages.encode`:
+  field codecs.
 - :mod:`~webds.stages.mix`: mixing several datasets; :mod:`~webds.stages.replay`: record a pass
   and replay it.
 

@@ -1,5 +1,6 @@
-"""The user-facing stages: shuffle, select, map, rename, to_tuple, ... (batching is in
-:mod:`webds.stages.batching`).
+"""The user-facing stages that work on whole samples: shuffle, select, rsample, slice, map, info,
+log_keys (the stages on a sample's fields, to_tuple, rename, map_dict, ..., are in
+:mod:`webds.stages.fields`; batching is in :mod:`webds.stages.batching`).
 
 Each stage is written once, as a generator function (or, for the stages that turn each sample into
 one result, a function returning :func:`webds.stages.handlers.apply_each`'s loop) turned into a
@@ -7,10 +8,12 @@ curried, picklable factory by :func:`webds.pipeline.stage`; the fluent methods
 (``dataset.shuffle(1000)``) are derived from these same factories, so the signatures here are the
 public API (webdataset 1.x's, with its bugs fixed).
 
-Samples are dicts (``{"__key__": ..., "jpg": ..., "cls": ...}``) until :func:`to_tuple` or
-:func:`extract_keys` turns them into tuples. A malformed sample raises :class:`SampleError` naming
-its ``__key__`` and ``__url__``; stages that take a ``handler`` pass such errors to it, and count
-and log what the handler skipped.
+Samples are dicts (``{"__key__": ..., "jpg": ..., "cls": ...}``) until
+:func:`~webds.stages.fields.to_tuple` or :func:`~webds.stages.fields.extract_keys` turns them into
+tuples. A malformed sample raises :class:`~webds.errors.SampleError` naming its ``__key__`` and
+``__url__``; stages that take a ``handler`` pass such errors to it, and count and log what the
+handler skipped. The checks shared by the stage modules (``_where``, ``_check_int``,
+``_check_callable``, ``_annotate``) live here.
 """
 
 from __future__ import annotations
@@ -21,24 +24,10 @@ import logging
 import numbers
 import os
 import random
-import re
 import sys
-from fnmatch import fnmatchcase
-from typing import (
-    Any,
-    Callable,
-    Dict,
-    Iterable,
-    Iterator,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    TextIO,
-    Union,
-)
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, TextIO
 
-from ..errors import ArgumentError, SampleError, WebdsError
+from ..errors import ArgumentError, WebdsError
 from ..shards.shardlists import derive_seed, worker_info
 from .core import REORDER, SAME, Stage, StageFactory, stage
 from .handlers import Handler, apply_each, reraise_exception
@@ -51,18 +40,8 @@ __all__ = [
     "rsample",
     "slice",
     "map",
-    "map_dict",
-    "map_tuple",
-    "rename",
-    "to_tuple",
-    "extract_keys",
-    "rename_keys",
-    "associate",
     "info",
     "log_keys",
-    "getfirst",
-    "transform_with",
-    "parse_field_spec",
     "pick",
     "identity",
 ]
@@ -70,7 +49,6 @@ __all__ = [
 log = logging.getLogger("webds")
 
 Sample = Any
-Fields = Union[str, Sequence[str]]
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -90,70 +68,6 @@ def _where(sample: Any) -> Dict[str, Any]:
         "key": None if key is None else str(key),
         "url": None if url is None else str(url),
     }
-
-
-def _fields(sample: Mapping[str, Any]) -> str:
-    """The payload fields of a sample, for error messages (metadata keys left out)."""
-    names = [repr(k) for k in sample if not (isinstance(k, str) and k.startswith("__"))]
-    return ", ".join(names) if names else "no fields"
-
-
-def _alternatives(keys: Fields) -> List[str]:
-    if isinstance(keys, str):
-        return keys.split(";")
-    return list(keys)
-
-
-def getfirst(
-    a: Mapping[str, Any],
-    keys: Fields,
-    default: Any = None,
-    missing_is_error: bool = True,
-) -> Any:
-    """Return the value of the first of ``keys`` present in ``a``.
-
-    ``keys`` is a list or a ``;``-separated string of alternatives:
-    ``getfirst(sample, "jpg;png")``. If none is present, raise :class:`SampleError` (or return
-    ``default`` when ``missing_is_error`` is false).
-    """
-    alternatives = _alternatives(keys)
-    for k in alternatives:
-        if k in a:
-            return a[k]
-    if missing_is_error:
-        wanted = " or ".join(repr(k) for k in alternatives)
-        raise SampleError(
-            f"sample has no field {wanted} (it has {_fields(a)}); check the file extensions in "
-            "your shards",
-            **_where(a),
-        )
-    return default
-
-
-def parse_field_spec(fields: Fields) -> List[List[str]]:
-    """Parse ``"jpg;png cls"`` (or ``["jpg;png", "cls"]``) into ``[["jpg", "png"], ["cls"]]``."""
-    if isinstance(fields, str):
-        fields = fields.split()
-    return [field.split(";") for field in fields]
-
-
-def transform_with(sample: Sequence[Any], transformers: Optional[Sequence[Any]]) -> Any:
-    """Apply the i-th of ``transformers`` to the i-th element of ``sample`` (``None``: keep it).
-
-    ``transform_with((img, cls), [augment, None])`` returns ``[augment(img), cls]``.
-    """
-    if not transformers:
-        return sample
-    if len(transformers) > len(sample):
-        raise ArgumentError(
-            f"transform_with got {len(transformers)} transformers for a sample of "
-            f"{len(sample)} elements"
-        )
-    result = list(sample)
-    for i, f in enumerate(transformers):
-        if f is not None:
-            result[i] = f(sample[i])
-    return result
 
 
 def pick(buf: List[Any], rng: random.Random) -> Any:
@@ -402,285 +316,6 @@ def map(
         return result
 
     return apply_each(src, apply, handler, name, annotate=_annotate, drop_none=True)
-
-
-@stage(count=SAME)
-def map_dict(
-    src: Iterable[Any], handler: Handler = reraise_exception, **kw: Callable[[Any], Any]
-) -> Iterator[Any]:
-    """Apply a function to named fields: ``map_dict(jpg=augment, cls=int)``.
-
-    Returns a new dict per sample (the input is not modified). A missing field is a
-    :class:`SampleError`, passed to ``handler`` like the functions' own exceptions.
-    """
-    for k, f in kw.items():
-        _check_callable("map_dict", f"the function for {k!r}", f)
-
-    def apply(sample: Any) -> Dict[str, Any]:
-        if not isinstance(sample, Mapping):
-            raise SampleError(
-                f"map_dict needs dict samples, got a {type(sample).__name__}; "
-                "use map_tuple after to_tuple"
-            )
-        result = dict(sample)
-        for k, f in kw.items():
-            if k not in result:
-                raise SampleError(
-                    f"map_dict: sample has no field {k!r} (it has {_fields(sample)})",
-                    **_where(sample),
-                )
-            result[k] = f(result[k])
-        return result
-
-    return apply_each(src, apply, handler, "map_dict", annotate=_annotate)
-
-
-@stage(count=SAME)
-def map_tuple(
-    src: Iterable[Any], *args: Optional[Callable[[Any], Any]], handler: Handler = reraise_exception
-) -> Iterator[Any]:
-    """Apply the i-th function to the i-th element of tuple samples: ``map_tuple(augment, None)``.
-
-    ``None`` leaves that element unchanged; elements beyond the functions pass through. Yields
-    tuples.
-    """
-    fns = [identity if f is None else f for f in args]
-    for i, f in enumerate(fns):
-        _check_callable("map_tuple", f"argument {i}", f)
-
-    def apply(sample: Any) -> tuple:
-        if not isinstance(sample, (tuple, list)):
-            raise SampleError(
-                f"map_tuple needs tuple samples, got a {type(sample).__name__}; "
-                "use to_tuple first, or map_dict for dicts",
-                **_where(sample),
-            )
-        result = list(sample)
-        for i, f in enumerate(fns[: len(result)]):
-            result[i] = f(result[i])
-        return tuple(result)
-
-    return apply_each(src, apply, handler, "map_tuple")
-
-
-def _check_dict_sample(stage_name: str, sample: Any) -> None:
-    if not isinstance(sample, Mapping):
-        raise SampleError(f"{stage_name} needs dict samples, got a {type(sample).__name__}")
-
-
-@stage(count=SAME)
-def rename(
-    src: Iterable[Any], handler: Handler = reraise_exception, keep: bool = True, **kw: Fields
-) -> Iterator[Any]:
-    """Rename fields: ``rename(image="jpg;png", label="cls")`` takes the first present alternative.
-
-    With ``keep=True`` the other fields stay (the renamed source fields are removed); with
-    ``keep=False`` only the new fields are kept. A missing field is a :class:`SampleError`
-    passed to ``handler``.
-    """
-    for new, old in kw.items():
-        if not isinstance(old, str) and not (
-            isinstance(old, (list, tuple)) and all(isinstance(x, str) for x in old)
-        ):
-            raise ArgumentError(f"rename: {new}= must be a field name like 'jpg;png', got {old!r}")
-    spec = {new: _alternatives(old) for new, old in kw.items()}
-    replaced = {old for alternatives in spec.values() for old in alternatives}
-
-    def apply(sample: Any) -> Dict[str, Any]:
-        _check_dict_sample("rename", sample)
-        renamed = {new: getfirst(sample, old) for new, old in spec.items()}
-        if not keep:
-            return renamed
-        result = {k: v for k, v in sample.items() if k not in replaced}
-        result.update(renamed)
-        return result
-
-    return apply_each(src, apply, handler, "rename")
-
-
-@stage(count=SAME)
-def to_tuple(
-    src: Iterable[Any],
-    *args: Fields,
-    handler: Handler = reraise_exception,
-    missing_is_error: bool = True,
-    none_is_error: Optional[bool] = None,
-) -> Iterator[Any]:
-    """Turn dict samples into tuples of fields: ``to_tuple("jpg;png", "cls")`` or ``"jpg;png cls"``.
-
-    Each field may list ``;``-separated alternatives; the first present is used. A missing field
-    (or a ``None`` value) is a :class:`SampleError` passed to ``handler``, unless
-    ``missing_is_error`` (``none_is_error``, which defaults to it) is false; a missing field is
-    then ``None``.
-    """
-    if len(args) == 1 and isinstance(args[0], str) and " " in args[0]:
-        args = tuple(args[0].split())
-    if not args:
-        raise ArgumentError("to_tuple needs at least one field, e.g. to_tuple('jpg', 'cls')")
-    for field in args:
-        if not isinstance(field, str) or not field:
-            raise ArgumentError(f"to_tuple fields must be non-empty strings, got {field!r}")
-    if none_is_error is None:
-        none_is_error = missing_is_error
-    spec = [field.split(";") for field in args]
-
-    def apply(sample: Any) -> tuple:
-        _check_dict_sample("to_tuple", sample)
-        result = []
-        for alternatives in spec:
-            # getfirst's lookup, inline: this runs for every field of every sample.
-            for name in alternatives:
-                if name in sample:
-                    value = sample[name]
-                    break
-            else:
-                if missing_is_error:
-                    raise _missing_error(sample, alternatives, args)
-                result.append(None)
-                continue
-            if value is None and none_is_error:
-                raise SampleError(
-                    f"to_tuple{args}: field {';'.join(alternatives)!r} is None",
-                    **_where(sample),
-                )
-            result.append(value)
-        return tuple(result)
-
-    return apply_each(src, apply, handler, "to_tuple")
-
-
-def _missing_error(
-    sample: Mapping[str, Any], alternatives: List[str], wanted: tuple
-) -> SampleError:
-    name = " or ".join(repr(a) for a in alternatives)
-    return SampleError(
-        f"to_tuple{wanted}: sample has no field {name} (it has {_fields(sample)}); check the "
-        "extensions in your shards, or pass missing_is_error=False to get None",
-        **_where(sample),
-    )
-
-
-def _matches(key: str, patterns: List[str]) -> bool:
-    return any(fnmatchcase(key, p) or fnmatchcase("." + key, p) for p in patterns)
-
-
-@stage(count=SAME)
-def extract_keys(
-    src: Iterable[Any],
-    *patterns: Fields,
-    duplicate_is_error: bool = True,
-    ignore_missing: bool = False,
-) -> Iterator[Any]:
-    """Tuples of the fields matching glob patterns: ``extract_keys("*.jpg;*.png", "cls")``.
-
-    A pattern matches a key ``k`` if it matches ``k`` or ``"." + k``. Several keys matching one
-    pattern is an error unless ``duplicate_is_error`` is false (the first is then used); with
-    ``ignore_missing`` a pattern that matches nothing is left out of the tuple.
-    """
-    if not patterns:
-        raise ArgumentError("extract_keys needs at least one pattern, e.g. extract_keys('*.jpg')")
-    spec = [_alternatives(p) for p in patterns]
-    for sample in src:
-        _check_dict_sample("extract_keys", sample)
-        result = []
-        for alternatives in spec:
-            found = [k for k in sample if isinstance(k, str) and _matches(k, alternatives)]
-            if not found:
-                if ignore_missing:
-                    continue
-                raise SampleError(
-                    f"extract_keys: no field matches {';'.join(alternatives)!r} (the sample has "
-                    f"{_fields(sample)}); pass ignore_missing=True to leave it out",
-                    **_where(sample),
-                )
-            if len(found) > 1 and duplicate_is_error:
-                raise SampleError(
-                    f"extract_keys: fields {found} all match {';'.join(alternatives)!r}; use a "
-                    "narrower pattern or duplicate_is_error=False",
-                    **_where(sample),
-                )
-            result.append(sample[found[0]])
-        yield tuple(result)
-
-
-@stage(count=SAME)
-def rename_keys(
-    src: Iterable[Any],
-    *args: Sequence[str],
-    keep_unselected: bool = False,
-    must_match: bool = True,
-    duplicate_is_error: bool = True,
-    **kw: str,
-) -> Iterator[Any]:
-    """Rename fields by glob pattern: ``rename_keys(("image", "*.jpg"), label="*.cls")``.
-
-    ``args`` are ``(new, pattern)`` pairs and ``kw`` is ``new=pattern``; patterns match the
-    lower-cased part of a key after its last ``/``, and later rules win. Unmatched fields are
-    dropped unless ``keep_unselected``; with ``must_match`` every rule must match some field.
-    """
-    rules: List[tuple] = []
-    for pair in args:
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-            raise ArgumentError(
-                f"rename_keys: positional rules are (new, pattern) pairs, got {pair!r}"
-            )
-        rules.append((pair[1], pair[0]))
-    rules += [(pattern, new) for new, pattern in kw.items()]
-    for pattern, new in rules:
-        if not isinstance(pattern, str) or not isinstance(new, str):
-            raise ArgumentError(f"rename_keys: rule {new!r}={pattern!r} must be two strings")
-    for sample in src:
-        _check_dict_sample("rename_keys", sample)
-        result: Dict[str, Any] = {}
-        matched = [False] * len(rules)
-        for path, value in sample.items():
-            base = re.sub(r".*/", "", str(path)).lower()
-            new_name = None
-            for i in range(len(rules) - 1, -1, -1):
-                if fnmatchcase(base, rules[i][0]):
-                    matched[i] = True
-                    new_name = rules[i][1]
-                    break
-            if new_name is None:
-                if keep_unselected:
-                    result[path] = value
-                continue
-            if new_name in result:
-                if duplicate_is_error:
-                    raise SampleError(
-                        f"rename_keys: more than one field is renamed to {new_name!r} (the "
-                        f"sample has {_fields(sample)}); pass duplicate_is_error=False to keep "
-                        "the first",
-                        **_where(sample),
-                    )
-                continue
-            result[new_name] = value
-        if must_match and not all(matched):
-            unmatched = [rules[i][0] for i in range(len(rules)) if not matched[i]]
-            raise SampleError(
-                f"rename_keys: patterns {unmatched} match no field (the sample has "
-                f"{_fields(sample)}); pass must_match=False to allow this",
-                **_where(sample),
-            )
-        yield result
-
-
-@stage(count=SAME)
-def associate(src: Iterable[Any], associator: Any, **kw: Any) -> Iterator[Any]:
-    """Add fields looked up by ``__key__``: from a dict (``associator.get(key, {})``) or a
-    function (``associator(key, **kw)``, which may return ``None`` for nothing)."""
-    if not callable(associator) and not hasattr(associator, "get"):
-        raise ArgumentError(f"associate needs a dict or a function of the key, got {associator!r}")
-    for sample in src:
-        _check_dict_sample("associate", sample)
-        if "__key__" not in sample:
-            raise SampleError(f"associate: sample has no __key__ (it has {_fields(sample)})")
-        key = sample["__key__"]
-        extra = associator(key, **kw) if callable(associator) else associator.get(key, {})
-        result = dict(sample)
-        if extra:
-            result.update(extra)
-        yield result
 
 
 @stage(count=SAME)

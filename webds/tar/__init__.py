@@ -1,7 +1,11 @@
 """The tar format: reading members from a byte stream, writing them, and grouping the members of
 one sample (``0001.jpg``, ``0001.cls``) into a sample dict.
 
-- :mod:`~webds.tar.tario`: header parsing and encoding, compressed shards, members.
+- :mod:`~webds.tar.compression`: sniffing and decompressing gzip, bzip2 and xz shards.
+- :mod:`~webds.tar.fields`: decoding header fields, checksums and extended headers (pax, GNU).
+- :mod:`~webds.tar.reader`: ``read_members``, the streaming reader of tar members.
+- :mod:`~webds.tar.writing`: encoding headers and writing members (``encode_header``,
+  ``header_encoder``, ``member_bytes``, ``write_member``, ``END_OF_ARCHIVE``).
 - :mod:`~webds.tar.samples`: the stages from shard descriptors to samples (``url_opener``,
   ``tar_file_expander``, ``group_by_keys``, ``tarfile_to_samples``).
 """

@@ -38,7 +38,7 @@ from ..errors import ArgumentError, OpenError, SampleError, ShardReadError, Webd
 from ..io.urls import local_path, open_url
 from ..stages.core import stage
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
-from .tario import read_members
+from .reader import read_members
 
 __all__ = [
     "base_plus_ext",

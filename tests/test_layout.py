@@ -1,0 +1,301 @@
+"""The house keeps its shape: rooms follow the data flow, arrows point one way, no import cycles,
+no module over 550 lines, few modules flat at the top; and the layout change broke no old name:
+every module name of webds 0.1 still imports, and pickles written by webds 0.1 still load."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+import pytest
+
+from webds.compat import aliases
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "webds"
+PICKLES = Path(__file__).resolve().parent / "data" / "pickles"
+
+MAX_LINES = 550
+MAX_TOP_LEVEL = 14
+
+#: The rooms in the order of the data flow: a module may import only from its own room and the
+#: rooms before it. The foundation (errors, the stage machinery and handlers, progress bars)
+#: imports nothing of webds but errors, so every room may build on it.
+ROOMS: List[List[str]] = [
+    ["webds.errors", "webds.progress", "webds.stages.core", "webds.stages.handlers"],
+    ["webds.io"],
+    ["webds.tar"],
+    ["webds.shards"],
+    ["webds.stages"],
+    # composition and writing: DataPipeline, WebDataset, WebLoader, the writers, map_shards
+    ["webds.counting", "webds.pipeline", "webds.keywords", "webds.fluent", "webds.loader"],
+    ["webds.tarwriter", "webds.shardwriter", "webds.writing", "webds.writer", "webds.parallel"],
+    ["webds.convert", "webds.cli"],
+    ["webds.compat"],
+    ["webds"],  # the package's __init__: the public API over all of it
+]
+
+
+def module_files() -> Dict[str, Path]:
+    """{dotted module name: file} for every module of the webds package."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def imports_of(module: str, path: Path, modules: Set[str]) -> Set[str]:
+    """The webds modules that ``module`` imports, from its source: imports inside functions
+    count, ``if TYPE_CHECKING:`` blocks do not (they never run)."""
+    is_package = path.name == "__init__.py"
+    found: Set[str] = set()
+
+    def resolve(name: str) -> Optional[str]:
+        while name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name if name in modules else None
+
+    class Visitor(ast.NodeVisitor):
+        def visit_If(self, node: ast.If) -> None:
+            if _is_type_checking(node.test):
+                for stmt in node.orelse:
+                    self.visit(stmt)
+                return
+            self.generic_visit(node)
+
+        def visit_Import(self, node: ast.Import) -> None:
+            for alias in node.names:
+                if alias.name == "webds" or alias.name.startswith("webds."):
+                    found.add(alias.name)
+
+        def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not (target == "webds" or target.startswith("webds.")):
+                return
+            for alias in node.names:  # "from . import filters" imports a module
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
+
+    Visitor().visit(ast.parse(path.read_text(), str(path)))
+    return {m for m in (resolve(name) for name in found) if m is not None and m != module}
+
+
+def import_graph() -> Dict[str, Set[str]]:
+    files = module_files()
+    return {m: imports_of(m, p, set(files)) for m, p in files.items()}
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components with more than one module (Tarjan), or a module that
+    imports itself."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    found: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def room_of(module: str) -> int:
+    """The index in :data:`ROOMS` of the most specific prefix naming ``module``'s room."""
+    best, best_len = None, -1
+    for i, prefixes in enumerate(ROOMS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    assert best is not None, f"{module} is in no room of tests/test_layout.py's ROOMS: add it"
+    return best
+
+
+# -- the checks, first on hand-made graphs so that they can be seen to fail -----------------------
+
+
+def test_cycle_finder_finds_direct_hidden_and_self_cycles():
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"a"}}) == [["a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_counts_imports_inside_functions_but_not_type_checking(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from ..errors import WebdsError\n"
+        "if TYPE_CHECKING:\n"
+        "    from ..fluent import WebDataset\n"
+        "def f():\n"
+        "    from ..io import urls\n"
+        "    import webds.tar.samples\n"
+    )
+    modules = {"webds.stages.mod", "webds.errors", "webds.fluent", "webds.io", "webds.io.urls"}
+    modules |= {"webds.tar", "webds.tar.samples", "webds.stages", "webds.stages.core"}
+    # Relative to webds/stages/mod.py: "." is webds.stages, ".." is webds.
+    got = imports_of("webds.stages.mod", source, modules)
+    assert got == {"webds.errors", "webds.io.urls", "webds.tar.samples"}
+    source.write_text("from . import core\nfrom .core import stage\n")
+    assert imports_of("webds.stages.mod", source, modules) == {"webds.stages.core"}
+
+
+# -- the house ------------------------------------------------------------------------------------
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, f"import cycles (imports inside functions count): {found}"
+
+
+def test_no_module_over_550_lines():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in module_files().values()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these by concern (at most {MAX_LINES} lines a module): {long}"
+
+
+def test_few_modules_flat_at_the_top():
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= MAX_TOP_LEVEL, f"{len(flat)} modules flat in webds/: {flat}"
+
+
+def test_arrows_point_down_the_flow():
+    wrong = []
+    for module, imported in import_graph().items():
+        for target in imported:
+            if room_of(target) > room_of(module):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, (
+        "a module imports from a room later in the flow (io <- tar <- shards <- stages <- "
+        f"composition <- cli/convert <- compat): {sorted(wrong)}"
+    )
+
+
+def test_the_core_never_imports_compat():
+    core = {m for m in import_graph() if room_of(m) < room_of("webds.compat")}
+    offenders = sorted(
+        f"{m} -> {t}" for m in core for t in import_graph()[m] if t.startswith("webds.compat")
+    )
+    assert not offenders, offenders
+
+
+def test_every_module_is_in_a_room():
+    for module in module_files():
+        room_of(module)
+
+
+# -- old names ------------------------------------------------------------------------------------
+
+OLD_MODULES = sorted(aliases.MOVED)
+
+
+@pytest.mark.parametrize("old", OLD_MODULES)
+def test_each_old_module_name_still_imports_with_its_public_names(old):
+    module = importlib.import_module(f"webds.{old}")
+    for target in aliases.MOVED[old]:
+        real = importlib.import_module(target)
+        for name in getattr(real, "__all__", []):
+            assert getattr(module, name) is getattr(real, name), f"webds.{old}.{name}"
+    if aliases._is_whole_module(old):
+        # the very same module: mock.patch("webds.urls.x") patches what the code uses
+        (target,) = aliases.MOVED[old]
+        assert module is importlib.import_module(target)
+        assert module.__spec__.name == target  # not clobbered by the alias import
+
+
+def test_old_module_names_in_a_fresh_process():
+    # No import order tricks: only the old names, as webds 0.1 code would write them.
+    code = (
+        "import webds.tario, webds.urls, webds.samples, webds.sharddatasets, webds.filters\n"
+        "from webds.urls import open_url\n"
+        "from webds.filters import batched, shuffle\n"
+        "from webds.decode import Decoder\n"
+        "import webds\n"
+        "assert webds.urls.open_url is webds.open_url and webds.filters.shuffle is webds.shuffle\n"
+        "assert webds.sharddatasets.SimpleShardList is webds.SimpleShardList\n"
+        "assert webds.tario.read_members is not None\n"
+        "assert callable(webds.decode) and not isinstance(webds.decode, type(webds))\n"
+        "assert Decoder is webds.Decoder\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+
+
+PICKLED = sorted(p.stem for p in PICKLES.glob("*.pkl"))
+
+
+@pytest.mark.parametrize("name", PICKLED)
+def test_pickles_written_by_webds_0_1_load(name, monkeypatch):
+    # tests/data/pickles/make_pickles.py wrote these with the flat layout (webds.stages,
+    # webds.filters, webds.sharddatasets, webds.replay, ...); they hold relative shard paths.
+    monkeypatch.chdir(ROOT)
+    expected = json.loads((PICKLES / "expected.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        obj = pickle.loads((PICKLES / f"{name}.pkl").read_bytes())
+        if name in expected:
+            if name == "resampled":
+                it = iter(obj)
+                items = [next(it) for _ in range(3)]
+            else:
+                items = list(obj)
+            assert repr(items) == expected[name]
+    assert obj is not None
+
+
+def test_the_pickles_name_the_old_modules():
+    # So that the test above tests something: the pickles name the old flat modules.
+    import pickletools
+
+    named = set()
+    for path in PICKLES.glob("*.pkl"):
+        for _, arg, _ in pickletools.genops(path.read_bytes()):
+            if isinstance(arg, str) and arg.startswith("webds."):
+                named.add(arg.split(" ")[0])
+    assert {"webds.filters", "webds.sharddatasets", "webds.samples", "webds.replay"} <= named

@@ -1,0 +1,491 @@
+"""Open remote URLs through fsspec, and turn its failures into errors that say what to do.
+
+This is what :func:`~webds.io.urls.open_url` does for every scheme fsspec owns (``s3://``,
+``gs://``, ``http(s)://``...): read defaults fit for one sequential pass, reads that resume after a
+dropped connection (:mod:`webds.io.retrying`), and an :class:`~webds.errors.OpenError` naming the
+fix (credentials, endpoint, bucket, extra to install). fsspec is imported only when one is opened.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
+from urllib.parse import urlparse
+
+from ..errors import OpenError, ShardReadError, WebdsError
+from .retrying import (
+    _HUNG_UP_NAMES,
+    DEFAULT_RETRIES,
+    BackoffLike,
+    ResumableStream,
+    _close_quietly,
+)
+from .streams import ReadStream
+
+log = logging.getLogger("webds")
+
+__all__ = [
+    "filesystem_options",
+    "REMOTE_BLOCK_SIZE",
+    "seek_opener",
+    "resumable_fsspec",
+    "open_resumable",
+]
+
+#: Read-side block size for remote files: big enough that a shard streams in a few requests per
+#: 8 MiB (S3/GCS charge and delay per request), small enough that the first sample arrives after
+#: one block rather than after the whole shard.
+REMOTE_BLOCK_SIZE = 8 << 20
+
+# Arguments of ``fs.open()`` rather than of the filesystem: taken out of ``storage_options``.
+_OPEN_OPTIONS = ("block_size", "cache_type", "cache_options")
+# storage_options that say how to read a stream (open and retry), not how to build a filesystem.
+_STREAM_OPTIONS = _OPEN_OPTIONS + ("retries", "retry_backoff")
+
+
+def filesystem_options(storage_options: Dict[str, Any]) -> Dict[str, Any]:
+    """The part of ``storage_options`` that configures the fsspec filesystem (credentials,
+    endpoint), without the per-stream ones (``block_size``, ``cache_type``, ``retries``, ...)."""
+    return {k: v for k, v in storage_options.items() if k not in _STREAM_OPTIONS}
+
+
+# Which webds extra installs the fsspec backend of a scheme.
+_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "http": "http", "https": "http"}
+
+_S3_CREDENTIALS = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or ~/.aws/credentials), or "
+    "pass storage_options={'key': ..., 'secret': ...}; for a public bucket pass "
+    "storage_options={'anon': True}"
+)
+_GCS_CREDENTIALS = (
+    "set GOOGLE_APPLICATION_CREDENTIALS to a service-account JSON file or run 'gcloud auth "
+    "application-default login', or pass storage_options={'token': ...}; for a public bucket "
+    "pass storage_options={'token': 'anon'}"
+)
+_CREDENTIAL_HINTS = {"s3": _S3_CREDENTIALS, "s3a": _S3_CREDENTIALS}
+_CREDENTIAL_HINTS.update(gs=_GCS_CREDENTIALS, gcs=_GCS_CREDENTIALS)
+
+# Where a scheme's endpoint is set, for "cannot connect" errors.
+_S3_ENDPOINT = (
+    "the S3 endpoint (storage_options={'client_kwargs': {'endpoint_url': ...}}, or "
+    "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3)"
+)
+_GCS_ENDPOINT = "the GCS endpoint (storage_options={'endpoint_url': ...}, or STORAGE_EMULATOR_HOST)"
+_ENDPOINT_HINTS = {
+    "s3": _S3_ENDPOINT,
+    "s3a": _S3_ENDPOINT,
+    "gs": _GCS_ENDPOINT,
+    "gcs": _GCS_ENDPOINT,
+}
+
+# fsspec backends (by top-level package) whose client retries a failed connection itself, with
+# its own backoff: botocore under s3fs (5 attempts by default, set by AWS_MAX_ATTEMPTS and
+# AWS_RETRY_MODE; s3fs adds 5 of its own for a connection closed without an answer) and gcsfs
+# (6 attempts, about 35 s). webds does not retry an unreachable server on top of them before the
+# first successful open: against a closed port that took 67 s (s3) and 220 s (gs) to report.
+# Reads that fail after the server has answered are retried and resumed as always.
+_RETRIES_CONNECTIONS = frozenset({"s3fs", "gcsfs"})
+
+# Exception class names (anywhere in an error's chain) that mean "no usable credentials":
+# botocore's and google-auth's, matched by name so that neither needs to be imported.
+_NO_CREDENTIALS = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "DefaultCredentialsError",
+    "RefreshError",
+}
+
+
+def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
+    """Open a remote URL through fsspec, streaming-friendly, with errors as OpenError.
+
+    ``block_size``, ``cache_type`` and ``cache_options`` in ``storage_options`` go to
+    ``fs.open()``; ``retries`` and ``retry_backoff`` set how reads recover from a broken
+    connection (:class:`~webds.io.retrying.ResumableStream`: reopen at the offset reached); the rest
+    configure the filesystem (credentials, endpoint). Reads default to a read-ahead cache of
+    :data:`REMOTE_BLOCK_SIZE` blocks where the backend takes them.
+    """
+    import fsspec
+
+    scheme = urlparse(url).scheme.lower()
+    options = dict(storage_options)
+    open_kw = {name: options.pop(name) for name in _OPEN_OPTIONS if name in options}
+    retries = options.pop("retries", DEFAULT_RETRIES)
+    backoff = options.pop("retry_backoff", None)
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exn:
+        raise _missing_backend(url, scheme, exn) from None
+    except ValueError as exn:
+        if "protocol not known" in str(exn).lower():
+            raise OpenError(
+                f"unknown URL scheme '{scheme}://' ({exn}); use a local path, 'pipe:CMD', a "
+                "protocol fsspec knows, or register an opener in webds.io.urls.SCHEMES",
+                url=url,
+            ) from None
+        raise _remote_error(exn, url, scheme) from exn
+    except TypeError as exn:
+        raise OpenError(
+            f"the fsspec filesystem for '{scheme}://' does not accept these storage_options "
+            f"({sorted(options)}): {exn}",
+            url=url,
+        ) from None
+    except Exception as exn:
+        raise _remote_error(exn, url, scheme) from exn
+    defaults = _read_defaults(fs, options, open_kw) if mode == "rb" else {}
+
+    def open_file() -> BinaryIO:
+        try:
+            return fs.open(path, mode, **defaults, **open_kw)
+        except TypeError as exn:
+            # A backend whose open() passes unknown keywords on to something stricter.
+            if not any(name in str(exn) for name in defaults):
+                raise
+            return fs.open(path, mode, **open_kw)
+
+    chose_blocks = any(name in options for name in ("default_block_size", "default_cache_type"))
+
+    def open_at(offset: int) -> Any:
+        # A whole shard is one sequential read: where the backend can stream an object in one
+        # request (fsspec's async filesystems: s3, http), do that, unless the caller chose block
+        # reads; resume after a failure with a ranged, block-wise reader from the offset reached.
+        if offset == 0 and not open_kw and not chose_blocks:
+            stream = _streamed(fs, path)
+            if stream is not None:
+                return stream
+        return seek_opener(open_file, url)(offset)
+
+    try:
+        if mode == "rb":
+            # Reads survive broken connections: reopen at the byte offset reached (a range
+            # request), with backoff; permanent errors (404, 403) are translated at once.
+            retried_below = type(fs).__module__.partition(".")[0] in _RETRIES_CONNECTIONS
+            return ResumableStream(  # type: ignore[return-value]
+                open_at,
+                url=url,
+                retries=retries,
+                backoff=backoff,
+                translate=lambda exn: _remote_error(exn, url, scheme, fs=fs, path=path),
+                connect_retries=0 if retried_below else None,
+            )
+        return open_file()
+    except WebdsError:
+        raise
+    except NotImplementedError:
+        what = "writing" if mode == "wb" else "reading"
+        raise OpenError(
+            f"the fsspec backend for '{scheme}://' URLs ({type(fs).__name__}) does not support "
+            f"{what}",
+            url=url,
+        ) from None
+    except Exception as exn:
+        raise _remote_error(exn, url, scheme, fs=fs, path=path) from exn
+
+
+class _SyncStreamedFile(ReadStream):
+    """An fsspec async streamed file (one GET for the whole object) read synchronously."""
+
+    def __init__(self, fs: Any, afile: Any, size: int) -> None:
+        self._fs = fs
+        self._afile = afile
+        self.size = size  # known up front, so an early end of the body is caught and resumed
+
+    def read(self, n: int = -1) -> bytes:
+        from fsspec.asyn import sync
+
+        return sync(self._fs.loop, self._afile.read, n)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        from fsspec.asyn import sync
+
+        try:
+            body = getattr(self._afile, "r", None)  # s3fs keeps the response body here
+            if body is not None and hasattr(body, "close"):
+                body.close()
+            close = getattr(self._afile, "close", None)
+            if close is not None:
+                result = close()
+                if hasattr(result, "__await__"):
+                    sync(self._fs.loop, lambda: result)
+        except Exception as exn:  # closing a half-read response must not mask the real outcome
+            log.debug("webds: ignoring error closing a streamed file: %s", exn)
+        finally:
+            super().close()
+
+
+def _streamed(fs: Any, path: str) -> Optional[BinaryIO]:
+    """Open ``path`` as one streaming request if the backend supports it, else None."""
+    from fsspec.asyn import AsyncFileSystem, sync
+
+    if not isinstance(fs, AsyncFileSystem) or type(fs).open_async is AsyncFileSystem.open_async:
+        return None
+    if not getattr(fs, "asynchronous", False) and getattr(fs, "loop", None) is None:
+        return None
+    size = fs.size(path)
+    if size is None:
+        return None
+    afile = sync(fs.loop, fs.open_async, path, "rb")
+    return _SyncStreamedFile(fs, afile, size)  # type: ignore[return-value]
+
+
+def _read_defaults(fs: Any, options: Dict[str, Any], open_kw: Dict[str, Any]) -> Dict[str, Any]:
+    """The read-ahead cache and block size, where the backend's open() takes them.
+
+    fsspec's defaults are poor for one sequential pass over a shard (gcsfs re-requests small
+    ranges; s3fs fetches 50 MiB blocks), so reads ask for ``readahead`` with 8 MiB blocks, unless
+    the caller chose either for the open or for the filesystem (``default_*``).
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(fs._open).parameters
+    except (TypeError, ValueError):
+        return {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    out: Dict[str, Any] = {}
+    user_cache = "cache_type" in open_kw or "default_cache_type" in options
+    if not user_cache and ("cache_type" in params or takes_any):
+        out["cache_type"] = "readahead"
+    if (
+        "block_size" not in open_kw
+        and "default_block_size" not in options
+        and "block_size" in params
+    ):
+        out["block_size"] = REMOTE_BLOCK_SIZE
+    return out
+
+
+def _missing_backend(url: str, scheme: str, exn: ImportError) -> OpenError:
+    from fsspec.registry import known_implementations
+
+    extra = _EXTRAS.get(scheme)
+    if extra is not None:
+        how = f"install it with: pip install 'webds[{extra}]'"
+    else:
+        hint = known_implementations.get(scheme, {}).get("err", "")
+        how = hint or "install the fsspec implementation for this protocol"
+    return OpenError(f"no fsspec backend installed for '{scheme}://' URLs ({exn}); {how}", url=url)
+
+
+def _error_chain(exn: BaseException) -> list:
+    chain = []
+    while exn is not None and len(chain) < 20 and exn not in chain:
+        chain.append(exn)
+        exn = exn.__cause__ or exn.__context__  # type: ignore[assignment]
+    return chain
+
+
+def _http_status(chain: list) -> Optional[int]:
+    """The HTTP status an error in the chain carries (aiohttp's ``.status``, botocore's
+    ``response['ResponseMetadata']['HTTPStatusCode']``), if any."""
+    for exn in chain:
+        status = getattr(exn, "status", None) or getattr(exn, "code", None)
+        if isinstance(status, int) and 100 <= status < 600:
+            return status
+        response = getattr(exn, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+    return None
+
+
+def _endpoint(chain: list) -> Optional[str]:
+    """The server a connection error names: botocore keeps the request URL in ``kwargs``,
+    aiohttp's connector errors have ``host`` and ``port``."""
+    for exn in chain:
+        fields = getattr(exn, "kwargs", None)
+        if isinstance(fields, dict) and isinstance(fields.get("endpoint_url"), str):
+            parsed = urlparse(fields["endpoint_url"])
+            return f"{parsed.scheme}://{parsed.netloc}" if parsed.netloc else None
+        host, port = getattr(exn, "host", None), getattr(exn, "port", None)
+        if isinstance(host, str) and isinstance(port, int):
+            return f"{host}:{port}"
+    return None
+
+
+def _bucket_and_key(fs: Any, path: str) -> Tuple[Optional[str], str]:
+    """(bucket, key) on object stores (filesystems with ``split_path``), else (None, path)."""
+    split = getattr(fs, "split_path", None)
+    if split is None:
+        return None, path
+    try:
+        parts = split(path)
+        return (parts[0] or None), parts[1]
+    except Exception:
+        return None, path
+
+
+def _bucket_exists(fs: Any, bucket: str) -> Optional[bool]:
+    # One extra request, on the error path only; None when even that cannot tell.
+    try:
+        return bool(fs.exists(bucket))
+    except Exception:
+        return None
+
+
+def _remote_error(
+    exn: BaseException, url: str, scheme: str, *, fs: Any = None, path: Optional[str] = None
+) -> OpenError:
+    """Translate an fsspec/backend failure into an OpenError that says what to do.
+
+    fsspec reports most failures as FileNotFoundError or PermissionError (its HTTP filesystem
+    even reports a refused connection or a 503 as FileNotFoundError), so the decision rests on
+    the whole exception chain: credential errors by class name, then the HTTP status, then
+    connection failures, then the builtin class.
+    """
+    chain = _error_chain(exn)
+    names = {cls.__name__ for err in chain for cls in type(err).__mro__}
+    status = _http_status(chain)
+    root = chain[-1]
+    detail = f"{type(root).__name__}: {root}"
+    if names & _NO_CREDENTIALS:
+        hint = _CREDENTIAL_HINTS.get(scheme, "pass credentials in storage_options")
+        return OpenError(f"no credentials found for '{scheme}://' URLs ({detail}); {hint}", url=url)
+    if status is None:
+        hint = _ENDPOINT_HINTS.get(scheme, "the host name and port in the URL")
+        server = _endpoint(chain) or "the server"
+        if names & _HUNG_UP_NAMES:
+            return OpenError(
+                f"{server} closed the connection without answering ({detail}); check {hint}: "
+                "the host, the port, http or https",
+                url=url,
+            )
+        connection = {"ConnectionError", "ClientConnectorError", "EndpointConnectionError"}
+        if names & connection or any(isinstance(e, TimeoutError) for e in chain):
+            return OpenError(
+                f"cannot connect to {server} ({detail}); check {hint} and the network",
+                url=url,
+            )
+    if status in (401, 403) or (status is None and isinstance(exn, PermissionError)):
+        hint = _CREDENTIAL_HINTS.get(scheme, "check the credentials in storage_options")
+        code = f" (HTTP {status})" if status else ""
+        return OpenError(
+            f"permission denied{code}: the credentials in use are wrong or may not access this "
+            f"object; check them and the bucket's access policy. To choose credentials: {hint}",
+            url=url,
+        )
+    if status in (404, 410) or (status is None and isinstance(exn, FileNotFoundError)):
+        bucket, key = _bucket_and_key(fs, path) if fs is not None and path else (None, "")
+        if bucket is not None and _bucket_exists(fs, bucket) is False:
+            return OpenError(
+                f"bucket {bucket!r} does not exist (or is not visible with these credentials); "
+                "check the bucket name, and the endpoint or project it lives in",
+                url=url,
+            )
+        if bucket is not None:
+            return OpenError(
+                f"object {key!r} not found in bucket {bucket!r}; check the prefix and name "
+                "(and the brace pattern that produced it)",
+                url=url,
+            )
+        code = f" (HTTP {status})" if status else ""
+        return OpenError(f"not found{code}; check the URL", url=url)
+    if status is not None:
+        return OpenError(f"the server answered HTTP {status} ({detail})", url=url)
+    if isinstance(exn, TypeError) and "keyword argument" in str(exn):
+        # s3fs and gcsfs pass unknown storage_options on to their client, which rejects them
+        # only when it first connects.
+        return OpenError(
+            f"the '{scheme}://' backend does not accept one of the storage_options ({exn}); "
+            "check their names against its documentation",
+            url=url,
+        )
+    return OpenError(f"cannot open: {type(exn).__name__}: {exn}", url=url)
+
+
+def seek_opener(
+    open_file: Callable[[], BinaryIO], url: Optional[str] = None
+) -> Callable[[int], BinaryIO]:
+    """Turn ``open_file()`` into ``open_at(offset)``: open, then ``seek(offset)``.
+
+    For fsspec files the seek makes the next read a ranged request. A file that cannot seek
+    (an HTTP server without range support, a streaming ``block_size=0`` file) raises a clear
+    ShardReadError for any offset past 0.
+    """
+
+    def open_at(offset: int) -> BinaryIO:
+        f = open_file()
+        if offset:
+            try:
+                f.seek(offset)
+            except (ValueError, OSError, io.UnsupportedOperation) as exn:
+                _close_quietly(f)
+                raise ShardReadError(
+                    f"the read failed at byte offset {offset} and this source cannot resume "
+                    f"there ({type(exn).__name__}: {exn}); the server must support range "
+                    "requests (HTTP 'Accept-Ranges: bytes'), and fsspec must open a seekable "
+                    "file (block_size > 0)",
+                    url=url,
+                    offset=offset,
+                ) from exn
+        return f
+
+    return open_at
+
+
+def resumable_fsspec(
+    fs: Any,
+    path: str,
+    *,
+    url: Optional[str] = None,
+    retries: int = DEFAULT_RETRIES,
+    backoff: BackoffLike = None,
+    open_kwargs: Optional[Dict[str, Any]] = None,
+    translate: Optional[Callable[[Exception], Exception]] = None,
+) -> ResumableStream:
+    """A :class:`ResumableStream` over ``fs.open(path, "rb", **open_kwargs)``, resumed by seek.
+
+    ``url`` is the name used in errors and logs (default: ``path``). A file that cannot seek is
+    still retried when it fails before its first byte, and raises a clear ShardReadError past
+    that (see :func:`seek_opener`).
+    """
+    kwargs = dict(open_kwargs or {})
+    name = url if url is not None else path
+    return ResumableStream(
+        seek_opener(lambda: fs.open(path, "rb", **kwargs), name),
+        url=name,
+        retries=retries,
+        backoff=backoff,
+        translate=translate,
+    )
+
+
+def open_resumable(
+    url: str,
+    *,
+    retries: int = DEFAULT_RETRIES,
+    backoff: BackoffLike = None,
+    open_kwargs: Optional[Dict[str, Any]] = None,
+    **storage_options: Any,
+) -> ResumableStream:
+    """Open an fsspec URL for reading with retries and resume.
+
+    ``storage_options`` configure the filesystem (credentials, endpoints); ``open_kwargs`` go to
+    ``fs.open`` (``block_size``, ``cache_type``).
+
+    >>> with open_resumable("https://host/a.tar", retries=5, backoff=Backoff(initial=1)) as s:
+    ...     members = list(read_members(s, "https://host/a.tar"))
+    """
+    import fsspec
+
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    except ImportError as exn:
+        raise OpenError(
+            f"no fsspec backend installed for this URL's scheme ({exn}); for S3 install "
+            "'webds[s3]', for GCS 'webds[gcs]'",
+            url=url,
+        ) from None
+    except ValueError as exn:
+        raise OpenError(
+            f"unknown URL scheme ({exn}); use a local path, 'pipe:CMD', or a protocol fsspec knows",
+            url=url,
+        ) from None
+    return resumable_fsspec(
+        fs, path, url=url, retries=retries, backoff=backoff, open_kwargs=open_kwargs
+    )

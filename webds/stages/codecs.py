@@ -1,0 +1,338 @@
+"""The value codecs behind :mod:`webds.stages.decode`: the default extension table
+(:class:`BasicHandlers`: ``.cls`` -> int, ``.json``, ``.npy``, ``.pth``, ...), image decoding by
+image spec (:func:`imagehandler`, :data:`imagespecs`), and the video and audio handlers.
+
+Each handler is called as ``f(".ext", data)`` and returns None for fields it does not decode; a
+:class:`~webds.stages.decode.Decoder` chains them. Pickles (``.pyd .pickle .pkl``) are only
+decoded with ``allow_pickle=True``; ``.pth`` is loaded with ``torch.load(weights_only=True)``
+unless ``weights_only=False``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import tempfile
+from typing import Any, Callable, Dict, Iterable, List, Union
+
+from ..errors import ArgumentError, DecodeError
+from . import fastjpeg
+
+__all__ = [
+    "BasicHandlers",
+    "ImageHandler",
+    "IMAGE_EXTENSIONS",
+    "VIDEO_EXTENSIONS",
+    "AUDIO_EXTENSIONS",
+    "basichandlers",
+    "decode_image",
+    "imagehandler",
+    "imagespecs",
+    "torch_audio",
+    "torch_loads",
+    "torch_video",
+    "npy_loads",
+    "npz_loads",
+    "unpickle_loads",
+    "msgpack_loads",
+    "cbor_loads",
+    "tenbin_loads",
+]
+
+#: Extensions the image handlers decode (those PIL reads, plus ``img``/``image`` which the writer
+#: produces as JPEG). Only the *last* extension of a field counts: ``seg.png`` is an image.
+IMAGE_EXTENSIONS: List[str] = (
+    "jpg jpeg jpe jfif png apng gif bmp dib tif tiff webp ppm pgm pbm pnm pfm tga ico cur icns "
+    "pcx sgi rgb rgba bw ras xbm xpm qoi avif avifs jp2 j2k j2c jpc jpf jpx psd dds blp msp im "
+    "img image"
+).split()
+
+VIDEO_EXTENSIONS: List[str] = "mp4 ogv mjpeg avi mov h264 mpg webm wmv".split()
+AUDIO_EXTENSIONS: List[str] = "flac mp3 sox wav m4a ogg wma".split()
+
+#: spec -> (array type, element type, PIL mode), as in webdataset.
+imagespecs: Dict[str, tuple] = {
+    "l8": ("numpy", "uint8", "l"),
+    "rgb8": ("numpy", "uint8", "rgb"),
+    "rgba8": ("numpy", "uint8", "rgba"),
+    "l": ("numpy", "float", "l"),
+    "rgb": ("numpy", "float", "rgb"),
+    "rgba": ("numpy", "float", "rgba"),
+    "torchl8": ("torch", "uint8", "l"),
+    "torchrgb8": ("torch", "uint8", "rgb"),
+    "torchrgba8": ("torch", "uint8", "rgba"),
+    "torchl": ("torch", "float", "l"),
+    "torchrgb": ("torch", "float", "rgb"),
+    "torch": ("torch", "float", "rgb"),
+    "torchrgba": ("torch", "float", "rgba"),
+    "pil": ("pil", None, "rgb"),
+    "pilrgb": ("pil", None, "rgb"),
+    "pill": ("pil", None, "l"),
+    "pilrgba": ("pil", None, "rgba"),
+}
+
+
+def _last_ext(key: str) -> str:
+    return key.rsplit(".", 1)[-1].lower()
+
+
+# -- images ----------------------------------------------------------------------------------------
+
+
+def decode_image(data: bytes, imagespec: str, fast_jpeg: bool = True) -> Any:
+    """Decode image bytes according to an image spec (see :data:`imagespecs`).
+
+    With ``fast_jpeg`` (the default), RGB JPEGs go through ``simplejpeg`` when it is installed
+    (see :mod:`webds.stages.fastjpeg`: same pixels, faster); everything else through Pillow.
+    """
+    atype, etype, mode = imagespecs[imagespec]
+    a: Any = None
+    if fast_jpeg and mode == "rgb":
+        if atype == "pil":
+            result = fastjpeg.pil_rgb(data)
+            if result is not None:
+                return result
+        else:
+            a = fastjpeg.decode_rgb(data)  # HxWx3 uint8, writable, no PIL image in between
+    if a is None:
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(data))
+        img.load()
+        # convert() copies even when the mode is already right: skip it then (~15% of a decode).
+        result = img if img.mode == mode.upper() else img.convert(mode.upper())
+        if atype == "pil":
+            return result
+        a = result
+    import numpy as np
+
+    if not isinstance(a, np.ndarray):
+        a = np.array(a)  # a writable copy, HxW or HxWxC uint8
+    if etype == "float":
+        a = a.astype(np.float32) / np.float32(255.0)
+    if atype == "numpy":
+        return a
+    import torch
+
+    if a.ndim == 3:
+        a = np.ascontiguousarray(a.transpose(2, 0, 1))
+    return torch.from_numpy(a)
+
+
+class ImageHandler:
+    """Decodes image fields (by last extension) according to an image spec such as ``"rgb8"``."""
+
+    def __init__(
+        self,
+        imagespec: str,
+        extensions: Union[str, Iterable[str]] = IMAGE_EXTENSIONS,
+        fast_jpeg: bool = True,
+    ) -> None:
+        if not isinstance(imagespec, str) or imagespec.lower() not in imagespecs:
+            raise ArgumentError(
+                f"unknown image spec {imagespec!r}; valid specs are: {', '.join(imagespecs)}"
+            )
+        if isinstance(extensions, str):
+            extensions = extensions.split()
+        self.imagespec = imagespec.lower()
+        self.extensions = frozenset(e.lower().lstrip(".") for e in extensions)
+        self.fast_jpeg = bool(fast_jpeg)
+
+    def __call__(self, key: str, data: bytes) -> Any:
+        if _last_ext(key) not in self.extensions:
+            return None
+        return decode_image(data, self.imagespec, self.fast_jpeg)
+
+    def __repr__(self) -> str:
+        fast = "" if self.fast_jpeg else ", fast_jpeg=False"
+        return f"imagehandler({self.imagespec!r}{fast})"
+
+
+def imagehandler(
+    imagespec: str,
+    extensions: Union[str, Iterable[str]] = IMAGE_EXTENSIONS,
+    fast_jpeg: bool = True,
+) -> ImageHandler:
+    """A handler decoding image fields: ``Decoder([imagehandler("torchrgb")])``.
+
+    ``fast_jpeg=False`` decodes JPEGs with Pillow even when ``simplejpeg`` is installed.
+    """
+    return ImageHandler(imagespec, extensions, fast_jpeg)
+
+
+# -- loaders for the extension table --------------------------------------------------------
+
+
+def npy_loads(data: bytes) -> Any:
+    """Load a ``.npy`` array (object arrays refused: they need pickle)."""
+    import numpy as np
+
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def npz_loads(data: bytes) -> Dict[str, Any]:
+    """Load a ``.npz`` archive as a dict of arrays."""
+    import numpy as np
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        return {name: archive[name] for name in archive.files}
+
+
+def tenbin_loads(data: bytes) -> List[Any]:
+    """Decode a tenbin field into a list of arrays."""
+    from . import tenbin
+
+    return tenbin.decode_buffer(data)
+
+
+def unpickle_loads(data: bytes) -> Any:
+    """``pickle.loads``; only for data you trust (unpickling can run arbitrary code)."""
+    return pickle.loads(data)
+
+
+def torch_loads(data: bytes, weights_only: bool = True) -> Any:
+    """Load a ``torch.save`` payload on the CPU; ``weights_only=True`` refuses arbitrary objects."""
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), weights_only=weights_only, map_location="cpu")
+    except pickle.UnpicklingError as exn:
+        if not weights_only:
+            raise
+        raise DecodeError(
+            f"torch.load(weights_only=True) refused this payload ({str(exn).splitlines()[0]}); "
+            "it holds objects other than tensors and plain containers. If you trust the data, "
+            "decode with weights_only=False: decode(..., weights_only=False)"
+        ) from None
+
+
+def msgpack_loads(data: bytes) -> Any:
+    """Decode MessagePack (needs the ``msgpack`` package)."""
+    try:
+        import msgpack
+    except ImportError:
+        raise DecodeError(
+            "decoding MessagePack fields (.mp .msgpack .msg) needs the msgpack package: "
+            "pip install msgpack"
+        ) from None
+    return msgpack.unpackb(data, raw=False)
+
+
+def cbor_loads(data: bytes) -> Any:
+    """Decode CBOR (needs the ``cbor2`` package, or the older ``cbor``)."""
+    try:
+        import cbor2 as cbor
+    except ImportError:
+        try:
+            import cbor  # type: ignore[no-redef]
+        except ImportError:
+            raise DecodeError(
+                "decoding CBOR fields (.cbor) needs the cbor2 package: pip install cbor2"
+            ) from None
+    return cbor.loads(data)
+
+
+def _int_loads(data: bytes) -> int:
+    return int(data)
+
+
+def _text_loads(data: bytes) -> str:
+    return data.decode("utf-8")
+
+
+_PICKLE_EXTS = ("pyd", "pickle", "pkl")
+
+
+class BasicHandlers:
+    """The default decoders, chosen by the last extension of a field.
+
+    ``cls cls2 class count index inx id`` -> int; ``txt text transcript html htm`` -> str;
+    ``json jsn``; ``npy``; ``npz`` -> dict of arrays; ``ten tenbin tb`` -> list of arrays;
+    ``mp msgpack msg``; ``cbor``;
+    ``pth`` -> ``torch.load``; ``pyd pickle pkl`` -> ``pickle.loads`` only if ``allow_pickle``.
+    Other extensions (images included) are left alone.
+    """
+
+    _table: Dict[str, Callable[[bytes], Any]] = {
+        **dict.fromkeys(("cls", "cls2", "class", "count", "index", "inx", "id"), _int_loads),
+        **dict.fromkeys(("txt", "text", "transcript", "html", "htm"), _text_loads),
+        **dict.fromkeys(("json", "jsn"), json.loads),
+        "npy": npy_loads,
+        "npz": npz_loads,
+        **dict.fromkeys(("ten", "tenbin", "tb"), tenbin_loads),
+        **dict.fromkeys(("mp", "msgpack", "msg"), msgpack_loads),
+        "cbor": cbor_loads,
+    }
+
+    def __init__(self, allow_pickle: bool = False, weights_only: bool = True) -> None:
+        self.allow_pickle = bool(allow_pickle)
+        self.weights_only = bool(weights_only)
+
+    def __call__(self, key: str, data: bytes) -> Any:
+        ext = _last_ext(key)
+        f = self._table.get(ext)
+        if f is not None:
+            return f(data)
+        if ext == "pth":
+            return torch_loads(data, weights_only=self.weights_only)
+        if ext in _PICKLE_EXTS:
+            if not self.allow_pickle:
+                raise DecodeError(
+                    f"'.{ext}' fields are Python pickles, and loading a pickle can run arbitrary "
+                    "code, so webds does not unpickle by default. If you trust this data, opt in "
+                    "with decode(..., allow_pickle=True) or Decoder(..., allow_pickle=True)"
+                )
+            return pickle.loads(data)
+        return None
+
+    def __repr__(self) -> str:
+        return f"BasicHandlers(allow_pickle={self.allow_pickle}, weights_only={self.weights_only})"
+
+
+#: The default extension handlers (pickle refused, ``torch.load(weights_only=True)``).
+basichandlers = BasicHandlers()
+
+
+def _media_via_tempfile(key: str, data: bytes, load: Callable[[str], Any]) -> Any:
+    # The video/audio readers want a file name, and the extension tells them the container.
+    with tempfile.TemporaryDirectory() as dirname:
+        fname = os.path.join(dirname, f"file.{_last_ext(key)}")
+        with open(fname, "wb") as stream:
+            stream.write(data)
+        return load(fname)
+
+
+def torch_video(key: str, data: bytes) -> Any:
+    """Decode video fields (``mp4 avi webm ...``) with ``torchvision.io.read_video``."""
+    if _last_ext(key) not in VIDEO_EXTENSIONS:
+        return None
+    try:
+        import torchvision.io
+    except Exception as exn:  # a torchvision built for another torch fails with RuntimeError
+        raise DecodeError(
+            f"decoding video needs a working torchvision with video support ({exn}); "
+            "pip install torchvision av (matching your torch version)"
+        ) from None
+    read_video = getattr(torchvision.io, "read_video", None)
+    if read_video is None:
+        raise DecodeError(
+            "this torchvision has no io.read_video; install a torchvision with video support, "
+            "or decode videos with your own handler"
+        )
+    return _media_via_tempfile(key, data, lambda fname: read_video(fname, pts_unit="sec"))
+
+
+def torch_audio(key: str, data: bytes) -> Any:
+    """Decode audio fields (``flac mp3 wav ...``) with ``torchaudio.load``."""
+    if _last_ext(key) not in AUDIO_EXTENSIONS:
+        return None
+    try:
+        import torchaudio
+    except Exception as exn:
+        raise DecodeError(
+            f"decoding audio needs torchaudio ({exn}); pip install torchaudio "
+            "(matching your torch version)"
+        ) from None
+    return _media_via_tempfile(key, data, torchaudio.load)
