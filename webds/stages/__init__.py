@@ -17,6 +17,7 @@ reader's stages included) builds on them. This package serves the names the flat
 ``webds.stages`` had before webds 0.2, so pickles naming ``webds.stages.core.Stage`` still load.
 """
 
+from . import core
 from .core import (  # noqa: F401 (the private names: pickles written by webds 0.1 name them)
     BATCH,
     REORDER,
@@ -34,15 +35,5 @@ from .core import (  # noqa: F401 (the private names: pickles written by webds 0
     stage,
 )
 
-__all__ = [
-    "stage",
-    "pipelinefilter",
-    "Stage",
-    "StageFactory",
-    "Count",
-    "Length",
-    "SAME",
-    "REORDER",
-    "BATCH",
-    "UNBATCH",
-]
+# The package's public names are the machinery's: the stages live in their own modules.
+__all__ = list(core.__all__)
