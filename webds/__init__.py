@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         EncodeError,
         LengthError,
         OpenError,
+        ResumeError,
         SampleError,
         ShardReadError,
         WebdsError,
@@ -152,6 +153,7 @@ _EXPORTS: Dict[str, List[str]] = {
         "EncodeError",
         "LengthError",
         "OpenError",
+        "ResumeError",
         "SampleError",
         "ShardReadError",
         "WebdsError",
@@ -276,6 +278,7 @@ __all__ = [
     "EncodeError",
     "WriteError",
     "LengthError",
+    "ResumeError",
     # handlers
     "reraise_exception",
     "ignore_and_continue",

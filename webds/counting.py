@@ -4,9 +4,8 @@ This module owns what follows from the stages' count rules (:class:`~webds.stage
 
 - how many items a pipeline yields per stream, its ``len()`` (:func:`source_counts`,
   :func:`forward_counts`);
-- where a resumed epoch skips the items already consumed (:func:`skip_point`), which share of a
-  saved position falls to this process (:func:`resume_share`), and whether a saved position
-  still fits the pipeline (:func:`check_resume_config`);
+- whether a saved position still fits the pipeline and can be resumed exactly
+  (:func:`check_state`; what was consumed is recorded by :mod:`webds.stages.ledger`);
 - the count a rank must yield (:func:`exact_count`), and holding a stream to exactly that
   count, so that every rank yields as many items (:func:`_exactly`).
 
@@ -17,17 +16,16 @@ pipeline itself); the pipeline keeps its state and calls them. Nothing here impo
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from .errors import ArgumentError, LengthError
+from .errors import ArgumentError, LengthError, ResumeError
 from .stages.core import Count, Length
 
 __all__ = [
     "source_counts",
     "forward_counts",
-    "skip_point",
-    "resume_share",
-    "check_resume_config",
+    "stage_name",
+    "check_state",
     "exact_count",
 ]
 
@@ -61,53 +59,53 @@ def forward_counts(stages: Sequence[Any], lengths: List[Length], owner: str) -> 
     return lengths
 
 
-def skip_point(
-    stages: Sequence[Any], origin: Optional[Tuple[int, Any]], count: int
-) -> Tuple[int, int, Any]:
-    """Where to skip ``count`` output items: (stage position, items there, origin or None).
-
-    Walks back over stages that can say which inputs made their first outputs (map, batched)
-    and stops at one that cannot (shuffle), where skipping means replaying and dropping.
-    When it reaches the ``origin`` (position, source), the origin skips without reading.
-    """
-    floor = origin[0] if origin else 0
-    at = len(stages) - 1
-    while at > floor:
-        s = stages[at]
-        rule = getattr(s, "count", None)
-        back = rule.backward(count, s) if isinstance(rule, Count) else None
-        if back is None:
-            return at, count, None
-        count, at = back, at - 1
-    if origin is not None:
-        return at, count, origin[1]
-    source = stages[0] if stages else None
-    return at, count, source if at == 0 and hasattr(source, "skip") else None
+def stage_name(s: Any) -> str:
+    """A stage's name for a saved configuration: the same in every process and run."""
+    factory = getattr(s, "factory", None)
+    if factory is not None:
+        return str(getattr(factory, "__name__", type(s).__name__))
+    return type(s).__name__
 
 
-def resume_share(skip: Any, worker: Optional[int]) -> int:
-    """The items this process skips: ``skip`` is a count, or ``{"shift", "shares"}`` with one
-    share per DataLoader worker; ``worker`` is this process's (renumbered) worker number, None
-    when it is not its DataLoader's dataset (then a dict gives its first share)."""
-    if isinstance(skip, dict):
-        shares = skip["shares"]
-        if worker is None:
-            skip = shares[0]
-        else:
-            skip = shares[worker] if worker < len(shares) else 0
-    return max(0, int(skip))
-
-
-def check_resume_config(saved: Dict[str, Any], mine: Dict[str, Any], strict: bool) -> None:
-    """Raise :class:`~webds.errors.ArgumentError` when ``strict`` and the configuration a state
-    was saved with differs from the pipeline's now (see ``DataPipeline.load_state_dict``)."""
+def check_state(state: Any, mine: Dict[str, Any], strict: bool) -> None:
+    """Raise :class:`~webds.errors.ResumeError` unless ``state`` (from ``state_dict()``) can be
+    resumed exactly by a pipeline whose configuration is ``mine``; ``strict=False`` lets
+    everything but a malformed state through."""
+    if not isinstance(state, dict) or state.get("version") not in (1, 2):
+        raise ArgumentError(f"not a webds pipeline state (from state_dict()): {state!r}")
+    if state["version"] == 1:
+        if strict:
+            raise ResumeError(
+                "this state was saved by webds 0.1, which counted items instead of recording "
+                "which samples were read; it cannot be resumed exactly. Pass strict=False to "
+                "start its epoch again from the beginning"
+            )
+        state.pop("consumed", None)
+        return
+    problems = [p for p in _problems(state) if p]
+    saved = state.get("config") or {}
     changed = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-    if changed and strict:
+    if changed:
         diffs = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in changed)
-        raise ArgumentError(
-            f"cannot resume exactly: the pipeline changed since the state was saved ({diffs}). "
-            "Restore the same configuration, or pass strict=False to continue approximately"
+        problems.insert(
+            0,
+            f"the pipeline changed since the state was saved ({diffs}); restore the same "
+            "configuration",
         )
+    if problems and strict:
+        raise ResumeError(
+            "cannot resume exactly: "
+            + "; ".join(problems)
+            + ". Pass strict=False to continue approximately"
+        )
+
+
+def _problems(state: Dict[str, Any]) -> List[Optional[str]]:
+    """The reasons a state's streams (its own, and its DataLoader workers') can't resume."""
+    out = [state.get("problem")]
+    for stream in (state.get("workers") or {}).values():
+        out.append(stream.get("problem"))
+    return list(dict.fromkeys(out))
 
 
 def exact_count(pipeline: Any) -> Optional[int]:

@@ -21,6 +21,7 @@ __all__ = [
     "EncodeError",
     "WriteError",
     "LengthError",
+    "ResumeError",
 ]
 
 
@@ -75,6 +76,11 @@ def _rebuild(cls: type, message: str, url: Any, member: Any, key: Any, offset: A
 
 class ArgumentError(WebdsError, ValueError):
     """A webds function was called with an argument it cannot use."""
+
+
+class ResumeError(ArgumentError):
+    """A saved position (``state_dict()``) cannot be resumed exactly: the message says why and
+    what to change."""
 
 
 class OpenError(WebdsError, IOError):

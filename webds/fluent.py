@@ -124,13 +124,15 @@ class FluidWrapper(DataPipeline, FluentMixin):
 
 
 @stage(count=SAME)
-def _require_samples(src: Iterable[Any], urls: Any) -> Iterator[Any]:
-    """Raise if a single-process epoch yields nothing; in a worker, log why it may be empty."""
+def _require_samples(src: Iterable[Any], urls: Any, *, ledger: Any = None) -> Iterator[Any]:
+    """Raise if a single-process epoch yields nothing; in a worker, log why it may be empty.
+
+    A resumed epoch may rightly have nothing left to read."""
     n = 0
     for sample in src:
         n += 1
         yield sample
-    if n == 0:
+    if n == 0 and not (ledger is not None and ledger.resuming):
         where = worker_info()
         if where.num_workers == 1 and where.world_size == 1:
             raise WebdsError(

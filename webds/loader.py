@@ -7,12 +7,12 @@ per epoch, ``.with_length(n)`` declares ``len()``.
 With a balanced :class:`~webds.fluent.WebDataset` (an index and ``balance=``), ``len(loader)`` is
 the exact number of batches this rank yields per epoch (also after ``.unbatched()...batched(n)``
 in the main process), and ``state_dict()`` / ``load_state_dict()`` resume mid-epoch with exactly
-the batches that were still to come.
+the samples that were still to come.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional
 
 from torch.utils.data import DataLoader
 
@@ -21,6 +21,7 @@ from .errors import LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
 from .stages.core import Length
+from .stages.ledger import Envelope, Ledger, merge_deltas, qualify, unqualify
 
 __all__ = ["WebLoader"]
 
@@ -32,6 +33,10 @@ class WebLoader(DataPipeline, FluentMixin):
     workers start, so shard and sample shuffles change every epoch even though non-persistent
     workers get a fresh copy of the dataset each time. ``set_epoch(e)`` chooses the epoch, as
     ``DistributedSampler.set_epoch`` does.
+
+    With a webds dataset, every item a worker yields comes with what the worker's ledger
+    recorded (see :mod:`webds.stages.ledger`), so :meth:`state_dict` knows exactly which samples
+    the training loop has received, whatever sits in the DataLoader's queues.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -41,6 +46,10 @@ class WebLoader(DataPipeline, FluentMixin):
             # Lets a balanced dataset align its workers' shares to the loader's batches.
             dataset.loader_hint = (max(1, self.loader.num_workers), self.loader.batch_size)
         self.seed = getattr(dataset, "seed", None)
+        if isinstance(dataset, DataPipeline):
+            dataset._envelopes = True
+            self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn)
+        self._worker_resume: Optional[Dict[str, Any]] = None
 
     @property
     def loader(self) -> DataLoader:
@@ -55,15 +64,22 @@ class WebLoader(DataPipeline, FluentMixin):
         they would otherwise run another one)."""
         if int(epoch) != self.epoch:
             self._restart_workers()
+            self._worker_resume = None
         super().set_epoch(epoch)
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
-        """Continue where :meth:`state_dict` was taken: the rest of that epoch's batches.
+        """Continue where :meth:`state_dict` was taken: the rest of that epoch's samples.
 
         Works across processes: build the same loader (same dataset, seed, index, world size,
         ``num_workers``, batch size), then load. Persistent workers are restarted.
         """
         super().load_state_dict(state, strict)
+        workers = state.get("workers")
+        self._worker_resume = (
+            {"pass": int(state.get("stream", state["epoch"])), "workers": workers}
+            if workers
+            else None
+        )
         self._restart_workers()
 
     def _restart_workers(self) -> None:
@@ -85,14 +101,105 @@ class WebLoader(DataPipeline, FluentMixin):
         config["batch_size"] = self.loader.batch_size
         return config
 
-    def _one_pass(self, epoch: int, skip: int = 0) -> Any:
+    def _stream_state(self) -> Dict[str, Any]:
+        state = super()._stream_state()
+        stream = self._stream
+        workers = stream.get("workers") if stream is not None else None
+        if workers is None:
+            return state
+        # The main process's own ledger only holds workers' samples (in its shuffle buffers
+        # and batches): they are holes in those workers' records.
+        held: Dict[int, List[int]] = {}
+        for qid in stream["ledger"].held:
+            w, i = unqualify(qid)
+            held.setdefault(w, []).append(i)
+        state.pop("ledger", None)
+        state["workers"] = {
+            str(w): {
+                "epoch": stream["pass"],
+                "items": m["items"],
+                "stream": m["pass"],
+                "ledger": m["ledger"].state(held.get(w, ())),
+                "problem": m["problem"],
+            }
+            for w, m in sorted(workers.items())
+        }
+        return state
+
+    def _one_pass(self, epoch: int, ledger: Ledger) -> Any:
         dataset = self.loader.dataset
         if hasattr(dataset, "set_epoch"):
             dataset.set_epoch(epoch)
         plan = dataset.aligned_plan() if hasattr(dataset, "aligned_plan") else None
         if plan is not None:
             plan.warn_split(max(1, self.loader.num_workers))
-        return super()._one_pass(epoch, skip)
+        resume, self._worker_resume = self._worker_resume, None
+        mirrors: Dict[int, Dict[str, Any]] = {}
+        if resume is not None and resume["pass"] == epoch:
+            for w, saved in resume["workers"].items():
+                mirrors[int(w)] = {
+                    "pass": int(saved.get("stream", epoch)),
+                    "ledger": Ledger(resume=saved.get("ledger")),
+                    "items": int(saved.get("items", 0)),
+                    "problem": saved.get("problem"),
+                }
+            dataset._resume = {"epoch": epoch, "for_workers": resume["workers"]}
+        if self._stream is not None and isinstance(dataset, DataPipeline):
+            self._stream["workers"] = mirrors
+        return super()._one_pass(epoch, ledger)
+
+    def _source_items(self, ledger: Ledger) -> Iterator[Any]:
+        """The DataLoader's items; a webds dataset's come in Envelopes, whose ledger records are
+        kept per worker (``mirrors``) as the items arrive."""
+        dataset = self.loader.dataset
+        if not isinstance(dataset, DataPipeline):
+            # Not a webds pipeline: each item is one id, and resuming reads them again.
+            yield from super()._source_items(ledger)
+            return
+        mirrors = self._stream["workers"] if self._stream is not None else {}
+        it = iter(self.loader)
+        dataset._resume = None  # the workers (or this process's iterator) have their copy
+        for x in it:
+            m = mirrors.get(x.worker)
+            if m is None or m["pass"] != x.pass_:
+                m = mirrors[x.worker] = {
+                    "pass": x.pass_,
+                    "ledger": Ledger(),
+                    "items": 0,
+                    "problem": None,
+                }
+            m["ledger"].apply(x.delta)
+            m["items"] = x.items
+            if x.problem is not None:
+                m["problem"] = x.problem
+            ledger.current = qualify(x.worker, x.ids)
+            yield x.item
+
+
+class _EnvelopeCollate:
+    """The DataLoader's ``collate_fn`` for a webds dataset: collates the items inside the
+    :class:`~webds.stages.ledger.Envelope` s a worker fetched and passes their records on."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+
+    def __call__(self, data: Any) -> Any:
+        if isinstance(data, Envelope):  # batch_size=None: one item at a time
+            data.item = self.collate(data.item)
+            return data
+        if not data or not isinstance(data[0], Envelope):
+            return self.collate(data)
+        last = data[-1]
+        problem = next((e.problem for e in data if e.problem), None)
+        return Envelope(
+            self.collate([e.item for e in data]),
+            last.worker,
+            [e.ids for e in data],
+            merge_deltas([e.delta for e in data]),
+            last.items,
+            last.pass_,
+            problem,
+        )
 
 
 class _LoaderOrigin:
@@ -136,52 +243,9 @@ class _LoaderOrigin:
     def stream_index(self) -> int:
         return 0
 
-    def skip(self, n: int) -> bool:
-        """Make the workers of the next epoch skip the first ``n`` items the loader yields.
-
-        Returns False (the loader's output is then replayed and dropped) for datasets that
-        can't skip.
-        """
-        dataset = self.loader.dataset
-        if not isinstance(dataset, DataPipeline):
-            return False
-        workers = max(1, self.loader.num_workers)
-        try:
-            items = self._worker_items()
-        except LengthError:
-            items = [n] * workers  # unknown: assume no worker runs dry before item n
-        shares, shift = _round_robin_share(items, n)
-        size = self.loader.batch_size
-        if size is not None:
-            shares = [k * size for k in shares]
-        dataset._skip = {"shares": shares, "shift": shift}
-        return True
-
 
 def _total(counts: List[Length]) -> Length:
     """The sum of several streams' counts, level by level while every stream knows the level."""
     inner = [c.inner for c in counts if c.inner is not None]
     below = _total(inner) if inner and len(inner) == len(counts) else None
     return Length(sum(c.items for c in counts), below)
-
-
-def _round_robin_share(items: List[int], n: int) -> Tuple[List[int], int]:
-    """How many of the first ``n`` loader items came from each worker, and whose turn is next.
-
-    A DataLoader over an IterableDataset takes one item from each worker in turn, skipping
-    workers that have run out; ``items`` is how many each yields.
-    """
-    workers = len(items)
-    share = [0] * workers
-    k = served = 0
-    while served < n:
-        for _ in range(workers):
-            if share[k] < items[k]:
-                break
-            k = (k + 1) % workers
-        else:
-            break  # every worker ran out
-        share[k] += 1
-        served += 1
-        k = (k + 1) % workers
-    return share, k

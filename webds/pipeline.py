@@ -28,6 +28,7 @@ import copy
 import ctypes
 import functools
 import itertools
+import secrets
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -35,12 +36,13 @@ from torch.utils.data import IterableDataset
 
 from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
     _exactly,
-    check_resume_config,
+    check_state,
     exact_count,
     forward_counts,
-    resume_share,
-    skip_point,
     source_counts,
+)
+from .counting import (
+    stage_name as _stage_name,
 )
 from .errors import ArgumentError, LengthError
 
@@ -60,6 +62,9 @@ from .stages.core import (  # noqa: F401
     pipelinefilter,
     stage,
 )
+from .stages.ledger import LEAF, Envelope, Ledger
+
+_NO_DELTA: Tuple[Any, ...] = ({}, [], {}, [])
 
 __all__ = [
     "stage",
@@ -118,12 +123,16 @@ class DataPipeline(IterableDataset):
         self.repetitions = 1
         self.length: Optional[int] = None
         self._carry: Optional[Iterator[Any]] = None
-        # Resuming: items to skip at the next iter() (an int, or one per DataLoader worker), the
-        # [epoch, items consumed] of the epoch in progress, and with_epoch's stream position.
-        self._skip: Any = 0
+        # Drawn once, so that an unseeded pipeline's random choices can be made again when it
+        # resumes (the state records it); different for every pipeline, as no seed promises.
+        self._entropy = secrets.randbits(63)
+        # Resuming (see state_dict): [epoch, items yielded] of the epoch in progress; the pass
+        # being read and its ledger; a saved stream to continue at the next iter().
         self._position: List[int] = [0, 0]
-        self._carry_position: Optional[List[int]] = None
-        self._carry_resume: Optional[Tuple[int, int]] = None
+        self._stream: Optional[Dict[str, Any]] = None
+        self._resume: Optional[Dict[str, Any]] = None
+        self._drop = 0
+        self._envelopes = False  # a WebLoader's dataset: yield Envelopes (see loader.py)
         self._warned_inexact = False
 
     # -- composition -------------------------------------------------------------------------
@@ -134,6 +143,7 @@ class DataPipeline(IterableDataset):
         result.pipeline = self.pipeline + [s for s in stages if s is not None]
         result._carry = None
         result._position = list(self._position)
+        result._stream = None
         return result
 
     def append(self, stage: Any) -> None:
@@ -154,11 +164,12 @@ class DataPipeline(IterableDataset):
         to the next. So a training loop can call ``set_epoch(e)`` at the top of every epoch,
         resumed or not, with or without ``with_epoch``.
         """
-        if int(epoch) == self.epoch and (self._skip or self._carry is not None):
+        if int(epoch) == self.epoch and (self._resume is not None or self._carry is not None):
             return
         self.epoch = int(epoch)
         self._carry = None
-        self._skip = 0
+        self._resume = None
+        self._stream = None
         self._position = [self.epoch, 0]
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> "DataPipeline":
@@ -237,8 +248,8 @@ class DataPipeline(IterableDataset):
         return worker_info().worker
 
     def skip(self, n: int) -> None:
-        """Make the next ``iter()`` start ``n`` items in (used when nested in a pipeline)."""
-        self._skip = n
+        """Make the next ``iter()`` leave out its first ``n`` items (read, then dropped)."""
+        self._drop = int(n)
 
     def _workers_hint(self) -> Optional[int]:
         """How many DataLoader workers will run this pipeline, when something said so."""
@@ -253,64 +264,73 @@ class DataPipeline(IterableDataset):
 
     # -- resuming ----------------------------------------------------------------------------
 
+    def effective_seed(self) -> int:
+        """The seed random stages follow: ``seed``, or one drawn for this pipeline if None."""
+        return self.seed if self.seed is not None else self._entropy
+
     def _resume_config(self) -> Dict[str, Any]:
         """What must be the same when a saved position is loaded (see :meth:`load_state_dict`)."""
-        return {"seed": self.seed, "stages": len(self.pipeline)}
+        return {"seed": self.seed, "stages": [_stage_name(s) for s in self.pipeline]}
+
+    def _stream_state(self) -> Dict[str, Any]:
+        """Where this process's stream stands: epoch, items yielded, pass and its ledger."""
+        epoch, items = self._position
+        state: Dict[str, Any] = {"epoch": epoch, "items": items}
+        stream = self._stream
+        if stream is not None:
+            ledger = stream["ledger"]
+            state.update(stream=stream["pass"], ledger=ledger.state(), problem=ledger.problem)
+        return state
 
     def state_dict(self) -> Dict[str, Any]:
-        """Where this pipeline stands: the epoch in progress and how many items it has yielded.
+        """Where this pipeline stands: the epoch in progress, how many items it has yielded, and
+        which source samples it has consumed (a plain dict of lists and ints: JSON will do).
 
         After an epoch has run to its end, that is the next epoch with nothing consumed.
         """
-        epoch, consumed = self._position
-        state: Dict[str, Any] = {
-            "version": 1,
-            "epoch": epoch,
-            "consumed": consumed,
-            "config": self._resume_config(),
-        }
-        if self._carry_position is not None and self.repetitions == sys.maxsize:
-            state["stream"] = list(self._carry_position)
+        state = {"version": 2, "seed": self.effective_seed(), "config": self._resume_config()}
+        state["entropy"] = [x._entropy for x in _random_parts(self)]
+        state.update(self._stream_state())
         return state
 
     def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
-        """Make the next ``iter()`` continue where :meth:`state_dict` was taken.
+        """Make the next ``iter()`` continue where :meth:`state_dict` was taken: the samples of
+        that epoch not consumed yet, each once (those that sat in a shuffle buffer come in a new
+        order), then the epochs after as usual.
 
-        The configuration that fixes the order (seed, shards, world size, workers, batch size)
-        must be the same, else this raises; ``strict=False`` resumes at the same epoch and item
-        count anyway, which is then only approximately the rest of the epoch.
+        The configuration (seed, shards, stages, world size, workers, batch size) must be the
+        same, and the pipeline able to resume exactly, else this raises
+        :class:`~webds.errors.ResumeError` saying why; ``strict=False`` resumes anyway, which is
+        then only approximately the rest of the epoch.
         """
-        if not isinstance(state, dict) or state.get("version") != 1:
-            raise ArgumentError(f"not a webds pipeline state (from state_dict()): {state!r}")
-        check_resume_config(state.get("config") or {}, self._resume_config(), strict)
-        epoch, consumed = int(state["epoch"]), int(state["consumed"])
-        self.epoch = epoch
-        self._skip = consumed
-        self._position = [epoch, consumed]
+        check_state(state, self._resume_config(), strict)
+        entropy = state.get("entropy") or []
+        parts = list(_random_parts(self))
+        if len(entropy) == len(parts):
+            for part, value in zip(parts, entropy):
+                part._entropy = int(value)
+        self.set_epoch(int(state["epoch"]))
+        self._resume = state
+        self._restart()
+
+    def _restart(self) -> None:
+        """Drop whatever stream is in progress, so the next iter() starts from the resume."""
         self._carry = None
-        stream = state.get("stream")
-        self._carry_resume = (int(stream[0]), int(stream[1])) if stream else None
+        self._stream = None
+        self._position = [self.epoch, 0]
 
-    def _take_skip(self) -> int:
-        """The items to skip in this iteration (and, in a DataLoader worker, which worker to be)."""
-        skip, self._skip = self._skip, 0
-        from .shards.shardlists import renumber_worker
+    def _take_resume(self, epoch: int) -> Optional[Dict[str, Any]]:
+        """The saved stream this process continues in ``epoch``, if any (taken: used once)."""
+        resume, self._resume = self._resume, None
+        if resume is None or int(resume.get("epoch", -1)) != epoch:
+            return None
+        if "for_workers" in resume:
+            # A WebLoader's dataset: each DataLoader worker continues its own stream.
+            from torch.utils.data import get_worker_info
 
-        worker = None
-        if _is_worker_dataset(self):
-            # Only the DataLoader's own dataset renumbers its worker (a WebLoader resuming
-            # mid-epoch, see loader._LoaderOrigin.skip), and undoes that in the epochs after.
-            worker = renumber_worker(skip["shift"] if isinstance(skip, dict) else 0)
-        return resume_share(skip, worker)
-
-    def _skip_point(self, count: int) -> Tuple[int, int, Any]:
-        """Where to skip ``count`` output items: (stage position, items there, origin or None).
-
-        Walks back over stages that can say which inputs made their first outputs (map, batched)
-        and stops at one that cannot (shuffle), where skipping means replaying and dropping.
-        When it reaches the origin, the origin skips without reading.
-        """
-        return skip_point(self.pipeline, self._origin(), count)
+            info = get_worker_info()
+            return resume["for_workers"].get(str(info.id if info is not None else 0))
+        return resume
 
     def _exact_count(self) -> Optional[int]:
         """The items this process must yield this epoch, for sources that promise it."""
@@ -318,27 +338,53 @@ class DataPipeline(IterableDataset):
 
     # -- running -----------------------------------------------------------------------------
 
-    def _one_pass(self, epoch: int, skip: int = 0) -> Iterator[Any]:
-        """Run the stages once over the source, closing every stage when done or abandoned."""
+    def _source_items(self, ledger: Ledger) -> Iterator[Any]:
+        """The source's items, numbered in the ledger (item ``k`` has the id ``k << 32 | LEAF``).
+
+        When a stage reads samples out of each item and records them itself
+        (``tarfile_to_samples``), numbering is all; otherwise each item is recorded as read.
+        """
+        it = _as_iterator(self.pipeline[0]) if self.pipeline else iter(())
+        if any(getattr(getattr(s, "factory", None), "expands", False) for s in self.pipeline):
+            for k, item in enumerate(it):
+                ledger.current = (k << 32) | LEAF
+                yield item
+        else:
+            for k, item in enumerate(it):
+                ledger.produce((k << 32) | LEAF)
+                yield item
+
+    def _one_pass(self, epoch: int, ledger: Ledger) -> Iterator[Any]:
+        """Run the stages once over the source, closing every stage when done or abandoned.
+
+        When resuming, the items consumed before are left out just before the first stage that
+        keeps the ledger (a shuffle, a batching; the tar stage skips consumed samples itself):
+        not at the source, because the stages before may pick items by their place in the
+        stream (``split_by_worker``), and leaving some out there would shift the others.
+        """
+        seed = self.effective_seed()
         for s in self.pipeline:
             if hasattr(s, "set_epoch"):
                 s.set_epoch(epoch)
             if isinstance(s, Stage):
-                s.set_seed(self.seed)
-        at, n = -1, 0
-        if skip:
-            at, n, origin = self._skip_point(skip)
-            if origin is not None and origin.skip(n) is not False:
-                at = -1
+                s.set_seed(seed)
+                s.set_ledger(ledger)
+        skip_at = -1
+        if ledger.resuming:
+            skip_at = next(
+                (i for i, s in enumerate(self.pipeline) if i and _keeps_ledger(s)),
+                len(self.pipeline),
+            )
         its: List[Any] = []
-        it = _as_iterator(self.pipeline[0]) if self.pipeline else iter(())
+        it = self._source_items(ledger)
         its.append(it)
-        for i, s in enumerate(self.pipeline):
-            if i > 0:
-                it = iter(s(it))
-                its.append(it)
-            if i == at:
-                it = itertools.islice(it, n, None)
+        for i, s in enumerate(self.pipeline[1:], 1):
+            if i == skip_at and not getattr(s.factory, "expands", False):
+                it = _unconsumed(it, ledger)
+            it = iter(s(it))
+            its.append(it)
+        if skip_at == len(self.pipeline):
+            it = _unconsumed(it, ledger)
         try:
             yield from it
         finally:
@@ -348,56 +394,87 @@ class DataPipeline(IterableDataset):
                 if close is not None:
                     close()
 
-    def _passes(self, first_epoch: int, skip: int = 0, track: bool = False) -> Iterator[Any]:
+    def _passes(self, first_epoch: int, resume: Optional[Dict[str, Any]] = None) -> Iterator[Any]:
         """Chain up to ``repetitions`` passes; stop at a pass that yields nothing.
 
-        ``skip`` items of the first pass are skipped; ``track`` records the pass and the items
-        yielded in it (with_epoch's stream position).
+        ``resume`` (a saved stream) says which pass to start at and what of it was consumed.
         """
-        for i in range(self.repetitions):
-            epoch, n = first_epoch + i, skip if i == 0 else 0
-            pos = [epoch, n]
-            if track:
-                self._carry_position = pos
+        start = int(resume.get("stream", first_epoch)) if resume else first_epoch
+        saved = resume.get("ledger") if resume else None
+        end = first_epoch + self.repetitions if self.repetitions < sys.maxsize else sys.maxsize
+        for epoch in range(start, end):
+            ledger = Ledger(resume=saved, track=self._envelopes)
+            saved = None
+            self._stream = {"pass": epoch, "ledger": ledger}
             empty = True
-            for item in self._one_pass(epoch, n):
+            for item in self._one_pass(epoch, ledger):
                 empty = False
-                pos[1] += 1
                 yield item
-            if empty and n == 0:
+            if empty and not ledger.resuming:
                 return
 
     def iterator(self) -> Iterator[Any]:
         """One epoch's items (what ``iter(self)`` returns)."""
         epoch = self.epoch
         self.epoch += 1
-        skip = self._take_skip()
+        resume = self._take_resume(epoch)
+        done = int(resume.get("items", 0)) if resume else 0
         if self.nsamples is None:
-            if self.repetitions == 1:
-                it: Iterator[Any] = self._passes(epoch, skip)
-                exact = self._exact_count()
-                if exact is not None:
-                    it = _exactly(it, exact - skip, self)
-            else:
-                it = itertools.islice(self._passes(epoch), skip, None)
+            it: Iterator[Any] = self._passes(epoch, resume)
+            exact = self._exact_count() if self.repetitions == 1 else None
+            if exact is not None:
+                it = _exactly(it, exact - done, self)
         elif self.repetitions == sys.maxsize:
             # with_epoch: continue the same endless stream across epochs.
             if self._carry is None:
-                start, done = self._carry_resume or (epoch, 0)
-                self._carry_resume = None
-                self._carry = self._passes(start, done, track=True)
-            it = itertools.islice(self._carry, max(0, self.nsamples - skip))
+                self._carry = self._passes(epoch, resume if resume and "stream" in resume else None)
+            it = itertools.islice(self._carry, max(0, self.nsamples - done))
         else:
-            it = itertools.islice(self._passes(epoch), skip, self.nsamples)
-        position = self._position = [epoch, skip]
+            it = itertools.islice(self._passes(epoch, resume), max(0, self.nsamples - done))
+        drop, self._drop = self._drop, 0
+        if drop:
+            it = itertools.islice(it, drop, None)
+        position = self._position = [epoch, done]
+        if self._envelopes:
+            return self._enveloped(it, position)
         return self._counted(it, position)
 
     def _counted(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
         for item in it:
             position[1] += 1
             yield item
+        self._epoch_done(position)
+
+    def _enveloped(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
+        """:meth:`_counted` for a WebLoader's dataset: each item in an Envelope that tells the
+        main process what the worker's ledger recorded (see :mod:`webds.stages.ledger`)."""
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        worker = info.id if info is not None else 0
+        for item in it:
+            position[1] += 1
+            stream = self._stream
+            if stream is None:
+                yield Envelope(item, worker, None, _NO_DELTA, position[1], -1)
+                continue
+            ledger = stream["ledger"]
+            yield Envelope(
+                item,
+                worker,
+                ledger.current,
+                ledger.take_delta(),
+                position[1],
+                stream["pass"],
+                ledger.problem,
+            )
+        self._epoch_done(position)
+
+    def _epoch_done(self, position: List[int]) -> None:
         if position is self._position:
             self._position = [position[0] + 1, 0]
+            if self._carry is None:
+                self._stream = None  # with_epoch's stream goes on; otherwise the epoch is over
         if _is_worker_dataset(self):
             # A persistent worker idles until the next epoch holding all the heap its epoch
             # fragmented (decoded images and tensors of mixed sizes); see _release_free_heap.
@@ -421,6 +498,14 @@ class DataPipeline(IterableDataset):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __setstate__(self, state: dict) -> None:
+        # Pipelines pickled by webds 0.1 lack what resuming now keeps.
+        self.__dict__.update(state)
+        for name, value in (("_stream", None), ("_resume", None), ("_drop", 0)):
+            self.__dict__.setdefault(name, value)
+        self.__dict__.setdefault("_envelopes", False)
+        self.__dict__.setdefault("_entropy", secrets.randbits(63))
+
     def __getstate__(self) -> dict:
         # A running generator can't cross to a DataLoader worker; the worker starts its own.
         state = self.__dict__.copy()
@@ -430,6 +515,32 @@ class DataPipeline(IterableDataset):
     def __repr__(self) -> str:
         inner = ",\n  ".join(repr(s) for s in self.pipeline)
         return f"{type(self).__name__}(\n  {inner}\n)"
+
+
+def _random_parts(pipeline: Any) -> Iterator[Any]:
+    """The pipeline and every source inside it that drew entropy for its random choices (a
+    mix, its datasets, a resampled shard list), always in the same order."""
+    yield pipeline
+    source = pipeline.pipeline[0] if pipeline.pipeline else None
+    inner = [source, getattr(source, "dataset", None)]  # a DataLoader's dataset
+    inner += list(getattr(source, "datasets", None) or [])  # a mix's
+    for x in inner:
+        if isinstance(x, DataPipeline):
+            yield from _random_parts(x)
+        elif hasattr(x, "_entropy"):
+            yield x
+
+
+def _keeps_ledger(s: Any) -> bool:
+    factory = getattr(s, "factory", None)
+    return isinstance(s, Stage) and bool(getattr(factory, "wants_ledger", False))
+
+
+def _unconsumed(it: Iterator[Any], ledger: Ledger) -> Iterator[Any]:
+    """The items of ``it`` not consumed before the resume (judged by the ledger's current id)."""
+    for item in it:
+        if not ledger.consumed(ledger.current):
+            yield item
 
 
 def _is_worker_dataset(pipeline: "DataPipeline") -> bool:

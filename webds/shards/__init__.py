@@ -24,7 +24,6 @@ from .shardlists import (
     derive_seed,
     expand_urls,
     non_empty,
-    renumber_worker,  # noqa: F401 (likewise)
     resampled,
     single_node_only,
     split_by_node,

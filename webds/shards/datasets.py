@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import sys
 from typing import Any, Dict, Iterator, Optional, Union
 
@@ -98,6 +99,9 @@ class ResampledShards(IterableDataset):
         self.worker_seed = worker_seed
         self.deterministic = deterministic
         self.epoch = 0
+        # Not deterministic: entropy drawn once, so that a resumed epoch (which restores it
+        # from the state) draws the same shards again.
+        self._entropy = secrets.randbits(63)
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose draws the next iteration uses."""
@@ -109,7 +113,7 @@ class ResampledShards(IterableDataset):
         where = self.worker_seed() if callable(self.worker_seed) else worker_info()
         parts: tuple = ("resampled", self.seed, self.epoch, tuple(where) if where else None)
         if not self.deterministic:
-            parts += (os.urandom(8),)
+            parts += (getattr(self, "_entropy", None) or os.urandom(8),)
         rng = random.Random(derive_seed(*parts))
         for _ in range(self.nshards):
             yield {"url": rng.choice(self.urls)}

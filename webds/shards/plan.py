@@ -242,17 +242,12 @@ class PlannedShards:
         self.shuffle = bool(shuffle)
         self.epoch = 0
         self.granule = 1
-        self._skip = 0  # samples to skip at the next iteration
         self._warned = False
         self._where: Optional[Tuple[int, int]] = None
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose plan the next iteration reads."""
         self.epoch = int(epoch)
-
-    def skip(self, n: int) -> None:
-        """Start the next iteration ``n`` samples into this worker's share."""
-        self._skip = n
 
     def where(self) -> Tuple[int, int, int, int]:
         """(rank, world_size, worker, num_workers) of this process."""
@@ -316,10 +311,9 @@ class PlannedShards:
 
     def __iter__(self) -> Iterator[Dict[str, Any]]:
         rank, world, worker, workers = self.where()
-        skip, self._skip = self._skip, 0
         if worker == 0:
             self.warn_split(workers)
-        plan = self.plan(skip=skip)
+        plan = self.plan()
         for seg in plan.segments:
             yield seg.descriptor(self.counts[seg.shard])
 

@@ -102,30 +102,6 @@ def worker_info(group: Any = None) -> WorkerInfo:
     return WorkerInfo(rank, world_size, worker, num_workers)
 
 
-def renumber_worker(shift: int) -> int:
-    """In a DataLoader worker, act as worker ``(id + shift) % num_workers``; return that number.
-
-    A DataLoader always asks worker 0 first. To resume an epoch whose next item was due from
-    worker ``shift``, each worker takes the identity (plan, seeds) of the one ``shift`` places
-    on, so the loader's usual order continues the interrupted one. It is set through the
-    ``WORKER``/``NUM_WORKERS`` overrides of this worker process, and undone by ``shift=0``.
-    """
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    env = os.environ
-    if info is None:
-        return worker_info().worker
-    if shift == 0:
-        if env.pop("WEBDS_RENUMBERED", None) is not None:
-            env.pop("WORKER", None)
-            env.pop("NUM_WORKERS", None)
-        return worker_info().worker
-    worker = (info.id + shift) % info.num_workers
-    env.update(WORKER=str(worker), NUM_WORKERS=str(info.num_workers), WEBDS_RENUMBERED="1")
-    return worker
-
-
 def default_seed() -> Optional[int]:
     """The seed from the environment variable ``WDS_SEED`` (an integer), or None if unset.
 
@@ -353,12 +329,16 @@ def resampled(
     seed: Optional[int] = None,
     *,
     epoch: int = 0,
+    pipeline_seed: Optional[int] = None,
 ) -> Iterator[Any]:
     """Read all of ``src``, then yield ``n`` items drawn from it at random with replacement.
 
     With ``seed`` the draws depend only on (seed, epoch, rank, worker), as in
-    :class:`ResampledShards` with ``deterministic=True``; without one they use fresh entropy.
+    :class:`ResampledShards` with ``deterministic=True``; without one they follow the
+    pipeline's seed (drawn for the pipeline if it has none), else fresh entropy.
     """
+    if seed is None:
+        seed = pipeline_seed
     if n < 0:
         raise ArgumentError(f"resampled: n must be >= 0, got {n}")
     items = list(src)

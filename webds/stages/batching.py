@@ -182,18 +182,37 @@ def default_collation_fn(
     return _collate_column(samples, "#0", samples, combine_tensors, combine_scalars)
 
 
-def _batches(src: Iterable[Any], batchsize: Any, partial: bool) -> Iterator[List[Any]]:
+def _batches(
+    src: Iterable[Any], batchsize: Any, partial: bool, ledger: Any = None
+) -> Iterator[List[Any]]:
+    """Lists of ``batchsize`` items; with a ``ledger``, the items of the list being filled are
+    held, and a full list's ids become one bundle (see :mod:`webds.stages.ledger`)."""
     batchsize = _check_int("batchsize", batchsize)
     if batchsize < 1:
         raise ArgumentError(f"batchsize must be at least 1, got {batchsize}")
     buf: List[Any] = []
+    if ledger is None:
+        for item in src:
+            buf.append(item)
+            if len(buf) == batchsize:
+                yield buf
+                buf = []
+        if buf and partial:
+            yield buf
+        return
+    ids: List[Any] = []
     for item in src:
         buf.append(item)
+        ids.append(ledger.current)
+        ledger.hold(ledger.current)
         if len(buf) == batchsize:
+            ledger.release(ids)
             yield buf
-            buf = []
-    if buf and partial:
-        yield buf
+            buf, ids = [], []
+    if buf:
+        ledger.release(ids)  # a short last batch dropped by partial=False is consumed too
+        if partial:
+            yield buf
 
 
 @stage(count=BATCH)
@@ -202,6 +221,8 @@ def batched(
     batchsize: int = 20,
     collation_fn: Optional[Callable[[List[Any]], Any]] = default_collation_fn,
     partial: bool = True,
+    *,
+    ledger: Any = None,
 ) -> Iterator[Any]:
     """Group items into batches of ``batchsize``, collated by ``collation_fn``.
 
@@ -209,19 +230,45 @@ def batched(
     """
     if collation_fn is not None:
         _check_callable("batched", "collation_fn", collation_fn)
-    for batch in _batches(src, batchsize, partial):
+    for batch in _batches(src, batchsize, partial, ledger):
         yield batch if collation_fn is None else collation_fn(batch)
 
 
 @stage(count=BATCH)
-def listed(src: Iterable[Any], batchsize: int, partial: bool = True) -> Iterator[List[Any]]:
+def listed(
+    src: Iterable[Any], batchsize: int, partial: bool = True, *, ledger: Any = None
+) -> Iterator[List[Any]]:
     """Group items into lists of ``batchsize`` (no collation); ``partial=False`` drops a short
     last list."""
-    yield from _batches(src, batchsize, partial)
+    yield from _batches(src, batchsize, partial, ledger)
+
+
+def _split(items: Iterable[Any], n: int, ledger: Any) -> Iterator[Any]:
+    """Yield the ``n`` items of one batch; with a ``ledger``, the batch's bundle of ids is split
+    too: the items not yet yielded are held, and each yielded one's id becomes current."""
+    if ledger is None:
+        yield from items
+        return
+    bundle = ledger.current
+    if not (isinstance(bundle, list) and len(bundle) == n):
+        if n == 1 and not isinstance(bundle, list):
+            bundle = [bundle]
+        else:
+            if ledger.problem is None:
+                ledger.problem = (
+                    f"unbatched got a batch of {n} items that was not made by batched() or a "
+                    "DataLoader in this pipeline, so which samples it holds is unknown"
+                )
+            yield from items
+            return
+    ledger.hold(bundle)
+    for i, item in zip(bundle, items):
+        ledger.release(i)
+        yield item
 
 
 @stage(count=UNBATCH)
-def unlisted(src: Iterable[Any]) -> Iterator[Any]:
+def unlisted(src: Iterable[Any], *, ledger: Any = None) -> Iterator[Any]:
     """Flatten lists of items (the inverse of :func:`listed`)."""
     for batch in src:
         if not isinstance(batch, list):
@@ -230,7 +277,7 @@ def unlisted(src: Iterable[Any]) -> Iterator[Any]:
                 "use unbatched() for collated batches",
                 **_where(batch),
             )
-        yield from batch
+        yield from _split(batch, len(batch), ledger)
 
 
 def _column_len(value: Any, column: str) -> int:
@@ -271,7 +318,7 @@ def _column_item(value: Any, i: int) -> Any:
 
 
 @stage(count=UNBATCH)
-def unbatched(src: Iterable[Any]) -> Iterator[Any]:
+def unbatched(src: Iterable[Any], *, ledger: Any = None) -> Iterator[Any]:
     """Split batches back into samples (the inverse of :func:`batched`).
 
     A tuple or list batch gives tuples; a dict batch gives dicts, nested dicts included. Tensors
@@ -281,13 +328,13 @@ def unbatched(src: Iterable[Any]) -> Iterator[Any]:
         if isinstance(batch, Mapping):
             lengths = {repr(k): _column_len(v, repr(k)) for k, v in batch.items()}
             n = _common_len(lengths, "")
-            for i in range(n):
-                yield {k: _column_item(v, i) for k, v in batch.items()}
+            items = ({k: _column_item(v, i) for k, v in batch.items()} for i in range(n))
+            yield from _split(items, n, ledger)
         elif isinstance(batch, (tuple, list)):
             lengths = {f"#{j}": _column_len(v, f"#{j}") for j, v in enumerate(batch)}
             n = _common_len(lengths, "")
-            for i in range(n):
-                yield tuple(_column_item(v, i) for v in batch)
+            items = (tuple(_column_item(v, i) for v in batch) for i in range(n))
+            yield from _split(items, n, ledger)
         else:
             raise SampleError(
                 f"unbatched expects tuple, list or dict batches, got a {type(batch).__name__}"

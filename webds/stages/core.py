@@ -13,7 +13,9 @@ picklable factories by :func:`stage`::
     select(lambda s: "jpg" in s)          # -> Stage, a callable iterator -> iterator
 
 A stage function that declares a keyword parameter named ``epoch`` receives the pipeline's current
-epoch; one that declares ``pipeline_seed`` receives the pipeline's ``seed``. A stage may also say
+epoch; one that declares ``pipeline_seed`` receives the pipeline's ``seed``; one that declares
+``ledger`` receives the record of what the pass has read (:mod:`webds.stages.ledger`), which
+stages that hold items back keep up to date so that resuming is exact. A stage may also say
 how it changes the number of items (``@stage(count=SAME)``, ``REORDER``, ``BATCH``, ``UNBATCH``),
 from which a pipeline computes ``len()`` and where to resume (see :mod:`webds.pipeline`).
 
@@ -120,8 +122,9 @@ class StageFactory:
             )
         self.wants_epoch = "epoch" in sig.parameters
         self.wants_seed = "pipeline_seed" in sig.parameters
+        self.wants_ledger = "ledger" in sig.parameters
         # The public signature is the function's without the source and the injected values.
-        injected = ("epoch", "pipeline_seed")
+        injected = ("epoch", "pipeline_seed", "ledger")
         self.__signature__ = sig.replace(
             parameters=[p for p in params[1:] if p.name not in injected]
         )
@@ -157,6 +160,7 @@ class Stage:
         self.kwargs = kwargs
         self.epoch = 0
         self.seed: Optional[int] = None
+        self.ledger: Any = None
 
     @property
     def count(self) -> Optional[Count]:
@@ -177,12 +181,19 @@ class Stage:
         """Set the seed passed to stage functions that take a ``pipeline_seed`` parameter."""
         self.seed = seed
 
+    def set_ledger(self, ledger: Any) -> None:
+        """Set the ledger passed to stage functions that take a ``ledger`` parameter (see
+        :mod:`webds.stages.ledger`)."""
+        self.ledger = ledger
+
     def __call__(self, src: Iterable[Any]) -> Iterator[Any]:
         injected: Dict[str, Any] = {}
         if self.factory.wants_epoch:
             injected["epoch"] = self.epoch
         if self.factory.wants_seed:
             injected["pipeline_seed"] = self.seed
+        if self.factory.wants_ledger:
+            injected["ledger"] = getattr(self, "ledger", None)  # 0.1 pickles have none
         return self.factory.fn(src, *self.args, **injected, **self.kwargs)
 
     def __repr__(self) -> str:

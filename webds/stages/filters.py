@@ -31,6 +31,7 @@ from ..errors import ArgumentError, WebdsError
 from ..shards.shardlists import derive_seed, worker_info
 from .core import REORDER, SAME, Stage, StageFactory, stage
 from .handlers import Handler, apply_each, reraise_exception
+from .ledger import ids_of
 
 __all__ = [
     "derive_seed",
@@ -121,21 +122,35 @@ def _worker_rng(tag: str, seed: Any, epoch: int) -> random.Random:
 
 
 def _buffer_shuffle(
-    src: Iterable[Any], bufsize: int, initial: int, rng: random.Random
+    src: Iterable[Any], bufsize: int, initial: int, rng: random.Random, ledger: Any = None
 ) -> Iterator[Any]:
-    """Shuffle through a buffer of at most ``bufsize`` items (see :func:`shuffle`)."""
+    """Shuffle through a buffer of at most ``bufsize`` items (see :func:`shuffle`).
+
+    With a ``ledger``, the ids of the buffered items are kept beside them and recorded as held,
+    so a checkpoint knows these items were read but not yet consumed.
+    """
     it = iter(src)
     buf: List[Any] = []
+    ids: List[Any] = []  # the ledger ids of buf's items, in the same places
     initial = max(1, min(initial, bufsize))
     end = object()
     for item in it:
         buf.append(item)
+        if ledger is not None:
+            ids.append(ledger.current)
+            ledger.hold(ledger.current)
         if len(buf) >= initial:
             break
     else:
         it = iter(())
     while buf:
-        yield pick(buf, rng)
+        k = rng.randrange(len(buf))
+        buf[k], buf[-1] = buf[-1], buf[k]
+        item = buf.pop()
+        if ledger is not None:
+            ids[k], ids[-1] = ids[-1], ids[k]
+            ledger.release(ids.pop())
+        yield item
         # Pull two per output while the buffer is below bufsize, so it grows from ``initial``
         # to ``bufsize`` without delaying the first outputs; one per output after that.
         for _ in range(2):
@@ -146,6 +161,9 @@ def _buffer_shuffle(
                 it = iter(())
                 break
             buf.append(item)
+            if ledger is not None:
+                ids.append(ledger.current)
+                ledger.hold(ledger.current)
 
 
 @stage(count=REORDER)
@@ -159,6 +177,7 @@ def shuffle(
     *,
     epoch: int = 0,
     pipeline_seed: Optional[int] = None,
+    ledger: Any = None,
 ) -> Iterator[Any]:
     """Shuffle the stream through a buffer of ``bufsize`` items.
 
@@ -186,7 +205,8 @@ def shuffle(
         return
     if seed is None:
         seed = pipeline_seed
-    yield from _buffer_shuffle(src, bufsize, initial, rng or _worker_rng("shuffle", seed, epoch))
+    rng = rng or _worker_rng("shuffle", seed, epoch)
+    yield from _buffer_shuffle(src, bufsize, initial, rng, ledger)
 
 
 class _DetShuffleFactory(StageFactory):
@@ -225,6 +245,7 @@ def detshuffle(
     first_epoch: int = -1,
     *,
     epoch: int = 0,
+    ledger: Any = None,
 ) -> Iterator[Any]:
     """Shuffle like :func:`shuffle`, in the same order in every rank and worker.
 
@@ -243,26 +264,58 @@ def detshuffle(
         yield from src
         return
     rng = random.Random(derive_seed("detshuffle", seed, epoch + first_epoch + 1))
-    yield from _buffer_shuffle(src, bufsize, initial, rng)
+    yield from _buffer_shuffle(src, bufsize, initial, rng, ledger)
 
 
 detshuffle.count = REORDER
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a well-spread 64-bit hash of an int, in a few operations."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
 @stage
 def rsample(
-    src: Iterable[Any], p: float = 0.5, seed: Optional[int] = None, *, epoch: int = 0
+    src: Iterable[Any],
+    p: float = 0.5,
+    seed: Optional[int] = None,
+    *,
+    epoch: int = 0,
+    pipeline_seed: Optional[int] = None,
+    ledger: Any = None,
 ) -> Iterator[Any]:
     """Keep each item with probability ``p``.
 
-    Seeded like :func:`shuffle` (by seed, epoch, rank and worker) rather than by the global
-    ``random`` that webdataset used.
+    Seeded like :func:`shuffle` (by seed, epoch, rank and worker; without ``seed``, by the
+    pipeline's) rather than by the global ``random`` that webdataset used. In a pipeline the
+    choice for each sample depends only on those and on which sample it is, not on what came
+    before it, so a resumed epoch keeps exactly the samples the uninterrupted one would.
     """
     if not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
         raise ArgumentError(f"rsample: p must be a probability between 0 and 1, got {p!r}")
-    rng = _worker_rng("rsample", _check_seed(seed), epoch)
+    seed = _check_seed(seed)
+    if seed is None:
+        seed = pipeline_seed
+    if ledger is None or seed is None:
+        rng = _worker_rng("rsample", seed, epoch)
+        for item in src:
+            if rng.random() < p:
+                yield item
+        return
+    where = worker_info()
+    base = derive_seed("rsample", seed, epoch, where.rank, where.worker)
+    threshold = int(p * 2.0**64)
     for item in src:
-        if rng.random() < p:
+        i = ledger.current
+        if not isinstance(i, int):
+            i = next(ids_of(i), 0)  # a batch: drawn by its first sample
+        if _mix64(base ^ i) < threshold:
             yield item
 
 
@@ -279,11 +332,18 @@ def select(src: Iterable[Any], predicate: Callable[[Any], Any]) -> Iterator[Any]
 
 
 @stage
-def slice(src: Iterable[Any], *args: Optional[int]) -> Iterator[Any]:
+def slice(src: Iterable[Any], *args: Optional[int], ledger: Any = None) -> Iterator[Any]:
     """Items ``[start:stop:step]`` of the stream: ``slice(stop)`` or ``slice(start, stop[, step])``.
 
-    Stops pulling from upstream once ``stop`` is reached, as :func:`itertools.islice` does.
+    Stops pulling from upstream once ``stop`` is reached, as :func:`itertools.islice` does. It
+    counts the items it passes, and a resumed epoch would count from 0 again, so a pipeline with
+    a ``slice`` refuses to resume mid-epoch (``with_epoch(n)`` cuts epochs and resumes).
     """
+    if ledger is not None and ledger.problem is None:
+        ledger.problem = (
+            f"slice{args} counts the items it passes and would count from 0 again after "
+            "resuming; use with_epoch(n) to cut epochs, or select() to filter"
+        )
     if not 1 <= len(args) <= 3:
         raise ArgumentError(
             f"slice takes 1 to 3 arguments (stop, or start, stop[, step]), got {args}"

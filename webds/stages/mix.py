@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import secrets
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from torch.utils.data import IterableDataset
@@ -173,18 +174,6 @@ class _Mixer(IterableDataset):
             self._position = [self.epoch, 0]
 
 
-def _skipped_sources(sources: Sequence[Any], shares: Sequence[int]) -> List[Iterator[Any]]:
-    """Iterators over ``sources``, each ``shares[i]`` items in: skipped by a source that can
-    (a webds pipeline: without reading), else read and dropped."""
-    its = []
-    for source, n in zip(sources, shares):
-        if n and hasattr(source, "skip") and hasattr(source, "stream_lengths"):
-            source.skip(n)
-            n = 0
-        its.append(itertools.islice(iter(source), n, None))
-    return its
-
-
 class RoundRobin(_Mixer):
     """Alternate between ``datasets``, one item each; stop at the first that runs out, or with
     ``longest=True`` go on with the others until all are done."""
@@ -196,15 +185,10 @@ class RoundRobin(_Mixer):
         self.longest = bool(longest)
 
     def _items(self, skip: int) -> Iterator[Any]:
-        if self.longest or skip == 0:
-            # Which sources ran dry, and when, is only known by reading: replay.
-            return itertools.islice(_round_robin(self.datasets, self.longest), skip, None)
-        n = len(self.datasets)
-        shares = [skip // n + (1 if i < skip % n else 0) for i in range(n)]
-        its = _skipped_sources(self.datasets, shares)
-        # Continue the turn order where it stopped.
-        first = skip % n
-        return _round_robin(its[first:] + its[:first], False)
+        # Which items each source yields, and when one runs dry, is only known by reading: the
+        # items already yielded are read again and dropped, which is exact whatever the sources'
+        # stages drop or reorder, as long as each source repeats its epoch.
+        return itertools.islice(_round_robin(self.datasets, self.longest), skip, None)
 
     def __repr__(self) -> str:
         return f"RoundRobin({len(self.datasets)} datasets, longest={self.longest})"
@@ -231,21 +215,30 @@ class RandomMix(_Mixer):
         if seed is not None and not isinstance(seed, int):
             raise ArgumentError(f"RandomMix seed must be an int or None, got {seed!r}")
         self.seed = seed
+        # Without a seed, one drawn now: fresh for every mix, yet kept in state_dict() so that
+        # a resumed epoch makes the same picks.
+        self._entropy = secrets.randbits(63)
+
+    def effective_seed(self) -> int:
+        """The seed the picks follow: ``seed``, or the one drawn for this mix."""
+        return self.seed if self.seed is not None else self._entropy
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
+        state["seed"] = self.effective_seed()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.seed is None and "seed" in state:
+            self._entropy = int(state["seed"])
 
     def _items(self, skip: int) -> Iterator[Any]:
-        if skip and (self.seed is None or self.longest):
-            # Unseeded picks can't be replayed, and with longest=True the picks after a source
-            # runs dry depend on when it did: read and drop instead.
-            mixed = random_samples(
-                self.datasets, self.probs, self.longest, self.seed, epoch=self.epoch
-            )
-            return itertools.islice(mixed, skip, None)
-        rng = _mix_rng(self.seed, self.epoch)
-        shares = [0] * len(self.datasets)
-        for _ in range(skip):
-            shares[rng.choices(range(len(shares)), weights=self.probs)[0]] += 1
-        its = _skipped_sources(self.datasets, shares)
-        return _mix(its, list(self.probs), self.longest, rng)
+        # The picks are replayed (same seed, epoch, rank and worker) and the items already
+        # yielded read again and dropped: exact whatever the sources' own stages do.
+        rng = _mix_rng(self.effective_seed(), self.epoch)
+        its = [iter(s) for s in self.datasets]
+        return itertools.islice(_mix(its, list(self.probs), self.longest, rng), skip, None)
 
     def __repr__(self) -> str:
         return f"RandomMix({len(self.datasets)} datasets, probs={self.probs}, seed={self.seed})"

@@ -38,6 +38,7 @@ from ..errors import ArgumentError, OpenError, SampleError, ShardReadError, Webd
 from ..io.urls import local_path, open_url
 from ..stages.core import stage
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
+from ..stages.ledger import LEAF
 from .reader import read_members
 
 __all__ = [
@@ -374,6 +375,8 @@ def tarfile_to_samples(
     select_files: Optional[Callable[[str], bool]] = None,
     rename_files: Optional[Callable[[str], Optional[str]]] = None,
     lcase: bool = True,
+    *,
+    ledger: Any = None,
     **storage_options: Any,
 ) -> Iterator[Dict[str, Any]]:
     """Shard descriptors to samples: ``url_opener``, ``tar_file_expander`` and
@@ -381,12 +384,21 @@ def tarfile_to_samples(
 
         DataPipeline(SimpleShardList("data/shard-{000..009}.tar"), tarfile_to_samples())
 
-    ``lcase=False`` keeps each extension's case (tools that copy shards use it).
+    ``lcase=False`` keeps each extension's case (tools that copy shards use it). In a pipeline,
+    sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
+    :mod:`webds.stages.ledger`); when resuming, the samples consumed before are skipped.
     """
     policy = ErrorPolicy(handler, "tarfile_to_samples")
     filtering = select_files is not None or rename_files is not None
+    base = -1  # the ledger id of this shard's sample 0, or -1 outside a pipeline
+    resuming = ledger is not None and ledger.resuming
     try:
         for shard in src:
+            if ledger is not None:
+                item = ledger.current
+                base = item & ~LEAF if isinstance(item, int) else -1
+                if resuming and base >= 0 and ledger.skips_item(base >> 32):
+                    continue  # all its samples were consumed before the resume: not opened
             try:
                 url, stream, lpath = _open_shard(shard, storage_options)
             except Exception as exn:
@@ -432,7 +444,11 @@ def tarfile_to_samples(
                     if key != cur_key:
                         if cur is not None:
                             if n >= first:
-                                yield cur
+                                if base < 0:
+                                    yield cur
+                                elif not (resuming and ledger.consumed(base | n)):
+                                    ledger.produce(base | n)
+                                    yield cur
                             n += 1
                         if n >= last:
                             cur = None
@@ -479,7 +495,13 @@ def tarfile_to_samples(
             if stop:
                 break
             if cur is not None and n > first:
-                yield cur
+                if base < 0:
+                    yield cur
+                elif not (resuming and ledger.consumed(base | (n - 1))):
+                    ledger.produce(base | (n - 1))
+                    yield cur
+            if base >= 0:
+                ledger.finish(base >> 32)
     finally:
         policy.report()
 
@@ -502,6 +524,9 @@ def _stale_index(url: str, indexed: int, more: bool, seen: int = 0) -> ShardRead
         url=url,
     )
 
+
+#: It reads samples out of each source item and records them in the pipeline's ledger.
+tarfile_to_samples.expands = True  # type: ignore[attr-defined]
 
 #: webdataset's name for the plain generator function behind :func:`tarfile_to_samples`.
 tarfile_samples = tarfile_to_samples.fn
