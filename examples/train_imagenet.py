@@ -57,11 +57,13 @@ How the data is read:
   ``(--seed, epoch, sample key)``, so they do not depend on worker processes and a resumed run
   sees exactly the images the uninterrupted run would have seen.
 - ``--classes`` defaults to the size of ``classes.json`` beside the training shards, else 1000.
-- ``--log-json PATH`` writes per-step losses and a hash of each batch's sample keys, and per-epoch
+- ``--log-json PATH`` writes per-step losses and each batch's sample keys, and per-epoch
   results (``{rank}`` in PATH: one file per rank; else rank 0's only).
 
 Checkpoints (written by rank 0, atomically) hold the model, optimizer, gradient scaler, learning
-rate schedule, epoch, step and the training loader's ``state_dict()``; resuming needs the same
+rate schedule, epoch, step and every rank's training loader ``state_dict()`` (gathered: each
+rank has read other samples); a resumed epoch reads each of its samples not yet trained on
+exactly once (those that sat in a shuffle buffer in another order). Resuming needs the same
 data, ``--batch-size``, ``--workers``, ``--seed`` and world size (webds says what changed if not).
 """
 
@@ -394,9 +396,12 @@ def save_checkpoint(
 ) -> None:
     """Write the checkpoint (rank 0 only) to a temporary file, then rename it into place, so a
     crash never leaves a half-written checkpoint behind."""
-    state = loader.state_dict()  # every rank's is the same: the epoch and the batches consumed
+    # Each rank has read other samples: gather every rank's loader state (a collective, so
+    # every rank calls this), and rank 0 saves them all.
+    states = loader.state_dict(all_ranks=True)
     if run.rank != 0:
         return
+    state = states[0]
     path = run.args.checkpoint
     checkpoint = {
         "arch": run.args.arch,
@@ -408,7 +413,7 @@ def save_checkpoint(
         "epoch": state["epoch"],
         "step": run.step,
         "best_acc1": run.best_acc1,
-        "loader": state,
+        "loader": states,
         "args": vars(run.args),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -435,7 +440,7 @@ def train_one_epoch(
         total: Optional[int] = len(loader)
     except TypeError:  # no shard index: the epoch's length is unknown
         total = None
-    first = loader.state_dict()["consumed"]  # > 0 when resuming mid-epoch
+    first = loader.state_dict()["items"]  # > 0 when resuming mid-epoch
     sums = torch.zeros(3, dtype=torch.float64, device=run.device)  # loss, correct, samples
     batches, start, stopped = 0, time.perf_counter(), False
     tick, seen = start, 0
@@ -457,9 +462,8 @@ def train_one_epoch(
             correct = (output.argmax(1) == labels).sum()
             sums += torch.stack([loss.detach().double() * n, correct.double(), sums.new_tensor(n)])
         if args.log_json:
-            digest = hashlib.sha1("\n".join(keys).encode()).hexdigest()[:16]
             run.log["steps"].append(
-                {"epoch": epoch, "batch": i, "step": run.step, "loss": loss.item(), "keys": digest}
+                {"epoch": epoch, "batch": i, "step": run.step, "loss": loss.item(), "keys": keys}
             )
         if run.step % args.print_freq == 0:
             now = time.perf_counter()
@@ -619,12 +623,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                     "data, --batch-size, --workers, --seed and number of processes as the run "
                     "that saved it"
                 )
-        start_epoch, run.step = checkpoint["loader"]["epoch"], checkpoint["step"]
+        saved = checkpoint["loader"][0]  # every rank's state: same epoch, as many batches
+        start_epoch, run.step = saved["epoch"], checkpoint["step"]
         run.best_acc1 = checkpoint.get("best_acc1", 0.0)
-        run.log["resumed"] = {"epoch": start_epoch, "batch": checkpoint["loader"]["consumed"]}
+        run.log["resumed"] = {"epoch": start_epoch, "batch": saved["items"]}
         run.say(
-            f"resumed from {args.resume}: epoch {start_epoch}, batch "
-            f"{checkpoint['loader']['consumed']}, step {run.step}"
+            f"resumed from {args.resume}: epoch {start_epoch}, batch {saved['items']}, "
+            f"step {run.step}"
         )
 
     ddp_model: nn.Module = model

@@ -11,6 +11,7 @@ and may come in another order, so epochs are compared as multisets of sample key
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import zlib
@@ -58,7 +59,7 @@ def interrupt(make: Callable[[], Any], k: int):
     """(items before the checkpoint, the state, the uninterrupted epoch, the epoch after it)."""
     a = make()
     it = iter(a)
-    before = [next(it) for _ in range(k)]
+    before = list(itertools.islice(it, k))
     state = json.loads(json.dumps(a.state_dict()))  # a state survives JSON
     whole = before + list(it)
     return before, state, whole, list(a)
@@ -288,8 +289,9 @@ def test_random_pipelines_resume_exactly(tmp_path, monkeypatch, case):
     if with_epoch:
         # Workers that are not persistent start each epoch's stream afresh, so with_epoch's
         # carried stream is tested in one process here, and in workers (without a buffer,
-        # where every epoch is the same one) by test_with_epoch_in_loader_workers.
-        workers = 0
+        # where every epoch is the same one) by test_with_epoch_in_loader_workers. Seeded, so
+        # that a second pipeline can say what the first pass holds.
+        workers, seed = 0, 7
     stages = random_pipeline(rng, spec, seed)
     shuffle_shards = rng.random() < 0.5
     config = dict(sizes=sizes, index=index, seed=seed, workers=workers, with_epoch=with_epoch)
@@ -306,9 +308,14 @@ def test_random_pipelines_resume_exactly(tmp_path, monkeypatch, case):
 
     rng_loader = rng.random() < 0.5
     if with_epoch is None:
-        epoch = list(make())
-        k = rng.randint(0, len(epoch))
-        before, state, whole, after_whole = interrupt(make, k)
+        a = make()
+        k = rng.randint(0, len(list(a)))  # this pipeline's epoch 0 (unseeded: its own draw)
+        a.set_epoch(0)
+        it = iter(a)
+        before = list(itertools.islice(it, k))
+        state = json.loads(json.dumps(a.state_dict()))
+        whole = before + list(it)
+        after_whole = list(a)
         rest, after = resume(make, state)
         assert Counter(flat(before + rest)) == Counter(flat(whole)), config
         assert flat(after) == flat(after_whole), config

@@ -126,7 +126,11 @@ def test_resampled_differs_per_worker(monkeypatch):
 
 def test_resampled_nondeterministic_by_default():
     rs = ResampledShards("s-{0..999}.tar", nshards=20)
-    assert urls_of(rs) != urls_of(rs)
+    first = urls_of(rs)
+    assert urls_of(ResampledShards("s-{0..999}.tar", nshards=20)) != first  # each its own draw
+    assert urls_of(rs) == first  # kept: a resumed epoch draws the same shards again
+    rs.set_epoch(1)
+    assert urls_of(rs) != first
 
 
 def test_resampled_arguments():

@@ -10,13 +10,14 @@ This module owns what follows from the stages' count rules (:class:`~webds.stage
   count, so that every rank yields as many items (:func:`_exactly`).
 
 They are plain functions over a pipeline's stage list and counts (:func:`exact_count` takes the
-pipeline itself); the pipeline keeps its state and calls them. Nothing here imports torch.
+pipeline itself); the pipeline keeps its state and calls them. Nothing here imports torch but
+:func:`gather_states`, when called.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .errors import ArgumentError, LengthError, ResumeError
 from .stages.core import Count, Length
@@ -26,10 +27,15 @@ __all__ = [
     "forward_counts",
     "stage_name",
     "check_state",
+    "own_state",
+    "gather_states",
+    "random_parts",
     "exact_count",
 ]
 
 log = logging.getLogger("webds")
+
+_NONE = object()
 
 
 def source_counts(source: Any, num_workers: Optional[int] = None) -> List[Length]:
@@ -65,6 +71,67 @@ def stage_name(s: Any) -> str:
     if factory is not None:
         return str(getattr(factory, "__name__", type(s).__name__))
     return type(s).__name__
+
+
+def random_parts(pipeline: Any) -> Iterator[Any]:
+    """The pipeline and every source inside it that drew entropy for its random choices (a
+    DataLoader's dataset, a mix and its datasets, a resampled shard list), in a fixed order:
+    a state records their entropy so that a resumed unseeded pipeline makes the same choices."""
+    yield pipeline
+    source = pipeline.pipeline[0] if pipeline.pipeline else None
+    inner = [source, getattr(source, "dataset", None)]  # a DataLoader's dataset
+    inner += list(getattr(source, "datasets", None) or [])  # a mix's
+    for x in inner:
+        if hasattr(x, "pipeline") and hasattr(x, "_entropy"):
+            yield from random_parts(x)
+        elif hasattr(x, "_entropy"):
+            yield x
+
+
+def own_state(state: Any, rank: int, world_size: int, strict: bool) -> Any:
+    """This rank's state out of ``state``: one rank's ``state_dict()``, or the list of every
+    rank's (``state_dict(all_ranks=True)``). Raises :class:`~webds.errors.ResumeError` for
+    another rank's state or another world size (each rank reads different samples)."""
+    if isinstance(state, (list, tuple)):
+        ranks = {s.get("rank", 0): s for s in state if isinstance(s, dict)}
+        saved_world = len(state)
+        if saved_world == world_size and rank in ranks:
+            return ranks[rank]
+        if not strict and ranks:
+            return ranks.get(rank, state[0])
+        raise ResumeError(
+            f"these states were saved by {saved_world} ranks, and this is rank {rank} of "
+            f"{world_size}; resume with the same number of ranks, or pass strict=False to "
+            "continue approximately"
+        )
+    if not isinstance(state, dict) or state.get("version") != 2 or not strict:
+        return state
+    saved, saved_world = state.get("rank", 0), state.get("world_size", 1)
+    if saved_world != world_size:
+        raise ResumeError(
+            f"this state was saved by a job of {saved_world} ranks, this one has {world_size}: "
+            "resume with the same number of ranks, or pass strict=False to continue "
+            "approximately"
+        )
+    if saved != rank:
+        raise ResumeError(
+            f"this state was saved by rank {saved} and this is rank {rank}: each rank reads "
+            "other samples, so each must load its own state. Save every rank's (call "
+            "state_dict(all_ranks=True) on every rank: it gathers them into one list) and "
+            "load that list on every rank; see docs/distributed.md"
+        )
+    return state
+
+
+def gather_states(state: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every rank's ``state``, in rank order (just this one outside torch.distributed)."""
+    import torch.distributed as dist  # only here: the rest of this module needs no torch
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [state]
+    states: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, state)
+    return states
 
 
 def check_state(state: Any, mine: Dict[str, Any], strict: bool) -> None:
@@ -127,12 +194,18 @@ def exact_count(pipeline: Any) -> Optional[int]:
     return lengths[origin[1].stream_index()]
 
 
-def _exactly(it: Iterator[Any], count: int, where: Any) -> Iterator[Any]:
+def _exactly(
+    it: Iterator[Any],
+    count: int,
+    where: Any,
+    refill: Optional[Callable[[], Iterator[Any]]] = None,
+) -> Iterator[Any]:
     """Yield exactly ``count`` items: pad a short stream by repeating its last item, cut a long one.
 
     Every rank must yield the same number of batches or DDP hangs; a sample dropped by an error
     handler (or a shard shorter than its index says, under a skipping handler) must not break
-    that, so the shortfall is made up, and said.
+    that, so the shortfall is made up, and said. A resumed stream may owe padding and have no
+    item left to repeat: ``refill`` then gives the epoch's items again, to repeat the first.
     """
     n = 0
     last: Any = None
@@ -149,6 +222,11 @@ def _exactly(it: Iterator[Any], count: int, where: Any) -> Iterator[Any]:
         last = item
         yield item
     if n < count:
+        if n == 0 and refill is not None:
+            last = next(iter(refill()), _NONE)
+            if last is not _NONE:
+                n = 1  # what follows pads with it, as if the stream had yielded it
+                count += 1
         if n == 0:
             raise LengthError(
                 f"{type(where).__name__} yielded no item but its plan promised {count}: every "

@@ -12,6 +12,7 @@ the samples that were still to come.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Dict, Iterator, List, Optional
 
 from torch.utils.data import DataLoader
@@ -47,9 +48,15 @@ class WebLoader(DataPipeline, FluentMixin):
             dataset.loader_hint = (max(1, self.loader.num_workers), self.loader.batch_size)
         self.seed = getattr(dataset, "seed", None)
         if isinstance(dataset, DataPipeline):
-            dataset._envelopes = True
             self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn)
         self._worker_resume: Optional[Dict[str, Any]] = None
+        # Per DataLoader worker: the copy of its ledger, its pass and the items it has yielded.
+        self._mirrors: Dict[int, Dict[str, Any]] = {}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)  # a WebLoader pickled by webds 0.1 lacks these
+        self.__dict__.setdefault("_worker_resume", None)
+        self.__dict__.setdefault("_mirrors", {})
 
     @property
     def loader(self) -> DataLoader:
@@ -67,16 +74,18 @@ class WebLoader(DataPipeline, FluentMixin):
             self._worker_resume = None
         super().set_epoch(epoch)
 
-    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+    def load_state_dict(self, state: Any, strict: bool = True) -> None:
         """Continue where :meth:`state_dict` was taken: the rest of that epoch's samples.
 
         Works across processes: build the same loader (same dataset, seed, index, world size,
-        ``num_workers``, batch size), then load. Persistent workers are restarted.
+        ``num_workers``, batch size), then load this rank's state (or the list of every rank's).
+        Persistent workers are restarted.
         """
         super().load_state_dict(state, strict)
+        state = self._resume or {}
         workers = state.get("workers")
         self._worker_resume = (
-            {"pass": int(state.get("stream", state["epoch"])), "workers": workers}
+            {"pass": int(state.get("stream", state.get("epoch", 0))), "workers": workers}
             if workers
             else None
         )
@@ -101,30 +110,49 @@ class WebLoader(DataPipeline, FluentMixin):
         config["batch_size"] = self.loader.batch_size
         return config
 
+    def _carries(self) -> bool:
+        """Whether the dataset's stream goes on from one loader epoch to the next (with_epoch,
+        in this process or in persistent workers), rather than starting afresh."""
+        dataset, loader = self.loader.dataset, self.loader
+        carried = getattr(dataset, "nsamples", None) is not None and (
+            getattr(dataset, "repetitions", 1) == sys.maxsize
+        )
+        return carried and (loader.num_workers == 0 or loader.persistent_workers)
+
     def _stream_state(self) -> Dict[str, Any]:
         state = super()._stream_state()
-        stream = self._stream
-        workers = stream.get("workers") if stream is not None else None
-        if workers is None:
+        if not isinstance(self.loader.dataset, DataPipeline):
             return state
         # The main process's own ledger only holds workers' samples (in its shuffle buffers
         # and batches): they are holes in those workers' records.
         held: Dict[int, List[int]] = {}
-        for qid in stream["ledger"].held:
-            w, i = unqualify(qid)
-            held.setdefault(w, []).append(i)
+        if self._stream is not None:
+            for qid in self._stream["ledger"].held:
+                w, i = unqualify(qid)
+                held.setdefault(w, []).append(i)
         state.pop("ledger", None)
+        pass_ = self._stream["pass"] if self._stream is not None else state["epoch"]
         state["workers"] = {
             str(w): {
-                "epoch": stream["pass"],
+                "epoch": pass_,
                 "items": m["items"],
                 "stream": m["pass"],
                 "ledger": m["ledger"].state(held.get(w, ())),
                 "problem": m["problem"],
             }
-            for w, m in sorted(workers.items())
+            for w, m in sorted(self._mirrors.items())
         }
         return state
+
+    def _epoch_done(self, position: List[int]) -> None:
+        ended = position is self._position  # not an abandoned iterator run out later
+        super()._epoch_done(position)
+        if ended:
+            if self._carries():
+                for m in self._mirrors.values():
+                    m["items"] = 0  # the workers' streams go on into the next epoch
+            else:
+                self._mirrors = {}
 
     def _one_pass(self, epoch: int, ledger: Ledger) -> Any:
         dataset = self.loader.dataset
@@ -134,8 +162,11 @@ class WebLoader(DataPipeline, FluentMixin):
         if plan is not None:
             plan.warn_split(max(1, self.loader.num_workers))
         resume, self._worker_resume = self._worker_resume, None
-        mirrors: Dict[int, Dict[str, Any]] = {}
+        if not self._carries():
+            self._mirrors = {}
+        mirrors = self._mirrors
         if resume is not None and resume["pass"] == epoch:
+            mirrors.clear()
             for w, saved in resume["workers"].items():
                 mirrors[int(w)] = {
                     "pass": int(saved.get("stream", epoch)),
@@ -144,8 +175,6 @@ class WebLoader(DataPipeline, FluentMixin):
                     "problem": saved.get("problem"),
                 }
             dataset._resume = {"epoch": epoch, "for_workers": resume["workers"]}
-        if self._stream is not None and isinstance(dataset, DataPipeline):
-            self._stream["workers"] = mirrors
         return super()._one_pass(epoch, ledger)
 
     def _source_items(self, ledger: Ledger) -> Iterator[Any]:
@@ -156,9 +185,15 @@ class WebLoader(DataPipeline, FluentMixin):
             # Not a webds pipeline: each item is one id, and resuming reads them again.
             yield from super()._source_items(ledger)
             return
-        mirrors = self._stream["workers"] if self._stream is not None else {}
-        it = iter(self.loader)
-        dataset._resume = None  # the workers (or this process's iterator) have their copy
+        mirrors = self._mirrors
+        # Only while the DataLoader starts (its workers copy the dataset; without workers it
+        # calls iter(dataset) now): the same dataset used elsewhere yields plain items.
+        dataset._envelopes = True
+        try:
+            it = iter(self.loader)
+        finally:
+            dataset._envelopes = False
+            dataset._resume = None  # the workers (or this process's iterator) have their copy
         for x in it:
             m = mirrors.get(x.worker)
             if m is None or m["pass"] != x.pass_:

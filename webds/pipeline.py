@@ -39,12 +39,16 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     check_state,
     exact_count,
     forward_counts,
+    gather_states,
+    own_state,
+    random_parts,
     source_counts,
 )
 from .counting import (
     stage_name as _stage_name,
 )
 from .errors import ArgumentError, LengthError
+from .shards.shardlists import worker_info
 
 # The stage machinery lives in webds.stages (no torch import); these names stay importable from
 # here, where webdataset code and pickles made before the split look for them (a pickled stage
@@ -62,9 +66,7 @@ from .stages.core import (  # noqa: F401
     pipelinefilter,
     stage,
 )
-from .stages.ledger import LEAF, Envelope, Ledger
-
-_NO_DELTA: Tuple[Any, ...] = ({}, [], {}, [])
+from .stages.ledger import LEAF, Ledger, unconsumed
 
 __all__ = [
     "stage",
@@ -243,8 +245,6 @@ class DataPipeline(IterableDataset):
 
     def stream_index(self) -> int:
         """This process's stream: its DataLoader worker number."""
-        from .shards.shardlists import worker_info
-
         return worker_info().worker
 
     def skip(self, n: int) -> None:
@@ -282,18 +282,23 @@ class DataPipeline(IterableDataset):
             state.update(stream=stream["pass"], ledger=ledger.state(), problem=ledger.problem)
         return state
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self, all_ranks: bool = False) -> Any:
         """Where this pipeline stands: the epoch in progress, how many items it has yielded, and
         which source samples it has consumed (a plain dict of lists and ints: JSON will do).
-
         After an epoch has run to its end, that is the next epoch with nothing consumed.
-        """
-        state = {"version": 2, "seed": self.effective_seed(), "config": self._resume_config()}
-        state["entropy"] = [x._entropy for x in _random_parts(self)]
-        state.update(self._stream_state())
-        return state
 
-    def load_state_dict(self, state: Dict[str, Any], strict: bool = True) -> None:
+        Each rank of a distributed job reads other samples, so each rank's state is its own.
+        ``all_ranks=True`` gathers every rank's into one list (a collective: call it on every
+        rank at the same step); any rank can load that list, so rank 0 can save it alone.
+        """
+        where = worker_info()
+        state = {"version": 2, "rank": where.rank, "world_size": where.world_size}
+        state.update(seed=self.effective_seed(), config=self._resume_config())
+        state["entropy"] = [x._entropy for x in random_parts(self)]
+        state.update(self._stream_state())
+        return gather_states(state) if all_ranks else state
+
+    def load_state_dict(self, state: Any, strict: bool = True) -> None:
         """Make the next ``iter()`` continue where :meth:`state_dict` was taken: the samples of
         that epoch not consumed yet, each once (those that sat in a shuffle buffer come in a new
         order), then the epochs after as usual.
@@ -303,21 +308,18 @@ class DataPipeline(IterableDataset):
         :class:`~webds.errors.ResumeError` saying why; ``strict=False`` resumes anyway, which is
         then only approximately the rest of the epoch.
         """
+        where = worker_info()
+        state = own_state(state, where.rank, where.world_size, strict)
         check_state(state, self._resume_config(), strict)
         entropy = state.get("entropy") or []
-        parts = list(_random_parts(self))
+        parts = list(random_parts(self))
         if len(entropy) == len(parts):
             for part, value in zip(parts, entropy):
                 part._entropy = int(value)
         self.set_epoch(int(state["epoch"]))
         self._resume = state
-        self._restart()
-
-    def _restart(self) -> None:
-        """Drop whatever stream is in progress, so the next iter() starts from the resume."""
-        self._carry = None
-        self._stream = None
-        self._position = [self.epoch, 0]
+        self._carry = self._stream = None  # the next iter() starts from the resume
+        self._position = [self.epoch, int(state.get("items", 0))]
 
     def _take_resume(self, epoch: int) -> Optional[Dict[str, Any]]:
         """The saved stream this process continues in ``epoch``, if any (taken: used once)."""
@@ -371,20 +373,18 @@ class DataPipeline(IterableDataset):
                 s.set_ledger(ledger)
         skip_at = -1
         if ledger.resuming:
-            skip_at = next(
-                (i for i, s in enumerate(self.pipeline) if i and _keeps_ledger(s)),
-                len(self.pipeline),
-            )
+            keeps = [isinstance(s, Stage) and s.factory.wants_ledger for s in self.pipeline]
+            skip_at = next((i for i in range(1, len(keeps)) if keeps[i]), len(keeps))
         its: List[Any] = []
         it = self._source_items(ledger)
         its.append(it)
         for i, s in enumerate(self.pipeline[1:], 1):
             if i == skip_at and not getattr(s.factory, "expands", False):
-                it = _unconsumed(it, ledger)
+                it = unconsumed(it, ledger)
             it = iter(s(it))
             its.append(it)
         if skip_at == len(self.pipeline):
-            it = _unconsumed(it, ledger)
+            it = unconsumed(it, ledger)
         try:
             yield from it
         finally:
@@ -394,16 +394,19 @@ class DataPipeline(IterableDataset):
                 if close is not None:
                     close()
 
-    def _passes(self, first_epoch: int, resume: Optional[Dict[str, Any]] = None) -> Iterator[Any]:
+    def _passes(
+        self, first_epoch: int, resume: Optional[Dict[str, Any]] = None, track: bool = False
+    ) -> Iterator[Any]:
         """Chain up to ``repetitions`` passes; stop at a pass that yields nothing.
 
-        ``resume`` (a saved stream) says which pass to start at and what of it was consumed.
+        ``resume`` (a saved stream) says which pass to start at and what of it was consumed;
+        ``track``: the ledgers record changes for Envelopes (a WebLoader's dataset).
         """
         start = int(resume.get("stream", first_epoch)) if resume else first_epoch
         saved = resume.get("ledger") if resume else None
         end = first_epoch + self.repetitions if self.repetitions < sys.maxsize else sys.maxsize
         for epoch in range(start, end):
-            ledger = Ledger(resume=saved, track=self._envelopes)
+            ledger = Ledger(resume=saved, track=track)
             saved = None
             self._stream = {"pass": epoch, "ledger": ledger}
             empty = True
@@ -419,23 +422,26 @@ class DataPipeline(IterableDataset):
         self.epoch += 1
         resume = self._take_resume(epoch)
         done = int(resume.get("items", 0)) if resume else 0
+        track = self._envelopes
         if self.nsamples is None:
-            it: Iterator[Any] = self._passes(epoch, resume)
+            it: Iterator[Any] = self._passes(epoch, resume, track)
             exact = self._exact_count() if self.repetitions == 1 else None
             if exact is not None:
-                it = _exactly(it, exact - done, self)
+                refill = (lambda: self._one_pass(epoch, Ledger())) if resume else None
+                it = _exactly(it, exact - done, self, refill)
         elif self.repetitions == sys.maxsize:
             # with_epoch: continue the same endless stream across epochs.
             if self._carry is None:
-                self._carry = self._passes(epoch, resume if resume and "stream" in resume else None)
+                carried = resume if resume and "stream" in resume else None
+                self._carry = self._passes(epoch, carried, track)
             it = itertools.islice(self._carry, max(0, self.nsamples - done))
         else:
-            it = itertools.islice(self._passes(epoch, resume), max(0, self.nsamples - done))
+            it = itertools.islice(self._passes(epoch, resume, track), max(0, self.nsamples - done))
         drop, self._drop = self._drop, 0
         if drop:
             it = itertools.islice(it, drop, None)
         position = self._position = [epoch, done]
-        if self._envelopes:
+        if track:
             return self._enveloped(it, position)
         return self._counted(it, position)
 
@@ -454,20 +460,8 @@ class DataPipeline(IterableDataset):
         worker = info.id if info is not None else 0
         for item in it:
             position[1] += 1
-            stream = self._stream
-            if stream is None:
-                yield Envelope(item, worker, None, _NO_DELTA, position[1], -1)
-                continue
-            ledger = stream["ledger"]
-            yield Envelope(
-                item,
-                worker,
-                ledger.current,
-                ledger.take_delta(),
-                position[1],
-                stream["pass"],
-                ledger.problem,
-            )
+            stream = self._stream or {"pass": -1, "ledger": Ledger()}
+            yield stream["ledger"].envelope(item, worker, position[1], stream["pass"])
         self._epoch_done(position)
 
     def _epoch_done(self, position: List[int]) -> None:
@@ -501,10 +495,9 @@ class DataPipeline(IterableDataset):
     def __setstate__(self, state: dict) -> None:
         # Pipelines pickled by webds 0.1 lack what resuming now keeps.
         self.__dict__.update(state)
-        for name, value in (("_stream", None), ("_resume", None), ("_drop", 0)):
+        defaults = {"_stream": None, "_resume": None, "_drop": 0, "_envelopes": False}
+        for name, value in dict(defaults, _entropy=secrets.randbits(63)).items():
             self.__dict__.setdefault(name, value)
-        self.__dict__.setdefault("_envelopes", False)
-        self.__dict__.setdefault("_entropy", secrets.randbits(63))
 
     def __getstate__(self) -> dict:
         # A running generator can't cross to a DataLoader worker; the worker starts its own.
@@ -515,32 +508,6 @@ class DataPipeline(IterableDataset):
     def __repr__(self) -> str:
         inner = ",\n  ".join(repr(s) for s in self.pipeline)
         return f"{type(self).__name__}(\n  {inner}\n)"
-
-
-def _random_parts(pipeline: Any) -> Iterator[Any]:
-    """The pipeline and every source inside it that drew entropy for its random choices (a
-    mix, its datasets, a resampled shard list), always in the same order."""
-    yield pipeline
-    source = pipeline.pipeline[0] if pipeline.pipeline else None
-    inner = [source, getattr(source, "dataset", None)]  # a DataLoader's dataset
-    inner += list(getattr(source, "datasets", None) or [])  # a mix's
-    for x in inner:
-        if isinstance(x, DataPipeline):
-            yield from _random_parts(x)
-        elif hasattr(x, "_entropy"):
-            yield x
-
-
-def _keeps_ledger(s: Any) -> bool:
-    factory = getattr(s, "factory", None)
-    return isinstance(s, Stage) and bool(getattr(factory, "wants_ledger", False))
-
-
-def _unconsumed(it: Iterator[Any], ledger: Ledger) -> Iterator[Any]:
-    """The items of ``it`` not consumed before the resume (judged by the ledger's current id)."""
-    for item in it:
-        if not ledger.consumed(ledger.current):
-            yield item
 
 
 def _is_worker_dataset(pipeline: "DataPipeline") -> bool:

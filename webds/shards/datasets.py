@@ -71,7 +71,9 @@ class ResampledShards(IterableDataset):
     """An endless (or ``nshards`` long) stream of shards drawn at random with replacement.
 
     Each node and worker draws its own sequence. With ``deterministic=True`` the draws depend only
-    on (seed, epoch, rank, worker), so runs are reproducible; otherwise fresh entropy is mixed in.
+    on (seed, epoch, rank, worker), so runs are reproducible; otherwise entropy drawn when the
+    object is made is mixed in too (a resumed pipeline restores it from its state), so every
+    object draws differently, and each one differently every epoch (``set_epoch``).
     ``urls`` are expanded (and directories or globs listed, with ``storage_options``) once, at
     construction.
     """

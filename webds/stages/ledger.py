@@ -41,6 +41,7 @@ __all__ = [
     "shard_of",
     "ids_of",
     "merge_deltas",
+    "unconsumed",
     "qualify",
     "unqualify",
     "Envelope",
@@ -211,6 +212,10 @@ class Ledger:
         self._d_partial, self._d_complete, self._d_held, self._d_reread = {}, [], {}, []
         return d
 
+    def envelope(self, item: Any, worker: int, items: int, pass_: int) -> "Envelope":
+        """``item`` as worker ``worker`` sends it: with its ids and what changed here since."""
+        return Envelope(item, worker, self.current, self.take_delta(), items, pass_, self.problem)
+
     def apply(self, delta: Tuple[Any, ...]) -> None:
         """Apply a worker's :meth:`take_delta` to this copy of its ledger."""
         partial, complete, held, reread = delta
@@ -246,6 +251,13 @@ def merge_deltas(deltas: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
             held[i] = held.get(i, 0) + n
         reread.extend(r)
     return partial, complete, {i: n for i, n in held.items() if n}, reread
+
+
+def unconsumed(it: Iterable[Any], ledger: Ledger) -> Iterator[Any]:
+    """The items of ``it`` not consumed before the resume (judged by the ledger's current id)."""
+    for item in it:
+        if not ledger.consumed(ledger.current):
+            yield item
 
 
 # -- DataLoader workers ---------------------------------------------------------------------------
