@@ -340,3 +340,81 @@ def test_random_pipelines_resume_exactly(tmp_path, monkeypatch, case):
     while len(stream) < sum(one_pass.values()):
         stream += flat(list(b))
     assert Counter(stream[: sum(one_pass.values())]) == one_pass, config
+
+
+# -- the index, len() and the writer --------------------------------------------------------------
+
+
+def test_a_second_writer_session_extends_the_index(tmp_path):
+    pattern = str(tmp_path / "train-%06d.tar")
+
+    def write(start, first, n):
+        with webds.ShardWriter(pattern, maxcount=10, start_shard=start) as sink:
+            for i in range(first, first + n):
+                sink.write({"__key__": f"k{i:04d}", "cls": i})
+
+    write(0, 0, 20)  # shards 0 and 1
+    write(2, 20, 20)  # continues the numbering: shards 2 and 3
+    index = str(tmp_path / "train.index.json")
+    assert len(webds.ShardIndex.load(index)) == 4
+    assert sorted(s["__key__"] for s in webds.WebDataset(index)) == [f"k{i:04d}" for i in range(40)]
+    spec = str(tmp_path / "train-{000000..000003}.tar")
+    assert len(webds.WebDataset(spec, index=index)) == 40
+    write(1, 100, 5)  # shard 1 written again, shorter: its entry is replaced, the others kept
+    loaded = webds.ShardIndex.load(index)
+    assert loaded.counts == [10, 5, 10, 10] and len(webds.WebDataset(index)) == 35
+    (tmp_path / "bad.index.json").write_text("not an index")
+    with pytest.raises(webds.ArgumentError, match="not one it can extend"):
+        webds.ShardWriter(pattern, index=str(tmp_path / "bad.index.json"))
+
+
+def test_len_counts_repeat(tmp_path):
+    index = shards(tmp_path, [7, 3, 11, 5, 9], index=True)
+    for ds, n in [
+        (webds.WebDataset(index).repeat(2), 70),
+        (webds.WebDataset(index).batched(4).repeat(2), 18),
+        (webds.WebDataset(index).batched(4).repeat(2).unbatched(), 70),
+        (webds.WebDataset(index).repeat(2, nbatches=50), 50),
+    ]:
+        assert len(ds) == n == sum(1 for _ in ds)
+    with pytest.raises(TypeError, match="repeats forever"):
+        len(webds.WebDataset(index).repeat())
+    loader = webds.WebLoader(webds.WebDataset(index).batched(4).repeat(2), batch_size=None)
+    assert len(loader) == 18 == len(list(loader))
+
+
+def test_select_and_rename_files_with_an_index(tmp_path):
+    members = []
+    for j in range(6):
+        members += [(f"k{j}.txt", b"t"), (f"k{j}.cls", str(j).encode())]
+        if j % 2:
+            members.append((f"k{j}.jpg", b"j"))
+    write_tar(tmp_path / "a.tar", members)
+    index = tmp_path / "index.json"
+    ShardIndex.build(str(tmp_path / "a.tar")).save(str(index))
+    jpgs = webds.WebDataset(str(index), select_files=lambda n: n.endswith(".jpg"))
+    got = [s["__key__"] for s in jpgs]  # samples without a jpg: none (the count is the plan's)
+    assert got[:3] == ["k1", "k3", "k5"] and set(got) == {"k1", "k3", "k5"} and len(got) == 6
+    renamed = webds.WebDataset(str(index), rename_files=lambda n: n.replace(".txt", ".text"))
+    got = list(renamed)
+    assert len(got) == 6 and all("text" in s and "txt" not in s for s in got)
+    # Split between two ranks by sample number, as the index counts them.
+    seen = []
+    for rank in range(2):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RANK", str(rank))
+            mp.setenv("WORLD_SIZE", "2")
+            seen += [
+                s["__key__"]
+                for s in webds.WebDataset(str(index), select_files=lambda n: ".jpg" in n)
+            ]
+    # Each rank's planned count is kept by repeating its last sample (see docs/distributed.md).
+    assert len(seen) == 6 and set(seen) == {"k1", "k3", "k5"}
+
+
+def test_fields_that_differ_only_in_case_are_refused_when_written(tmp_path):
+    with webds.TarWriter(str(tmp_path / "a.tar")) as sink:
+        with pytest.raises(webds.EncodeError, match="'TXT' and 'txt' differ only in case"):
+            sink.write({"__key__": "a", "txt": "x", "TXT": "y"})
+        sink.write({"__key__": "b", "TXT": "y", "cls": 1})  # capitals alone are fine
+    assert [s["txt"] for s in webds.WebDataset(str(tmp_path / "a.tar"))] == [b"y"]

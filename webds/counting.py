@@ -17,6 +17,7 @@ pipeline itself); the pipeline keeps its state and calls them. Nothing here impo
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .errors import ArgumentError, LengthError, ResumeError
@@ -26,6 +27,7 @@ __all__ = [
     "source_counts",
     "forward_counts",
     "stage_name",
+    "repeated",
     "check_state",
     "own_state",
     "gather_states",
@@ -63,6 +65,26 @@ def forward_counts(stages: Sequence[Any], lengths: List[Length], owner: str) -> 
             )
         lengths = out  # type: ignore[assignment]
     return lengths
+
+
+def repeated(lengths: List[Length], times: int, cap: Optional[int], owner: str) -> List[Length]:
+    """The per-stream ``lengths`` of one pass, repeated ``times`` (``repeat(n)``), and at most
+    ``cap`` items when given (``repeat(n, nbatches)``); a pass repeated forever has no length."""
+    if times == 1 and cap is None:
+        return lengths
+    if times >= sys.maxsize:
+        raise LengthError(
+            f"the length of this {owner} is unknown: it repeats forever (repeat() without a "
+            "count); give repeat(n), or declare an epoch with .with_epoch(n)"
+        )
+
+    def times_n(n: Optional[Length]) -> Optional[Length]:
+        return None if n is None else Length(n.items * times, times_n(n.inner))
+
+    out = [times_n(n) for n in lengths]
+    if cap is not None:
+        out = [n if n.items <= cap else Length(cap) for n in out]  # type: ignore[union-attr]
+    return out  # type: ignore[return-value]
 
 
 def stage_name(s: Any) -> str:

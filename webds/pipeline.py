@@ -42,6 +42,7 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     gather_states,
     own_state,
     random_parts,
+    repeated,
     source_counts,
 )
 from .counting import (
@@ -221,7 +222,7 @@ class DataPipeline(IterableDataset):
         """:meth:`stream_lengths` as :class:`~webds.stages.core.Length` values, which also carry the
         counts before each batching (what a later ``unbatched()`` gets back)."""
         streams = max(1, num_workers or 1)
-        if self.nsamples is not None:
+        if self.nsamples is not None and self.repetitions == sys.maxsize:
             return [Length(self.nsamples)] * streams
         if self.length is not None:
             if streams > 1:
@@ -241,7 +242,8 @@ class DataPipeline(IterableDataset):
             )
         at, src = origin
         lengths = source_counts(src, num_workers)
-        return forward_counts(self.pipeline[at + 1 :], lengths, type(self).__name__)
+        lengths = forward_counts(self.pipeline[at + 1 :], lengths, type(self).__name__)
+        return repeated(lengths, self.repetitions, self.nsamples, type(self).__name__)
 
     def stream_index(self) -> int:
         """This process's stream: its DataLoader worker number."""
@@ -258,8 +260,8 @@ class DataPipeline(IterableDataset):
     def __len__(self) -> int:
         if self.length is not None:
             return self.length
-        if self.nsamples is not None:
-            return self.nsamples
+        if self.nsamples is not None and self.repetitions == sys.maxsize:
+            return self.nsamples  # with_epoch: each stream's epoch
         return sum(self.stream_lengths(self._workers_hint()))
 
     # -- resuming ----------------------------------------------------------------------------

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, BinaryIO, Callable, List, Mapping, Optional, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Union
 
-from .errors import ArgumentError, WebdsError, WriteError
+from .errors import ArgumentError, OpenError, WebdsError, WriteError
 from .io.streams import CommitOnExit, discard_stream
-from .io.urls import make_parent_folder, url_scheme
+from .io.urls import local_path, make_parent_folder, url_identity, url_scheme
 from .shards.index import ShardIndex, ShardInfo, default_index_name
 from .stages.encode import make_encoder
-from .tar.samples import is_meta_name
+from .tar.grouping import is_meta_name
 from .tarwriter import _FORMATS, TarWriter, _compression, is_numbered_pattern, single_shard_name
 
 __all__ = ["ShardWriter"]
@@ -44,6 +44,8 @@ class ShardWriter(CommitOnExit):
     (``out/train-%06d.tar`` -> ``out/train.index.json``; none with an ``opener`` or into a
     ``pipe:``), a str is its path or URL, ``False`` writes none (and skips the hashing).
     The ``index`` attribute is the :class:`~webds.shards.index.ShardIndex` of the shards so far.
+    An index already there is extended, not replaced: a session that continues the numbering
+    (``start_shard=``) adds its shards to it, and a shard written again gets its new entry.
     """
 
     def __init__(
@@ -106,8 +108,14 @@ class ShardWriter(CommitOnExit):
                 f"index must be True, False or the path/URL of the index file, got {index!r}"
             )
         self._index_url = index_url
-        #: The shard index of the committed shards (None with ``index=False``).
-        self.index: Optional[ShardIndex] = None if index_url is None else ShardIndex()
+        #: The shard index of the committed shards (None with ``index=False``), with those of an
+        #: index already at its place (a session that continues a dataset extends its index).
+        self.index: Optional[ShardIndex] = None
+        self._indexed: Dict[str, int] = {}  # url_identity -> place in self.index.shards
+        self._committed = 0
+        if index_url is not None:
+            self.index = _existing_index(index_url, self.storage_options)
+            self._indexed = {url_identity(x.url): i for i, x in enumerate(self.index.shards)}
         self._samples = 0  # samples in the current shard as a reader will group them
         self._last_key: Optional[str] = None
         self._ended = False
@@ -202,7 +210,12 @@ class ShardWriter(CommitOnExit):
         self.shards.append(self.fname)
         if self.index is not None:
             info = ShardInfo(self.fname, self._samples, tarstream.file_bytes, tarstream.sha256)
-            self.index.shards.append(info)
+            place = self._indexed.setdefault(url_identity(self.fname), len(self.index.shards))
+            if place == len(self.index.shards):
+                self.index.shards.append(info)
+            else:
+                self.index.shards[place] = info  # the shard was written again: its new entry
+            self._committed += 1
         if self.verbose:
             log.info("webds: wrote %s (%d samples, %d bytes)", self.fname, self.count, self.size)
         if self.post is not None:
@@ -279,7 +292,7 @@ class ShardWriter(CommitOnExit):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        if self.index is None or not self.index.shards:
+        if self.index is None or not self._committed:
             return
         assert self._index_url is not None
         try:
@@ -295,3 +308,22 @@ class ShardWriter(CommitOnExit):
 
     def __repr__(self) -> str:
         return f"<ShardWriter {self.pattern!r}: {len(self.shards)} shards, {self.total} samples>"
+
+
+def _existing_index(url: str, storage_options: Mapping[str, Any]) -> ShardIndex:
+    """The index already at ``url`` (to extend), or an empty one if there is none."""
+    path = local_path(url)
+    if path is not None and not os.path.exists(path):
+        return ShardIndex()
+    try:
+        return ShardIndex.load(url, storage_options)
+    except OpenError:
+        if path is not None:
+            raise
+        return ShardIndex()  # no such object
+    except WebdsError as exn:
+        raise ArgumentError(
+            f"there is a file at {url!r}, where this writer's shard index goes, but it is not "
+            f"one it can extend ({exn.message}); move it away, or pass index= another path "
+            "(or index=False)"
+        ) from None

@@ -65,6 +65,21 @@ def check_key(key: Any) -> str:
     return key
 
 
+def _check_case(key: str, encoded: Mapping[str, Any], cased: List[str], url: Any) -> None:
+    """Refuse fields that differ only in case (``txt`` and ``TXT``): readers lower-case
+    extensions, so the shard would hold one sample with two fields of one name."""
+    for field in cased:
+        twins = sorted(f for f in encoded if f != field and f.lower() == field.lower())
+        if twins:
+            raise EncodeError(
+                f"fields {field!r} and {twins[0]!r} differ only in case, and readers lower-case "
+                "extensions (webdataset too), so they would be one field twice; rename one",
+                url=url,
+                key=key,
+                member=f"{key}.{field}",
+            )
+
+
 def _check_field(key: str, field: str) -> None:
     if field == "" or "/" in field or "\\" in field or "\0" in field:
         raise EncodeError(
@@ -222,10 +237,13 @@ class TarWriter(CommitOnExit):
         total = 0
         header = self._header
         keep_meta = self.keep_meta
+        cased: List[str] = []  # fields with capitals: a reader lower-cases them
         for field in sorted(encoded):
             if field[:1] == "_" and (field == "__key__" or not keep_meta):
                 continue
             _check_field(key, field)
+            if not field.islower() and field.lower() != field:
+                cased.append(field)
             value = encoded[field]
             if type(value) is bytes:
                 n = len(value)
@@ -247,6 +265,8 @@ class TarWriter(CommitOnExit):
                 url=self.url,
                 key=key,
             )
+        if cased:
+            _check_case(key, encoded, cased, self.url)
         try:
             # One write per sample: a failure can't leave half a member behind unnoticed.
             self._stream.write(b"".join(parts))

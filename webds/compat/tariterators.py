@@ -16,15 +16,10 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
 from ..errors import WebdsError
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
-from ..tar import samples
+from ..tar import grouping
+from ..tar.grouping import META_PATTERN, _rename_select, base_plus_ext
 from ..tar.reader import read_members
-from ..tar.samples import (
-    META_PATTERN,
-    _rename_select,
-    base_plus_ext,
-    tarfile_samples,
-    tarfile_to_samples,
-)
+from ..tar.samples import tarfile_samples, tarfile_to_samples
 
 __all__ = [
     "base_plus_ext",
@@ -41,7 +36,7 @@ def url_opener(
     data: Iterable[Any], handler: Handler = reraise_exception, **kw: Any
 ) -> Iterator[Dict[str, Any]]:
     """Open each shard ``{"url": ...}``, adding ``"stream"`` (see :func:`webds.url_opener`)."""
-    return samples.url_opener.fn(data, handler, **kw)
+    return grouping.url_opener.fn(data, handler, **kw)
 
 
 def tar_file_expander(
@@ -52,7 +47,7 @@ def tar_file_expander(
 ) -> Iterator[Dict[str, Any]]:
     """Opened shards to member dicts ``{"fname", "data", "__url__"}`` (see
     :func:`webds.tar_file_expander`)."""
-    return samples.tar_file_expander.fn(data, handler, select_files, rename_files)
+    return grouping.tar_file_expander.fn(data, handler, select_files, rename_files)
 
 
 def group_by_keys(
@@ -64,7 +59,7 @@ def group_by_keys(
 ) -> Iterator[Dict[str, Any]]:
     """Group consecutive members with the same key into samples (see
     :func:`webds.group_by_keys`)."""
-    return samples.group_by_keys.fn(data, keys, lcase, suffixes, handler)
+    return grouping.group_by_keys.fn(data, keys, lcase, suffixes, handler)
 
 
 def tar_file_iterator(
