@@ -470,3 +470,16 @@ def test_peer_member_bytes_match_tarfile(peer_dir: Path) -> None:
             expected = [(m.name, tf.extractfile(m).read()) for m in tf if m.isreg()]
         with open(path, "rb") as f:
             assert [(n, d) for n, d, _ in read_members(f, str(path))] == expected
+
+
+def test_missing_peer_data_skips_here_and_fails_where_it_must_run(tmp_path, monkeypatch):
+    from conftest import find_peer_dir
+
+    missing = tmp_path / "no-such-folder"
+    monkeypatch.delenv("WEBDS_REQUIRE_PEER_TESTDATA", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        find_peer_dir(missing)
+    monkeypatch.setenv("WEBDS_REQUIRE_PEER_TESTDATA", "1")  # as .ci/run sets it
+    with pytest.raises(pytest.fail.Exception, match="must run"):
+        find_peer_dir(missing)
+    assert find_peer_dir(tmp_path) == tmp_path

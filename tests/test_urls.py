@@ -135,7 +135,9 @@ def test_pipe_failure_detected_at_close():
     # but the command already failed: close() must still report it.
     f = open_url("pipe:echo data; exit 4")
     assert f.read(4) == b"data"
-    time.sleep(0.2)
+    deadline = time.monotonic() + 60  # it exits at once; a loaded machine may take a while
+    while f.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     with pytest.raises(OpenError, match="status 4"):
         f.close()
     assert f.closed

@@ -162,7 +162,7 @@ class Ledger:
     def hold(self, ids: Any) -> None:
         """Record that the item with ``ids`` (an id or a bundle) is held in a buffer."""
         held, track = self.held, self._track
-        for i in ids_of(ids):
+        for i in (ids,) if type(ids) is int else ids_of(ids):
             n = held.get(i, 0)
             if n and i & LEAF == LEAF and self.problem is None:
                 self.problem = (
@@ -177,7 +177,7 @@ class Ledger:
     def release(self, ids: Any) -> None:
         """Record that the item with ``ids`` left its buffer; it becomes :attr:`current`."""
         held, track = self.held, self._track
-        for i in ids_of(ids):
+        for i in (ids,) if type(ids) is int else ids_of(ids):
             n = held.get(i, 0) - 1
             if n > 0:
                 held[i] = n
