@@ -22,7 +22,7 @@ from .errors import LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
 from .stages.core import Length
-from .stages.ledger import Envelope, Ledger, merge_deltas, qualify, unqualify
+from .stages.ledger import Envelope, Ledger, qualify, unqualify
 
 __all__ = ["WebLoader"]
 
@@ -48,7 +48,8 @@ class WebLoader(DataPipeline, FluentMixin):
             dataset.loader_hint = (max(1, self.loader.num_workers), self.loader.batch_size)
         self.seed = getattr(dataset, "seed", None)
         if isinstance(dataset, DataPipeline):
-            self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn)
+            single = self.loader.batch_size is None and self.loader.batch_sampler is None
+            self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn, dataset, single)
         self._worker_resume: Optional[Dict[str, Any]] = None
         # Per DataLoader worker: the copy of its ledger, its pass and the items it has yielded.
         self._mirrors: Dict[int, Dict[str, Any]] = {}
@@ -144,9 +145,9 @@ class WebLoader(DataPipeline, FluentMixin):
         }
         return state
 
-    def _epoch_done(self, position: List[int]) -> None:
+    def _epoch_done(self, position: List[int], keep_stream: bool = False) -> None:
         ended = position is self._position  # not an abandoned iterator run out later
-        super()._epoch_done(position)
+        super()._epoch_done(position, keep_stream)
         if ended:
             if self._carries():
                 for m in self._mirrors.values():
@@ -186,6 +187,9 @@ class WebLoader(DataPipeline, FluentMixin):
             yield from super()._source_items(ledger)
             return
         mirrors = self._mirrors
+        keeps = any(
+            getattr(getattr(s, "factory", None), "wants_ledger", False) for s in self.pipeline
+        )
         # Only while the DataLoader starts (its workers copy the dataset; without workers it
         # calls iter(dataset) now): the same dataset used elsewhere yields plain items.
         dataset._envelopes = True
@@ -195,6 +199,9 @@ class WebLoader(DataPipeline, FluentMixin):
             dataset._envelopes = False
             dataset._resume = None  # the workers (or this process's iterator) have their copy
         for x in it:
+            if type(x) is not Envelope:  # not tracked (see _EnvelopeCollate): nothing to note
+                yield x
+                continue
             m = mirrors.get(x.worker)
             if m is None or m["pass"] != x.pass_:
                 m = mirrors[x.worker] = {
@@ -207,34 +214,41 @@ class WebLoader(DataPipeline, FluentMixin):
             m["items"] = x.items
             if x.problem is not None:
                 m["problem"] = x.problem
-            ledger.current = qualify(x.worker, x.ids)
+            if keeps:  # a stage here holds or batches items: it needs their ids
+                ledger.current = qualify(x.worker, x.ids)
             yield x.item
 
 
 class _EnvelopeCollate:
-    """The DataLoader's ``collate_fn`` for a webds dataset: collates the items inside the
-    :class:`~webds.stages.ledger.Envelope` s a worker fetched and passes their records on."""
+    """The DataLoader's ``collate_fn`` for a webds dataset: collates as usual, then wraps the
+    batch in an :class:`~webds.stages.ledger.Envelope` with what the dataset's ledger recorded
+    since the last batch (it runs where the dataset does: in the worker, or in this process)."""
 
-    def __init__(self, collate: Any) -> None:
+    def __init__(self, collate: Any, dataset: DataPipeline, single: bool) -> None:
         self.collate = collate
+        self.dataset = dataset
+        self.single = single
 
     def __call__(self, data: Any) -> Any:
-        if isinstance(data, Envelope):  # batch_size=None: one item at a time
-            data.item = self.collate(data.item)
-            return data
-        if not data or not isinstance(data[0], Envelope):
-            return self.collate(data)
-        last = data[-1]
-        problem = next((e.problem for e in data if e.problem), None)
-        return Envelope(
-            self.collate([e.item for e in data]),
-            last.worker,
-            [e.ids for e in data],
-            merge_deltas([e.delta for e in data]),
-            last.items,
-            last.pass_,
-            problem,
-        )
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        dataset = info.dataset if info is not None else self.dataset
+        batch = self.collate(data)
+        stream = getattr(dataset, "_stream", None)
+        if stream is None or not stream["ledger"].tracking:
+            return batch  # iterated outside a WebLoader's iter()
+        # The ids of the items collated (noted by DataPipeline._tracked), and what the ledger
+        # recorded meanwhile.
+        ids: Any = list(dataset._pending)  # the ids of the items collated
+        dataset._pending.clear()  # in place: DataPipeline._tracked appends to this list
+        items = dataset._sent = dataset._sent + len(ids)
+        if self.single:
+            ids = ids[0] if ids else None
+        ledger = stream["ledger"]
+        worker = info.id if info is not None else 0
+        delta = ledger.take_delta()
+        return Envelope(batch, worker, ids, delta, items, stream["pass"], ledger.problem)
 
 
 class _LoaderOrigin:

@@ -135,7 +135,9 @@ class DataPipeline(IterableDataset):
         self._stream: Optional[Dict[str, Any]] = None
         self._resume: Optional[Dict[str, Any]] = None
         self._drop = 0
-        self._envelopes = False  # a WebLoader's dataset: yield Envelopes (see loader.py)
+        self._envelopes = False  # a WebLoader's dataset: track for envelope() (see loader.py)
+        self._pending: List[Any] = []
+        self._sent = 0
         self._warned_inexact = False
 
     # -- composition -------------------------------------------------------------------------
@@ -444,7 +446,7 @@ class DataPipeline(IterableDataset):
             it = itertools.islice(it, drop, None)
         position = self._position = [epoch, done]
         if track:
-            return self._enveloped(it, position)
+            return self._tracked(it, position)
         return self._counted(it, position)
 
     def _counted(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
@@ -453,23 +455,23 @@ class DataPipeline(IterableDataset):
             yield item
         self._epoch_done(position)
 
-    def _enveloped(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
-        """:meth:`_counted` for a WebLoader's dataset: each item in an Envelope that tells the
-        main process what the worker's ledger recorded (see :mod:`webds.stages.ledger`)."""
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
+    def _tracked(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
+        """:meth:`_counted` for a WebLoader's dataset: each item's ids are noted, for the
+        DataLoader's collate function to send with the batch (see loader._EnvelopeCollate)."""
+        pending = self._pending = []
+        self._sent = position[1]  # items in the batches collated so far this epoch
         for item in it:
             position[1] += 1
-            stream = self._stream or {"pass": -1, "ledger": Ledger()}
-            yield stream["ledger"].envelope(item, worker, position[1], stream["pass"])
-        self._epoch_done(position)
+            stream = self._stream
+            pending.append(stream["ledger"].current if stream else None)
+            yield item
+        # Kept: the DataLoader collates the last batch after this generator has ended.
+        self._epoch_done(position, keep_stream=True)
 
-    def _epoch_done(self, position: List[int]) -> None:
+    def _epoch_done(self, position: List[int], keep_stream: bool = False) -> None:
         if position is self._position:
             self._position = [position[0] + 1, 0]
-            if self._carry is None:
+            if self._carry is None and not keep_stream:
                 self._stream = None  # with_epoch's stream goes on; otherwise the epoch is over
         if _is_worker_dataset(self):
             # A persistent worker idles until the next epoch holding all the heap its epoch
@@ -497,8 +499,8 @@ class DataPipeline(IterableDataset):
     def __setstate__(self, state: dict) -> None:
         # Pipelines pickled by webds 0.1 lack what resuming now keeps.
         self.__dict__.update(state)
-        defaults = {"_stream": None, "_resume": None, "_drop": 0, "_envelopes": False}
-        for name, value in dict(defaults, _entropy=secrets.randbits(63)).items():
+        defaults = {"_stream": None, "_resume": None, "_drop": 0, "_envelopes": False, "_sent": 0}
+        for name, value in dict(defaults, _pending=[], _entropy=secrets.randbits(63)).items():
             self.__dict__.setdefault(name, value)
 
     def __getstate__(self) -> dict:

@@ -185,8 +185,8 @@ def default_collation_fn(
 def _batches(
     src: Iterable[Any], batchsize: Any, partial: bool, ledger: Any = None
 ) -> Iterator[List[Any]]:
-    """Lists of ``batchsize`` items; with a ``ledger``, the items of the list being filled are
-    held, and a full list's ids become one bundle (see :mod:`webds.stages.ledger`)."""
+    """Lists of ``batchsize`` items; with a ``ledger``, a list's ids become one bundle (see
+    :mod:`webds.stages.ledger`)."""
     batchsize = _check_int("batchsize", batchsize)
     if batchsize < 1:
         raise ArgumentError(f"batchsize must be at least 1, got {batchsize}")
@@ -200,17 +200,18 @@ def _batches(
         if buf and partial:
             yield buf
         return
+    # The items of the list being filled need not be recorded as held: whenever a checkpoint
+    # can be taken, this generator is suspended at its yield, holding nothing.
     ids: List[Any] = []
     for item in src:
         buf.append(item)
         ids.append(ledger.current)
-        ledger.hold(ledger.current)
         if len(buf) == batchsize:
-            ledger.release(ids)
+            ledger.current = ids
             yield buf
             buf, ids = [], []
     if buf:
-        ledger.release(ids)  # a short last batch dropped by partial=False is consumed too
+        ledger.current = ids  # a short last batch dropped by partial=False is consumed too
         if partial:
             yield buf
 

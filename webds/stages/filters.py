@@ -126,19 +126,23 @@ def _buffer_shuffle(
 ) -> Iterator[Any]:
     """Shuffle through a buffer of at most ``bufsize`` items (see :func:`shuffle`).
 
-    With a ``ledger``, the ids of the buffered items are kept beside them and recorded as held,
-    so a checkpoint knows these items were read but not yet consumed.
+    With a ``ledger``, the ids of the buffered items are kept beside them, in a list the ledger
+    reads at a checkpoint (these items were read but not yet consumed).
     """
     it = iter(src)
     buf: List[Any] = []
-    ids: List[Any] = []  # the ledger ids of buf's items, in the same places
+    ids: Any = ledger.holder() if ledger is not None else None  # buf's items' ids, same places
+    # A tracking ledger (a DataLoader worker's) must hear of each hold and release.
+    log = ledger.log if ledger is not None and ledger.tracking else None
     initial = max(1, min(initial, bufsize))
     end = object()
     for item in it:
         buf.append(item)
-        if ledger is not None:
-            ids.append(ledger.current)
-            ledger.hold(ledger.current)
+        if ids is not None:
+            i = ledger.current
+            ids.append(i)
+            if log is not None:
+                log.append(i) if type(i) is int else ledger.hold(i)
         if len(buf) >= initial:
             break
     else:
@@ -147,9 +151,11 @@ def _buffer_shuffle(
         k = rng.randrange(len(buf))
         buf[k], buf[-1] = buf[-1], buf[k]
         item = buf.pop()
-        if ledger is not None:
+        if ids is not None:
             ids[k], ids[-1] = ids[-1], ids[k]
-            ledger.release(ids.pop())
+            i = ledger.current = ids.pop()
+            if log is not None:
+                log.append(~i) if type(i) is int else ledger.release(i)
         yield item
         # Pull two per output while the buffer is below bufsize, so it grows from ``initial``
         # to ``bufsize`` without delaying the first outputs; one per output after that.
@@ -161,9 +167,11 @@ def _buffer_shuffle(
                 it = iter(())
                 break
             buf.append(item)
-            if ledger is not None:
-                ids.append(ledger.current)
-                ledger.hold(ledger.current)
+            if ids is not None:
+                i = ledger.current
+                ids.append(i)
+                if log is not None:
+                    log.append(i) if type(i) is int else ledger.hold(i)
 
 
 @stage(count=REORDER)

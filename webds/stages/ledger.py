@@ -32,7 +32,7 @@ This module does not import torch.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Set, Tuple
 
 __all__ = [
     "Ledger",
@@ -40,7 +40,6 @@ __all__ = [
     "item_id",
     "shard_of",
     "ids_of",
-    "merge_deltas",
     "unconsumed",
     "qualify",
     "unqualify",
@@ -113,11 +112,30 @@ class Ledger:
             self._old_partial = dict(self.partial)
             self._holes = {int(i) for i in resume.get("holes", ())}
             self._hole_shards = {shard_of(i) for i in self._holes}
+        # Tracking (a DataLoader worker's ledger): changes since the last take_delta(); holds and
+        # releases go to one log (i held, ~i released) instead of ``held``, which the main
+        # process keeps.
         self._track = track
         self._d_partial: Dict[int, int] = {}
         self._d_complete: List[int] = []
-        self._d_held: Dict[int, int] = {}
+        self._log: List[int] = []
         self._d_reread: List[int] = []
+        self._holders: List[List[Any]] = []  # lists in which stages keep the ids they hold
+        #: [shard, last sample read] of the shard the tar stage is reading (not resuming), which
+        #: it updates for each sample instead of calling produce(); read by _fold_reading().
+        self.reading: List[int] = [-1, -1]
+
+    @property
+    def tracking(self) -> bool:
+        """Whether changes are recorded for :meth:`take_delta` (a WebLoader's dataset)."""
+        return self._track
+
+    @property
+    def log(self) -> List[int]:
+        """Where a tracking ledger notes holds (``i``) and releases (``~i``) of plain ids: a
+        stage that holds many items may append to it directly instead of calling :meth:`hold`
+        and :meth:`release` (it must still set :attr:`current`)."""
+        return self._log
 
     # -- the source side -------------------------------------------------------------------------
 
@@ -140,6 +158,8 @@ class Ledger:
 
     def finish(self, k: int) -> None:
         """Record that every sample of source item ``k`` has been read."""
+        if self.reading[0] == k:
+            self.reading[0] = self.reading[1] = -1
         self.complete.add(k)
         self.partial.pop(k, None)
         if self._track:
@@ -159,39 +179,65 @@ class Ledger:
 
     # -- stages that hold items ------------------------------------------------------------------
 
+    def holder(self) -> List[Any]:
+        """A list for a stage to keep the ids of the items it holds in, which :meth:`state`
+        reads: cheaper than :meth:`hold` and :meth:`release` for every item (a shuffle buffer).
+        A tracking ledger must still be told with those (see :attr:`tracking`)."""
+        ids: List[Any] = []
+        self._holders.append(ids)
+        return ids
+
     def hold(self, ids: Any) -> None:
         """Record that the item with ``ids`` (an id or a bundle) is held in a buffer."""
-        held, track = self.held, self._track
-        for i in (ids,) if type(ids) is int else ids_of(ids):
-            n = held.get(i, 0)
-            if n and i & LEAF == LEAF and self.problem is None:
-                self.problem = (
-                    "two items held at once came from the same source item: a stage between "
-                    "the source and the buffers splits items without numbering them (such as "
-                    "tar_file_expander + group_by_keys; tarfile_to_samples numbers them)"
-                )
-            held[i] = n + 1
-            if track:
-                self._d_held[i] = self._d_held.get(i, 0) + 1
+        if type(ids) is not int:
+            for i in ids_of(ids):
+                self.hold(i)
+        elif self._track:
+            self._log.append(ids)
+        else:
+            held = self.held
+            held[ids] = held.get(ids, 0) + 1
 
     def release(self, ids: Any) -> None:
         """Record that the item with ``ids`` left its buffer; it becomes :attr:`current`."""
-        held, track = self.held, self._track
-        for i in (ids,) if type(ids) is int else ids_of(ids):
-            n = held.get(i, 0) - 1
+        if type(ids) is not int:
+            for i in ids_of(ids):
+                self.release(i)
+        elif self._track:
+            self._log.append(~ids)
+        else:
+            held = self.held
+            n = held.get(ids, 0) - 1
             if n > 0:
-                held[i] = n
+                held[ids] = n
             else:
-                held.pop(i, None)
-            if track:
-                self._d_held[i] = self._d_held.get(i, 0) - 1
+                held.pop(ids, None)
         self.current = ids
 
     # -- state -----------------------------------------------------------------------------------
 
+    def start_reading(self, k: int) -> None:
+        """The tar stage starts reading shard ``k`` (see :attr:`reading`)."""
+        self._fold_reading()
+        self.reading[0], self.reading[1] = k, -1
+
+    def _fold_reading(self) -> None:
+        """Record the samples the tar stage noted in :attr:`reading` as produced."""
+        k, j = self.reading
+        if j >= 0 and j > self.partial.get(k, -1):
+            self.partial[k] = j
+            if self._track:
+                self._d_partial[k] = j
+
     def state(self, extra_holes: Iterable[int] = ()) -> Dict[str, Any]:
         """The JSON-able record of what was consumed (``extra_holes``: held elsewhere)."""
-        holes = set(self.held) | self._holes
+        self._fold_reading()
+        held = dict(self.held)
+        for ids in self._holders:
+            for i in ids_of(ids):
+                held[i] = held.get(i, 0) + 1
+        self._check_held(held)
+        holes = set(held) | self._holes
         holes.update(extra_holes)
         return {
             "complete": _ranges(self.complete),
@@ -199,58 +245,46 @@ class Ledger:
             "holes": sorted(holes),
         }
 
+    def _check_held(self, held: Dict[int, int]) -> None:
+        """Two items held at once with the same id of a whole source item: something split it."""
+        if self.problem is None and any(n > 1 and i & LEAF == LEAF for i, n in held.items()):
+            self.problem = (
+                "two items held at once came from the same source item: a stage between the "
+                "source and the buffers splits items without numbering them (such as "
+                "tar_file_expander + group_by_keys; tarfile_to_samples numbers them)"
+            )
+
     # -- between a DataLoader worker and the main process ----------------------------------------
 
     def take_delta(self) -> Tuple[Any, ...]:
-        """What changed since the last call (a worker sends it along with each item)."""
-        d = (
-            self._d_partial,
-            self._d_complete,
-            {i: n for i, n in self._d_held.items() if n},
-            self._d_reread,
-        )
-        self._d_partial, self._d_complete, self._d_held, self._d_reread = {}, [], {}, []
+        """What changed since the last call (a worker sends it along with its items)."""
+        self._fold_reading()
+        d = (self._d_partial, self._d_complete, self._log[:], self._d_reread)
+        self._d_partial, self._d_complete, self._d_reread = {}, [], []
+        self._log.clear()  # in place: stages may keep it (see log)
         return d
-
-    def envelope(self, item: Any, worker: int, items: int, pass_: int) -> "Envelope":
-        """``item`` as worker ``worker`` sends it: with its ids and what changed here since."""
-        return Envelope(item, worker, self.current, self.take_delta(), items, pass_, self.problem)
 
     def apply(self, delta: Tuple[Any, ...]) -> None:
         """Apply a worker's :meth:`take_delta` to this copy of its ledger."""
-        partial, complete, held, reread = delta
+        partial, complete, log, reread = delta
         for k, j in partial.items():
             if j > self.partial.get(k, -1):
                 self.partial[k] = j
         for k in complete:
             self.complete.add(k)
             self.partial.pop(k, None)
-        for i, n in held.items():
-            m = self.held.get(i, 0) + n
-            if m > 0:
-                self.held[i] = m
+        held = self.held
+        for i in log:
+            if i >= 0:
+                held[i] = held.get(i, 0) + 1
             else:
-                self.held.pop(i, None)
+                i = ~i
+                n = held.get(i, 0) - 1
+                if n > 0:
+                    held[i] = n
+                else:
+                    held.pop(i, None)
         self._holes.difference_update(reread)
-
-
-def merge_deltas(deltas: List[Tuple[Any, ...]]) -> Tuple[Any, ...]:
-    """Several consecutive :meth:`Ledger.take_delta` results, in order, as one."""
-    partial: Dict[int, int] = {}
-    complete: List[int] = []
-    held: Dict[int, int] = {}
-    reread: List[int] = []
-    for p, c, h, r in deltas:
-        for k, j in p.items():
-            if j > partial.get(k, -1):
-                partial[k] = j
-        for k in c:
-            partial.pop(k, None)
-        complete.extend(c)
-        for i, n in h.items():
-            held[i] = held.get(i, 0) + n
-        reread.extend(r)
-    return partial, complete, {i: n for i, n in held.items() if n}, reread
 
 
 def unconsumed(it: Iterable[Any], ledger: Ledger) -> Iterator[Any]:
@@ -281,41 +315,22 @@ def unqualify(qid: int) -> Tuple[int, int]:
     return qid >> _WORKER_SHIFT, qid & _LOW
 
 
-class Envelope:
-    """An item a DataLoader worker yields, with what its ledger says about it: which worker,
-    the item's ids, what changed in the worker's ledger (:meth:`Ledger.take_delta`), the items the
-    worker has yielded this epoch, the pass it is in, and a reason resuming can't be exact."""
+class Envelope(NamedTuple):
+    """A batch a DataLoader worker sends a WebLoader, with what its ledger says about it: which
+    worker, the ids of the items in it, what changed in the worker's ledger
+    (:meth:`Ledger.take_delta`), the items the worker has yielded this epoch, the pass it is in,
+    and a reason resuming can't be exact. A tuple, because it pickles fastest."""
 
-    __slots__ = ("item", "worker", "ids", "delta", "items", "pass_", "problem")
-
-    def __init__(
-        self,
-        item: Any,
-        worker: int,
-        ids: Any,
-        delta: Tuple[Any, ...],
-        items: int,
-        pass_: int,
-        problem: Optional[str] = None,
-    ) -> None:
-        self.item = item
-        self.worker = worker
-        self.ids = ids
-        self.delta = delta
-        self.items = items
-        self.pass_ = pass_
-        self.problem = problem
-
-    def __getstate__(self) -> Tuple[Any, ...]:
-        return tuple(getattr(self, k) for k in self.__slots__)
-
-    def __setstate__(self, state: Tuple[Any, ...]) -> None:
-        for k, v in zip(self.__slots__, state):
-            setattr(self, k, v)
+    item: Any
+    worker: int
+    ids: Any
+    delta: Tuple[Any, ...]
+    items: int
+    pass_: int
+    problem: Optional[str] = None
 
     def pin_memory(self, device: Any = None) -> "Envelope":
-        """Pin the item (the DataLoader's pin-memory thread calls this)."""
+        """The envelope with its item pinned (the DataLoader's pin-memory thread calls this)."""
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        self.item = pin_memory(self.item, device)
-        return self
+        return self._replace(item=pin_memory(self.item, device))

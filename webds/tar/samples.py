@@ -72,6 +72,9 @@ def tarfile_to_samples(
     filtering = select_files is not None or rename_files is not None
     base = -1  # the ledger id of this shard's sample 0, or -1 outside a pipeline
     resuming = ledger is not None and ledger.resuming
+    # Not resuming, a sample read is recorded in the ledger's ``reading`` [shard, sample], two
+    # stores, rather than through produce(): this runs once per sample.
+    reading = ledger.reading if ledger is not None else None
     try:
         for shard in src:
             if ledger is not None:
@@ -79,6 +82,8 @@ def tarfile_to_samples(
                 base = item & ~LEAF if isinstance(item, int) else -1
                 if resuming and base >= 0 and ledger.skips_item(base >> 32):
                     continue  # all its samples were consumed before the resume: not opened
+                if base >= 0:
+                    ledger.start_reading(base >> 32)
             try:
                 url, stream, lpath = _open_shard(shard, storage_options)
             except Exception as exn:
@@ -142,7 +147,11 @@ def tarfile_to_samples(
                             if n >= first:
                                 if base < 0:
                                     yield cur
-                                elif not (resuming and ledger.consumed(base | n)):
+                                elif not resuming:
+                                    ledger.current = base | n
+                                    reading[1] = n
+                                    yield cur
+                                elif not ledger.consumed(base | n):
                                     ledger.produce(base | n)
                                     yield cur
                             n += 1
@@ -200,7 +209,11 @@ def tarfile_to_samples(
             if cur is not None and n > first:
                 if base < 0:
                     yield cur
-                elif not (resuming and ledger.consumed(base | (n - 1))):
+                elif not resuming:
+                    ledger.current = base | (n - 1)
+                    reading[1] = n - 1
+                    yield cur
+                elif not ledger.consumed(base | (n - 1)):
                     ledger.produce(base | (n - 1))
                     yield cur
             if base >= 0:
