@@ -135,10 +135,9 @@ class DataPipeline(IterableDataset):
         self._stream: Optional[Dict[str, Any]] = None
         self._resume: Optional[Dict[str, Any]] = None
         self._drop = 0
-        self._envelopes = False  # a WebLoader's dataset: track for envelope() (see loader.py)
-        self._pending: List[Any] = []
-        self._sent = 0
-        self._warned_inexact = False
+        # A WebLoader's dataset tracks its ledger, and notes the ids of the items it yields
+        # (_pending) and how many were collated (_sent), for loader._EnvelopeCollate.
+        self._envelopes, self._pending, self._sent, self._warned_inexact = False, [], 0, False
 
     # -- composition -------------------------------------------------------------------------
 
@@ -363,11 +362,9 @@ class DataPipeline(IterableDataset):
     def _one_pass(self, epoch: int, ledger: Ledger) -> Iterator[Any]:
         """Run the stages once over the source, closing every stage when done or abandoned.
 
-        When resuming, the items consumed before are left out just before the first stage that
-        keeps the ledger (a shuffle, a batching; the tar stage skips consumed samples itself):
-        not at the source, because the stages before may pick items by their place in the
-        stream (``split_by_worker``), and leaving some out there would shift the others.
-        """
+        When resuming, consumed items are left out before the first stage that keeps the ledger
+        (the tar stage skips consumed samples itself), not at the source: stages before may pick
+        items by their place in the stream (``split_by_worker``)."""
         seed = self.effective_seed()
         for s in self.pipeline:
             if hasattr(s, "set_epoch"):
