@@ -128,7 +128,7 @@ class WebLoader(DataPipeline, FluentMixin):
         # and batches): they are holes in those workers' records.
         held: Dict[int, List[int]] = {}
         if self._stream is not None:
-            for qid in self._stream["ledger"].held:
+            for qid in self._stream["ledger"].held_ids():
                 w, i = unqualify(qid)
                 held.setdefault(w, []).append(i)
         state.pop("ledger", None)
@@ -139,6 +139,7 @@ class WebLoader(DataPipeline, FluentMixin):
                 "items": m["items"],
                 "stream": m["pass"],
                 "ledger": m["ledger"].state(held.get(w, ())),
+                "downstream": len(held.get(w, ())),  # samples held here, read again
                 "problem": m["problem"],
             }
             for w, m in sorted(self._mirrors.items())

@@ -337,10 +337,6 @@ class DataPipeline(IterableDataset):
             return resume["for_workers"].get(str(info.id if info is not None else 0))
         return resume
 
-    def _exact_count(self) -> Optional[int]:
-        """The items this process must yield this epoch, for sources that promise it."""
-        return exact_count(self)
-
     # -- running -----------------------------------------------------------------------------
 
     def _source_items(self, ledger: Ledger) -> Iterator[Any]:
@@ -426,10 +422,13 @@ class DataPipeline(IterableDataset):
         track = self._envelopes
         if self.nsamples is None:
             it: Iterator[Any] = self._passes(epoch, resume, track)
-            exact = self._exact_count() if self.repetitions == 1 else None
+            exact = exact_count(self) if self.repetitions == 1 else None
             if exact is not None:
+                # The items left, and as many again as the samples a WebLoader's main process
+                # held (they are read again): a few too many are padding, never a loss.
+                left = exact - done + int(resume.get("downstream", 0)) if resume else exact
                 refill = (lambda: self._one_pass(epoch, Ledger())) if resume else None
-                it = _exactly(it, exact - done, self, refill)
+                it = _exactly(it, left, self, refill)
         elif self.repetitions == sys.maxsize:
             # with_epoch: continue the same endless stream across epochs.
             if self._carry is None:

@@ -229,13 +229,18 @@ class Ledger:
             if self._track:
                 self._d_partial[k] = j
 
-    def state(self, extra_holes: Iterable[int] = ()) -> Dict[str, Any]:
-        """The JSON-able record of what was consumed (``extra_holes``: held elsewhere)."""
-        self._fold_reading()
+    def held_ids(self) -> Dict[int, int]:
+        """Every id held now (by :meth:`hold` or in a :meth:`holder` list), and how often."""
         held = dict(self.held)
         for ids in self._holders:
             for i in ids_of(ids):
                 held[i] = held.get(i, 0) + 1
+        return held
+
+    def state(self, extra_holes: Iterable[int] = ()) -> Dict[str, Any]:
+        """The JSON-able record of what was consumed (``extra_holes``: held elsewhere)."""
+        self._fold_reading()
+        held = self.held_ids()
         self._check_held(held)
         holes = set(held) | self._holes
         holes.update(extra_holes)
