@@ -281,7 +281,7 @@ def random_pipeline(rng: random.Random, spec: str, seed: Any):
     return stages, batches, drops
 
 
-@pytest.mark.parametrize("case", range(36))
+@pytest.mark.parametrize("case", range(48))
 def test_random_pipelines_resume_exactly(tmp_path, monkeypatch, case):
     monkeypatch.delenv("WDS_SEED", raising=False)
     rng = random.Random(case)
@@ -342,6 +342,10 @@ def test_random_pipelines_resume_exactly(tmp_path, monkeypatch, case):
         passes = add(passes)
     first_pass = list(passes)
     one_pass = Counter(flat(first_pass))
+    if index and drops:
+        # One indexed pass is padded to its planned count by repeating its last item; the
+        # stream that with_epoch cuts is not: the pass proper is its distinct samples.
+        one_pass = Counter(set(one_pass))
     # One process: with_epoch cuts one endless stream into epochs. The first pass over the data
     # (each kept sample once) must come out whole, wherever in it the checkpoint was.
     at = rng.randint(0, len(first_pass))  # the checkpoint's place in the stream

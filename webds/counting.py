@@ -33,6 +33,7 @@ __all__ = [
     "gather_states",
     "random_parts",
     "exact_count",
+    "remaining_count",
 ]
 
 log = logging.getLogger("webds")
@@ -214,6 +215,31 @@ def exact_count(pipeline: Any) -> Optional[int]:
             )
         return None
     return lengths[origin[1].stream_index()]
+
+
+def remaining_count(pipeline: Any, epoch: int, saved: Dict[str, Any]) -> Optional[int]:
+    """The items left to yield in ``epoch`` from a saved ledger state, for a planned source: the
+    stages' count rules over the planned samples not consumed (held ones included: they are read
+    again). Used where some samples were held after this stream yielded them (by a WebLoader's
+    main-process stages), so the items yielded so far do not say what is left."""
+    origin = pipeline._origin()
+    if origin is None or not getattr(origin[1], "exact", False):
+        return None
+    at, source = origin
+    plan = source.plan(epoch)
+    complete = {k for a, b in saved.get("complete", ()) for k in range(int(a), int(b))}
+    partial = {int(k): int(j) for k, j in (saved.get("partial") or {}).items()}
+    read = 0
+    for k, seg in enumerate(plan.segments):
+        if k in complete:
+            read += seg.stop - seg.start
+        elif k in partial:
+            read += max(0, min(partial[k] + 1, seg.stop) - seg.start)
+    left = Length(plan.samples - read + len(saved.get("holes", ())))
+    try:
+        return forward_counts(pipeline.pipeline[at + 1 :], [left], "")[0].items
+    except LengthError:
+        return None
 
 
 def _exactly(

@@ -42,6 +42,7 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     gather_states,
     own_state,
     random_parts,
+    remaining_count,
     repeated,
     source_counts,
 )
@@ -424,9 +425,10 @@ class DataPipeline(IterableDataset):
             it: Iterator[Any] = self._passes(epoch, resume, track)
             exact = exact_count(self) if self.repetitions == 1 else None
             if exact is not None:
-                # The items left, and as many again as the samples a WebLoader's main process
-                # held (they are read again): a few too many are padding, never a loss.
-                left = exact - done + int(resume.get("downstream", 0)) if resume else exact
+                left = exact - done if resume else exact
+                if resume and resume.get("downstream") and resume.get("ledger"):
+                    # Samples it yielded were held in the main process: see remaining_count.
+                    left = remaining_count(self, epoch, resume["ledger"]) or left
                 refill = (lambda: self._one_pass(epoch, Ledger())) if resume else None
                 it = _exactly(it, left, self, refill)
         elif self.repetitions == sys.maxsize:
