@@ -117,3 +117,64 @@ def test_same_seed_same_order_across_runs(index, tmp_path):
     first = run_job(index, tmp_path, 2, "pad", workers=1)
     again = run_job(index, tmp_path, 2, "pad", workers=1)
     assert [r["epochs"] for r in first] == [r["epochs"] for r in again]
+
+
+ELASTIC_JOB = Path(__file__).with_name("elastic_job.py")
+
+
+def run_elastic(index, tmp_path, phase, world, workers, states, k=0):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "WDS_SEED")}
+    env["PYTHONPATH"] = os.pathsep.join([str(JOB.parents[1]), env.get("PYTHONPATH", "")])
+    port = free_port()
+    outs = [tmp_path / f"{phase}-rank{r}-{port}.json" for r in range(world)]
+    args = ["--index", index, "--phase", phase, "--states", str(states), "--port", str(port)]
+    args += ["--world", str(world), "--workers", str(workers), "--k", str(k)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ELASTIC_JOB), *args, "--rank", str(r), "--out", str(outs[r])],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    errors = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a DDP rank hung")
+        if p.returncode != 0:
+            errors.append(err[-3000:])
+    assert not errors, "\n".join(errors)
+    return [json.loads(o.read_text()) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def four_ranks_stopped(index, tmp_path_factory):
+    """4 gloo ranks x 2 workers, stopped after 2 batches: what they read, and their states."""
+    tmp_path = tmp_path_factory.mktemp("elastic")
+    states = tmp_path / "states.json"
+    saved = run_elastic(index, tmp_path, "save", world=4, workers=2, states=states, k=2)
+    assert len(json.loads(states.read_text())) == 4  # every rank's state, gathered by rank 0
+    return saved, states
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("world,workers", [(2, 3), (3, 1), (8, 2)])
+def test_four_gloo_ranks_resume_on_another_topology(
+    index, tmp_path, four_ranks_stopped, world, workers
+):
+    saved, states = four_ranks_stopped
+    ranks = run_elastic(index, tmp_path, "resume", world=world, workers=workers, states=states)
+    before = Counter(key for r in saved for key in r["read"])
+    rest = Counter(key for r in ranks for key in r["epochs"][0]["read"])
+    assert not set(before) & set(rest), "a sample consumed before was read again"
+    assert set(before) | set(rest) == ALL
+    assert sum(rest.values()) - len(rest) < world  # repeated: only to pad the ranks equal
+    assert len({r["epochs"][0]["batches"] for r in ranks}) == 1  # DDP did not hang: equal
+    assert all(r["epochs"][0]["batches"] == r["len"] for r in ranks)
+    whole = Counter(key for r in ranks for key in r["epochs"][1]["read"])
+    assert set(whole) == ALL and sum(whole.values()) - len(ALL) < world

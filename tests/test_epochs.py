@@ -147,8 +147,12 @@ def test_state_after_a_whole_epoch_is_the_next_epoch(indexed):
 def test_resume_refuses_a_changed_configuration(indexed):
     loader = make_loader(indexed, 2)
     state = loader.state_dict()
+    make_loader(indexed, 0).load_state_dict(state)  # with an index: planned anew (elastic)
+    plain = webds.WebLoader(
+        webds.WebDataset(str(indexed).replace("index.json", "shard-{0..4}.tar")), num_workers=2
+    )
     with pytest.raises(ArgumentError, match="num_workers"):
-        make_loader(indexed, 0).load_state_dict(state)
+        webds.WebLoader(plain.loader.dataset, num_workers=0).load_state_dict(plain.state_dict())
     with pytest.raises(ArgumentError, match="seed"):
         make_loader(indexed, 2, seed=9).load_state_dict(state)
     make_loader(indexed, 0).load_state_dict(state, strict=False)

@@ -30,6 +30,8 @@ __all__ = [
     "repeated",
     "check_state",
     "own_state",
+    "with_topology",
+    "restore_entropy",
     "gather_states",
     "random_parts",
     "exact_count",
@@ -111,6 +113,14 @@ def random_parts(pipeline: Any) -> Iterator[Any]:
             yield x
 
 
+#: Why another topology is refused without an index, and how to get one.
+_ELASTIC_HINT = (
+    "resuming on another number of ranks or DataLoader workers needs a shard index, which says "
+    "what every sample is wherever it was read (make one with `webds index SHARDS -o "
+    "index.json` and pass it to WebDataset), and every rank's state (state_dict(all_ranks=True))"
+)
+
+
 def own_state(state: Any, rank: int, world_size: int, strict: bool) -> Any:
     """This rank's state out of ``state``: one rank's ``state_dict()``, or the list of every
     rank's (``state_dict(all_ranks=True)``). Raises :class:`~webds.errors.ResumeError` for
@@ -124,8 +134,7 @@ def own_state(state: Any, rank: int, world_size: int, strict: bool) -> Any:
             return ranks.get(rank, state[0])
         raise ResumeError(
             f"these states were saved by {saved_world} ranks, and this is rank {rank} of "
-            f"{world_size}; resume with the same number of ranks, or pass strict=False to "
-            "continue approximately"
+            f"{world_size}; resume with the same number of ranks; {_ELASTIC_HINT}"
         )
     if not isinstance(state, dict) or state.get("version") != 2 or not strict:
         return state
@@ -133,8 +142,7 @@ def own_state(state: Any, rank: int, world_size: int, strict: bool) -> Any:
     if saved_world != world_size:
         raise ResumeError(
             f"this state was saved by a job of {saved_world} ranks, this one has {world_size}: "
-            "resume with the same number of ranks, or pass strict=False to continue "
-            "approximately"
+            f"resume with the same number of ranks; {_ELASTIC_HINT}"
         )
     if saved != rank:
         raise ResumeError(
@@ -157,6 +165,27 @@ def gather_states(state: Dict[str, Any]) -> List[Dict[str, Any]]:
     return states
 
 
+def restore_entropy(pipeline: Any, state: Dict[str, Any]) -> None:
+    """Give the pipeline's random parts (see :func:`random_parts`) the entropy ``state`` saved."""
+    entropy = state.get("entropy") or []
+    parts = list(random_parts(pipeline))
+    if len(entropy) == len(parts):
+        for part, value in zip(parts, entropy):
+            part._entropy = int(value)
+
+
+def with_topology(mine: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
+    """``mine`` (a configuration) with the saved one's world size and worker count: what must
+    still match when a resume is planned anew for another topology."""
+    out = dict(mine)
+    for key in ("world_size", "num_workers"):
+        if key in out and key in saved:
+            out[key] = saved[key]
+    if isinstance(out.get("dataset"), dict) and isinstance(saved.get("dataset"), dict):
+        out["dataset"] = with_topology(out["dataset"], saved["dataset"])
+    return out
+
+
 def check_state(state: Any, mine: Dict[str, Any], strict: bool) -> None:
     """Raise :class:`~webds.errors.ResumeError` unless ``state`` (from ``state_dict()``) can be
     resumed exactly by a pipeline whose configuration is ``mine``; ``strict=False`` lets
@@ -177,10 +206,11 @@ def check_state(state: Any, mine: Dict[str, Any], strict: bool) -> None:
     changed = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
     if changed:
         diffs = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in changed)
+        hint = f" ({_ELASTIC_HINT})" if "num_workers" in changed else ""
         problems.insert(
             0,
             f"the pipeline changed since the state was saved ({diffs}); restore the same "
-            "configuration",
+            f"configuration{hint}",
         )
     if problems and strict:
         raise ResumeError(
@@ -198,12 +228,14 @@ def _problems(state: Dict[str, Any]) -> List[Optional[str]]:
     return list(dict.fromkeys(out))
 
 
-def exact_count(pipeline: Any) -> Optional[int]:
-    """The items this process must yield this epoch, for sources that promise it (``exact``):
+def exact_count(pipeline: Any, epoch: Optional[int] = None) -> Optional[int]:
+    """The items this process must yield in ``epoch``, for sources that promise it (``exact``):
     its stream's length, or None (said once per pipeline) when the stages make that unknown."""
     origin = pipeline._origin()
     if origin is None or not getattr(origin[1], "exact", False):
         return None
+    if epoch is not None:
+        origin[1].set_epoch(epoch)  # an epoch resumed elsewhere has its own length
     try:
         lengths = pipeline.stream_lengths(None)
     except LengthError as exn:

@@ -17,10 +17,12 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from torch.utils.data import DataLoader
 
-from .counting import source_counts
+from .counting import check_state, restore_entropy, source_counts, with_topology
 from .errors import LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
+from .shards.elastic import every_rank, plan_elsewhere, topology_changed
+from .shards.shardlists import worker_info
 from .stages.core import Length
 from .stages.ledger import Envelope, Ledger, qualify, unqualify
 
@@ -74,6 +76,9 @@ class WebLoader(DataPipeline, FluentMixin):
             self._restart_workers()
             self._worker_resume = None
         super().set_epoch(epoch)
+        dataset = self.loader.dataset
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)  # so that len() is this epoch's
 
     def load_state_dict(self, state: Any, strict: bool = True) -> None:
         """Continue where :meth:`state_dict` was taken: the rest of that epoch's samples.
@@ -82,6 +87,11 @@ class WebLoader(DataPipeline, FluentMixin):
         ``num_workers``, batch size), then load this rank's state (or the list of every rank's).
         Persistent workers are restarted.
         """
+        plan = getattr(self.loader.dataset, "plan", None)
+        world = worker_info().world_size
+        if plan is not None and topology_changed(state, world, self.loader.num_workers):
+            self._resume_elsewhere(state, strict)
+            return
         super().load_state_dict(state, strict)
         state = self._resume or {}
         workers = state.get("workers")
@@ -90,6 +100,21 @@ class WebLoader(DataPipeline, FluentMixin):
             if workers
             else None
         )
+        self._restart_workers()
+
+    def _resume_elsewhere(self, state: Any, strict: bool) -> None:
+        """Resume every rank's ``state`` on this topology: the rest of its epoch, planned anew
+        (see :mod:`webds.shards.elastic`)."""
+        dataset = self.loader.dataset
+        states = every_rank(state)
+        mine = self._resume_config()
+        for saved in states:
+            check_state(saved, with_topology(mine, saved.get("config") or {}), strict)
+        epoch = plan_elsewhere(dataset.plan, states, dataset._granule())
+        restore_entropy(self, states[0])
+        self._worker_resume, self._mirrors = None, {}
+        self.set_epoch(epoch)
+        self._resume = None
         self._restart_workers()
 
     def _restart_workers(self) -> None:

@@ -44,6 +44,7 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     random_parts,
     remaining_count,
     repeated,
+    restore_entropy,
     source_counts,
 )
 from .counting import (
@@ -315,11 +316,7 @@ class DataPipeline(IterableDataset):
         where = worker_info()
         state = own_state(state, where.rank, where.world_size, strict)
         check_state(state, self._resume_config(), strict)
-        entropy = state.get("entropy") or []
-        parts = list(random_parts(self))
-        if len(entropy) == len(parts):
-            for part, value in zip(parts, entropy):
-                part._entropy = int(value)
+        restore_entropy(self, state)
         self.set_epoch(int(state["epoch"]))
         self._resume = state
         self._carry = self._stream = None  # the next iter() starts from the resume
@@ -423,7 +420,7 @@ class DataPipeline(IterableDataset):
         track = self._envelopes
         if self.nsamples is None:
             it: Iterator[Any] = self._passes(epoch, resume, track)
-            exact = exact_count(self) if self.repetitions == 1 else None
+            exact = exact_count(self, epoch) if self.repetitions == 1 else None
             if exact is not None:
                 left = exact - done if resume else exact
                 if resume and resume.get("downstream") and resume.get("ledger"):

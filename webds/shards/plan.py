@@ -33,7 +33,15 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 from ..errors import ArgumentError
 from .shardlists import derive_seed, worker_info
 
-__all__ = ["BALANCE_MODES", "Segment", "rank_size", "worker_spans", "epoch_order", "plan_worker"]
+__all__ = [
+    "BALANCE_MODES",
+    "Segment",
+    "rank_size",
+    "worker_spans",
+    "epoch_order",
+    "plan_worker",
+    "plan_rest",
+]
 
 log = logging.getLogger("webds")
 
@@ -216,6 +224,40 @@ def split_warning(
     return None
 
 
+def plan_rest(
+    runs: Sequence[Sequence[int]],
+    urls: Sequence[str],
+    *,
+    world_size: int,
+    rank: int,
+    num_workers: int,
+    worker: int,
+    balance: str,
+    granule: int,
+) -> WorkerPlan:
+    """What worker ``worker`` of rank ``rank`` reads of ``runs`` ``[shard, start, stop]``, the
+    samples an epoch resumed on another topology has left (see :mod:`webds.shards.elastic`):
+    shared out like a whole epoch's, run after run instead of shard after shard."""
+    lengths = [int(b) - int(a) for _, a, b in runs]
+    total = sum(lengths)
+    size = rank_size(total, world_size, balance)
+    lo, hi = worker_spans(size, num_workers, granule)[worker]
+    base = rank * size
+    pieces = _segments(
+        lengths, [urls[int(s)] for s, _, _ in runs], range(len(runs)), base + lo, base + hi
+    )
+    segments = [
+        Segment(
+            int(runs[p.shard][0]),
+            p.url,
+            int(runs[p.shard][1]) + p.start,
+            int(runs[p.shard][1]) + p.stop,
+        )
+        for p in pieces
+    ]
+    return WorkerPlan(segments, hi - lo, size, sum(s.start for s in segments))
+
+
 class PlannedShards:
     """A shard source that reads an epoch plan: this rank's and this worker's shard segments.
 
@@ -242,6 +284,9 @@ class PlannedShards:
         self.shuffle = bool(shuffle)
         self.epoch = 0
         self.granule = 1
+        #: An epoch resumed on another topology: ``{"epoch": e, "runs": [[shard, start, stop]]}``,
+        #: the samples nobody consumed, which that epoch's plan shares out instead of the index's.
+        self.elastic: Optional[Dict[str, Any]] = None
         self._warned = False
         self._where: Optional[Tuple[int, int]] = None
 
@@ -266,14 +311,32 @@ class PlannedShards:
             state["_where"] = (info.rank, info.world_size)
         return state
 
+    def _rest(self, epoch: int) -> Optional[List[Any]]:
+        """The runs an elastic resume left for ``epoch``, if it is the resumed one."""
+        elastic = getattr(self, "elastic", None)
+        return elastic["runs"] if elastic is not None and elastic["epoch"] == epoch else None
+
     def plan(self, epoch: Optional[int] = None, skip: int = 0) -> WorkerPlan:
         """This process's plan for ``epoch`` (default: the current one)."""
         rank, world, worker, workers = self.where()
+        epoch = self.epoch if epoch is None else epoch
+        rest = self._rest(epoch)
+        if rest is not None:
+            return plan_rest(
+                rest,
+                self.urls,
+                world_size=world,
+                rank=rank,
+                num_workers=workers,
+                worker=worker,
+                balance=self.balance,
+                granule=self.granule,
+            )
         return plan_worker(
             self.counts,
             self.urls,
             seed=self.seed if self.shuffle else None,
-            epoch=self.epoch if epoch is None else epoch,
+            epoch=epoch,
             world_size=world,
             rank=rank,
             num_workers=workers,
@@ -289,7 +352,9 @@ class PlannedShards:
     def stream_lengths(self, num_workers: Optional[int] = None) -> List[int]:
         """Samples per DataLoader worker of this rank (``num_workers`` default: this process's)."""
         rank, world, _, workers = self.where()
-        size = rank_size(sum(self.counts), world, self.balance)
+        rest = self._rest(self.epoch)
+        total = sum(b - a for _, a, b in rest) if rest is not None else sum(self.counts)
+        size = rank_size(total, world, self.balance)
         return [b - a for a, b in worker_spans(size, num_workers or workers, self.granule)]
 
     def warn_split(self, num_workers: int) -> None:

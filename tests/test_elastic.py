@@ -1,0 +1,142 @@
+"""Elastic resume: every rank's state, saved by N ranks x W workers, resumed on another number of
+ranks and workers, finishes the epoch exactly: each sample nobody had consumed is read once (a few
+repeated only to pad every new rank to the same count), none read before is read again, every
+new rank yields as many batches; the epoch after it is a whole epoch on the new topology.
+
+Ranks are given by RANK / WORLD_SIZE, as torchrun sets them, and run one after the other in this
+process, each with real DataLoader worker processes (tests/test_ddp.py runs real gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from conftest import sample_members, write_tar
+
+import webds
+from webds.errors import ResumeError
+from webds.shards.index import ShardIndex
+
+SIZES = [7, 3, 11, 5, 9, 8, 6, 10, 4, 12]  # 75 samples
+ALL = {f"s{i}-{j:06d}" for i, n in enumerate(SIZES) for j in range(n)}
+
+
+@pytest.fixture
+def index(tmp_path):
+    urls = [
+        str(write_tar(tmp_path / f"shard-{i}.tar", sample_members(n, prefix=f"s{i}-")))
+        for i, n in enumerate(SIZES)
+    ]
+    path = tmp_path / "index.json"
+    ShardIndex.build(urls).save(str(path))
+    return str(path)
+
+
+def make(index, workers, balance="pad"):
+    ds = (
+        webds.WebDataset(index, shardshuffle=True, seed=5, balance=balance)
+        .shuffle(6)
+        .to_tuple("__key__", "cls")
+        .batched(4)
+    )
+    return webds.WebLoader(ds, batch_size=None, num_workers=workers)
+
+
+def keys(batches):
+    return [k for b in batches for k in b[0]]
+
+
+def as_rank(monkeypatch, rank, world):
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+
+
+def interrupted(monkeypatch, index, world, workers, k, balance="pad"):
+    """Every rank reads k batches of epoch 1 (after a whole epoch 0); their keys and states."""
+    before, states = [], []
+    for rank in range(world):
+        as_rank(monkeypatch, rank, world)
+        loader = make(index, workers, balance)
+        list(loader)  # epoch 0
+        it = iter(loader)
+        before.append(keys(next(it) for _ in range(k)))
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        del it
+    return before, states
+
+
+def resumed(monkeypatch, index, world, workers, states, balance="pad"):
+    """Every new rank's rest of the epoch, and the epoch after it."""
+    rest, after, lengths = [], [], []
+    for rank in range(world):
+        as_rank(monkeypatch, rank, world)
+        loader = make(index, workers, balance)
+        loader.load_state_dict(states)
+        lengths.append(len(loader))  # on another topology: the resumed epoch's own length
+        batches = list(loader)
+        assert len(batches) <= lengths[-1]
+        rest.append(batches)
+        after.append(keys(list(loader)))
+    return rest, after, lengths
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("new_world,new_workers", [(2, 3), (3, 1), (8, 2), (4, 2), (1, 0)])
+def test_four_ranks_of_two_workers_resume_elsewhere(index, monkeypatch, new_world, new_workers):
+    before, states = interrupted(monkeypatch, index, 4, 2, k=2)
+    rest, after, lengths = resumed(monkeypatch, index, new_world, new_workers, states)
+    if (new_world, new_workers) != (4, 2):  # planned anew: len() is the resumed epoch's
+        assert [len(batches) for batches in rest] == lengths
+    read_before = Counter(k for b in before for k in b)
+    read_after = Counter(k for batches in rest for k in keys(batches))
+    assert not set(read_before) & set(read_after), "a sample consumed before was read again"
+    assert set(read_before) | set(read_after) == ALL
+    assert sum(read_after.values()) - len(read_after) < new_world  # repeated: only padding
+    assert len({len(batches) for batches in rest}) == 1  # every new rank as many batches
+    assert len(set(lengths)) == 1
+    # The next epoch is a whole one on the new topology.
+    seen = Counter(k for a in after for k in a)
+    assert set(seen) == ALL and sum(seen.values()) - len(ALL) < new_world
+
+
+def test_drop_balance_and_workers_only(index, monkeypatch):
+    before, states = interrupted(monkeypatch, index, 3, 2, k=3, balance="drop")
+    rest, _, _ = resumed(monkeypatch, index, 3, 1, states, balance="drop")
+    got_before = {k for b in before for k in b}
+    got_after = Counter(k for batches in rest for k in keys(batches))
+    assert max(got_after.values()) == 1 and not got_before & set(got_after)
+    assert len(ALL - got_before - set(got_after)) < 3 + 3  # left out: only by "drop"
+
+
+def test_elastic_resume_needs_every_rank_and_an_index(index, monkeypatch, tmp_path):
+    _, states = interrupted(monkeypatch, index, 2, 1, k=1)
+    as_rank(monkeypatch, 0, 3)
+    with pytest.raises(ResumeError, match="every rank"):
+        make(index, 1).load_state_dict(states[0])
+    as_rank(monkeypatch, 0, 2)
+    with pytest.raises(ResumeError, match="every rank"):
+        make(index, 2).load_state_dict(states[:1])
+    with pytest.raises(ResumeError, match="seed"):
+        loader = webds.WebLoader(
+            webds.WebDataset(index, shardshuffle=True, seed=6).batched(4), num_workers=2
+        )
+        loader.load_state_dict(states)
+
+
+def test_without_an_index_another_topology_says_how_to_make_one(index, monkeypatch):
+    spec = index.replace("index.json", "shard-{0..9}.tar")
+
+    def plain(workers):
+        return webds.WebLoader(webds.WebDataset(spec).batched(4), num_workers=workers)
+
+    as_rank(monkeypatch, 0, 2)
+    loader = plain(1)
+    next(iter(loader))
+    state = loader.state_dict()
+    as_rank(monkeypatch, 0, 3)
+    with pytest.raises(ResumeError, match="webds index"):
+        plain(1).load_state_dict(state)
+    as_rank(monkeypatch, 0, 2)
+    with pytest.raises(ResumeError, match="webds index"):
+        plain(2).load_state_dict(state)
