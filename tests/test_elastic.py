@@ -140,3 +140,27 @@ def test_without_an_index_another_topology_says_how_to_make_one(index, monkeypat
     as_rank(monkeypatch, 0, 2)
     with pytest.raises(ResumeError, match="webds index"):
         plain(2).load_state_dict(state)
+
+
+def test_a_dataset_without_a_loader_resumes_on_another_number_of_ranks(index, monkeypatch):
+    def make_ds():
+        return webds.WebDataset(index, shardshuffle=True, seed=2).shuffle(5)
+
+    before, states = set(), []
+    for rank in range(3):
+        as_rank(monkeypatch, rank, 3)
+        ds = make_ds()
+        it = iter(ds)
+        before |= {next(it)["__key__"] for _ in range(7)}
+        states.append(json.loads(json.dumps(ds.state_dict())))
+    rest = Counter()
+    counts = set()
+    for rank in range(2):
+        as_rank(monkeypatch, rank, 2)
+        ds = make_ds()
+        ds.load_state_dict(states)
+        got = [s["__key__"] for s in ds]
+        counts.add(len(got))
+        rest.update(got)
+    assert not before & set(rest) and before | set(rest) == ALL
+    assert len(counts) == 1 and sum(rest.values()) - len(rest) < 2
