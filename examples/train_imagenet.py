@@ -615,7 +615,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if run.scaler.is_enabled() and checkpoint["scaler"]:
             run.scaler.load_state_dict(checkpoint["scaler"])
         if not args.evaluate:
-            try:  # mid-epoch: exactly the batches still to come
+            try:  # mid-epoch: each sample not yet trained on, once
                 train_loader.load_state_dict(checkpoint["loader"])
             except webds.ArgumentError as exn:
                 fail(
