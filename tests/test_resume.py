@@ -439,3 +439,33 @@ def test_fields_that_differ_only_in_case_are_refused_when_written(tmp_path):
             sink.write({"__key__": "a", "txt": "x", "TXT": "y"})
         sink.write({"__key__": "b", "TXT": "y", "cls": 1})  # capitals alone are fine
     assert [s["txt"] for s in webds.WebDataset(str(tmp_path / "a.tar"))] == [b"y"]
+
+
+@pytest.mark.parametrize("workers,index", [(0, True), (2, False)])
+def test_with_epoch_on_the_loader_resumes_its_stream(tmp_path, workers, index):
+    # The loader's epochs cut one DataLoader pass: a checkpoint at or between its epochs must
+    # keep what every worker read, and the first pass must come out whole.
+    spec = shards(tmp_path, [7, 3, 11, 5, 9], index=index)
+
+    def make():
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=3).shuffle(4)
+        loader = webds.WebLoader(
+            ds.to_tuple("__key__", "cls"), batch_size=None, num_workers=workers
+        )
+        return loader.with_epoch(13)
+
+    for at in (5, 13, 26, 30):
+        a = make()
+        before = sum((flat(list(a)) for _ in range(at // 13)), [])
+        it = iter(a)
+        before += flat(list(itertools.islice(it, at % 13)))
+        state = json.loads(json.dumps(a.state_dict()))
+        del it
+        a.close()
+        b = make()
+        b.load_state_dict(state)
+        stream = before + sum((flat(list(b)) for _ in range(3)), [])
+        b.close()
+        assert sorted(stream[:35]) == sorted(
+            f"s{i}-{j:06d}" for i, n in enumerate([7, 3, 11, 5, 9]) for j in range(n)
+        ), at

@@ -174,7 +174,7 @@ class WebLoader(DataPipeline, FluentMixin):
     def _epoch_done(self, position: List[int], keep_stream: bool = False) -> None:
         ended = position is self._position  # not an abandoned iterator run out later
         super()._epoch_done(position, keep_stream)
-        if ended:
+        if ended and self._carry is None:  # (with_epoch here: the DataLoader's pass goes on)
             if self._carries():
                 for m in self._mirrors.values():
                     m["items"] = 0  # the workers' streams go on into the next epoch
