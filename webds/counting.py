@@ -21,6 +21,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .errors import ArgumentError, LengthError, ResumeError
+from .shards.elastic import consumed_spans
 from .stages.core import Count, Length
 
 __all__ = [
@@ -259,15 +260,11 @@ def remaining_count(pipeline: Any, epoch: int, saved: Dict[str, Any]) -> Optiona
         return None
     at, source = origin
     plan = source.plan(epoch)
-    complete = {k for a, b in saved.get("complete", ()) for k in range(int(a), int(b))}
-    partial = {int(k): int(j) for k, j in (saved.get("partial") or {}).items()}
-    read = 0
-    for k, seg in enumerate(plan.segments):
-        if k in complete:
-            read += seg.stop - seg.start
-        elif k in partial:
-            read += max(0, min(partial[k] + 1, seg.stop) - seg.start)
-    left = Length(plan.samples - read + len(saved.get("holes", ())))
+    consumed = sum(
+        max(0, stop - seg.start) - len(held)
+        for seg, stop, held in consumed_spans(plan.segments, saved)
+    )
+    left = Length(plan.samples - consumed)
     try:
         return forward_counts(pipeline.pipeline[at + 1 :], [left], "")[0].items
     except LengthError:

@@ -15,14 +15,16 @@ new rank reads as many. The epochs after it are planned for the new topology as 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ResumeError
+from ..stages.ledger import LEAF, saved_reads, shard_of
 from .plan import Segment, epoch_order, plan_worker
 
 __all__ = [
+    "consumed_spans",
     "consumed_samples",
     "rest_runs",
     "topology_changed",
@@ -81,13 +83,16 @@ def consumed_samples(
     return done
 
 
-def _mark(done: List[np.ndarray], segments: Sequence[Segment], ledger: Dict[str, Any]) -> None:
-    """Mark what one saved ledger says was consumed of its worker's ``segments``."""
-    complete = {k for a, b in ledger.get("complete", ()) for k in range(int(a), int(b))}
-    partial = {int(k): int(j) for k, j in (ledger.get("partial") or {}).items()}
-    holes: Dict[int, List[int]] = {}
-    for i in ledger.get("holes", ()):
-        holes.setdefault(int(i) >> 32, []).append(int(i) & 0xFFFFFFFF)
+def consumed_spans(
+    segments: Sequence[Segment], saved: Dict[str, Any]
+) -> Iterator[Tuple[Segment, int, List[int]]]:
+    """What a saved ledger state says a worker consumed of its plan's ``segments``: for each
+    segment it began, (the segment, the end of what was read, the sample numbers in that read
+    part which were held at the checkpoint, to be read again)."""
+    complete, partial, holes = saved_reads(saved)
+    held: Dict[int, List[int]] = {}
+    for i in holes:
+        held.setdefault(shard_of(i), []).append(i & LEAF)
     for k, seg in enumerate(segments):
         if k in complete:
             stop = seg.stop
@@ -95,10 +100,14 @@ def _mark(done: List[np.ndarray], segments: Sequence[Segment], ledger: Dict[str,
             stop = min(partial[k] + 1, seg.stop)
         else:
             continue
+        yield seg, stop, [j for j in held.get(k, ()) if seg.start <= j < stop]
+
+
+def _mark(done: List[np.ndarray], segments: Sequence[Segment], ledger: Dict[str, Any]) -> None:
+    """Mark what one saved ledger says was consumed of its worker's ``segments``."""
+    for seg, stop, held in consumed_spans(segments, ledger):
         done[seg.shard][seg.start : stop] = True
-        for j in holes.get(k, ()):
-            if seg.start <= j < stop:
-                done[seg.shard][j] = False  # held at the checkpoint: to be read again
+        done[seg.shard][held] = False  # held at the checkpoint: to be read again
 
 
 def rest_runs(

@@ -41,6 +41,7 @@ __all__ = [
     "shard_of",
     "ids_of",
     "unconsumed",
+    "saved_reads",
     "qualify",
     "unqualify",
     "Envelope",
@@ -85,6 +86,13 @@ def _unranges(runs: Iterable[Any]) -> Set[int]:
     return {k for a, b in runs for k in range(int(a), int(b))}
 
 
+def saved_reads(state: Dict[str, Any]) -> Tuple[Set[int], Dict[int, int], Set[int]]:
+    """What a saved :meth:`Ledger.state` says: (the source items read entirely, the last sample
+    read of each item begun, the ids held at the checkpoint)."""
+    partial = {int(k): int(j) for k, j in (state.get("partial") or {}).items()}
+    return _unranges(state.get("complete", ())), partial, {int(i) for i in state.get("holes", ())}
+
+
 class Ledger:
     """What one stream (one process's pipeline pass) has produced and holds; see the module doc.
 
@@ -106,11 +114,9 @@ class Ledger:
         self._holes: Set[int] = set()
         self._hole_shards: Set[int] = set()
         if resume is not None:
-            self.complete = _unranges(resume.get("complete", ()))
-            self.partial = {int(k): int(j) for k, j in (resume.get("partial") or {}).items()}
+            self.complete, self.partial, self._holes = saved_reads(resume)
             self._old_complete = set(self.complete)
             self._old_partial = dict(self.partial)
-            self._holes = {int(i) for i in resume.get("holes", ())}
             self._hole_shards = {shard_of(i) for i in self._holes}
         # Tracking (a DataLoader worker's ledger): changes since the last take_delta(); holds and
         # releases go to one log (i held, ~i released) instead of ``held``, which the main
