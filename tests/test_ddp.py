@@ -33,37 +33,17 @@ def index(tmp_path_factory):
     return str(root / "index.json")
 
 
-def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, resume_at=3):
+def run_ranks(script, tmp_path, tag, world, args):
+    """Run ``script`` as ``world`` gloo ranks (``args`` plus --rank, --world, --port, --out);
+    fail on a rank that hangs or errs; return what each rank wrote to its --out file."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "WDS_SEED")}
     env["PYTHONPATH"] = os.pathsep.join([str(JOB.parents[1]), env.get("PYTHONPATH", "")])
     port = free_port()
-    outs = [tmp_path / f"rank{r}-{port}.json" for r in range(world)]
+    outs = [tmp_path / f"{tag}rank{r}-{port}.json" for r in range(world)]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(JOB),
-                "--index",
-                index,
-                "--balance",
-                balance,
-                "--out",
-                str(outs[r]),
-                "--context",
-                context,
-                "--rank",
-                str(r),
-                "--world",
-                str(world),
-                "--port",
-                str(port),
-                "--workers",
-                str(workers),
-                "--seed",
-                str(seed),
-                "--resume-at",
-                str(resume_at),
-            ],
+            [sys.executable, str(script), *map(str, args), "--rank", str(r), "--world", str(world)]
+            + ["--port", str(port), "--out", str(outs[r])],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
@@ -82,6 +62,12 @@ def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, 
             errors.append(err[-3000:])
     assert not errors, "\n".join(errors)
     return [json.loads(o.read_text()) for o in outs]
+
+
+def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, resume_at=3):
+    args = ["--index", index, "--balance", balance, "--context", context, "--workers", workers]
+    args += ["--seed", seed, "--resume-at", resume_at]
+    return run_ranks(JOB, tmp_path, "", world, args)
 
 
 @pytest.mark.parametrize("world,balance,context", [(2, "pad", "fork"), (3, "drop", "spawn")])
@@ -123,33 +109,8 @@ ELASTIC_JOB = Path(__file__).with_name("elastic_job.py")
 
 
 def run_elastic(index, tmp_path, phase, world, workers, states, k=0):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "WDS_SEED")}
-    env["PYTHONPATH"] = os.pathsep.join([str(JOB.parents[1]), env.get("PYTHONPATH", "")])
-    port = free_port()
-    outs = [tmp_path / f"{phase}-rank{r}-{port}.json" for r in range(world)]
-    args = ["--index", index, "--phase", phase, "--states", str(states), "--port", str(port)]
-    args += ["--world", str(world), "--workers", str(workers), "--k", str(k)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(ELASTIC_JOB), *args, "--rank", str(r), "--out", str(outs[r])],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    errors = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a DDP rank hung")
-        if p.returncode != 0:
-            errors.append(err[-3000:])
-    assert not errors, "\n".join(errors)
-    return [json.loads(o.read_text()) for o in outs]
+    args = ["--index", index, "--phase", phase, "--states", states, "--workers", workers, "--k", k]
+    return run_ranks(ELASTIC_JOB, tmp_path, f"{phase}-", world, args)
 
 
 @pytest.fixture(scope="module")
