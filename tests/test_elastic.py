@@ -164,3 +164,35 @@ def test_a_dataset_without_a_loader_resumes_on_another_number_of_ranks(index, mo
         rest.update(got)
     assert not before & set(rest) and before | set(rest) == ALL
     assert len(counts) == 1 and sum(rest.values()) - len(rest) < 2
+
+
+def test_elastic_with_dropped_samples_unseeded_and_persistent_workers(index, monkeypatch):
+    # One step off the tests above: a stage that drops samples, no seed, persistent workers.
+    monkeypatch.delenv("WDS_SEED", raising=False)
+
+    def drop(sample):
+        return None if sample["__key__"].endswith(("3", "7")) else sample
+
+    def make_loader(workers):
+        ds = webds.WebDataset(index, shardshuffle=True).map(drop).shuffle(6)
+        ds = ds.to_tuple("__key__", "cls").batched(4)
+        return webds.WebLoader(
+            ds, batch_size=None, num_workers=workers, persistent_workers=workers > 0
+        )
+
+    kept = {k for k in ALL if not k.endswith(("3", "7"))}
+    before, states = set(), []
+    for rank in range(2):
+        as_rank(monkeypatch, rank, 2)
+        loader = make_loader(2)
+        it = iter(loader)
+        before |= set(keys(next(it) for _ in range(2)))
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        del it
+    after = set()
+    for rank in range(3):
+        as_rank(monkeypatch, rank, 3)
+        loader = make_loader(1)
+        loader.load_state_dict(states)
+        after |= set(keys(list(loader)))
+    assert not before & after and before | after == kept

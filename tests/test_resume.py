@@ -310,7 +310,9 @@ def test_random_pipelines_resume_exactly(tmp_path, monkeypatch, case):
             ds = ds.with_epoch(with_epoch)
         if workers == 0 and rng_loader:
             return ds
-        loader = webds.WebLoader(ds, batch_size=None, num_workers=workers)
+        loader = webds.WebLoader(
+            ds, batch_size=None, num_workers=workers, persistent_workers=persistent
+        )
         if main_stages:  # stages after the workers, in the main process
             loader = loader.unbatched().shuffle(4).batched(3) if batches else loader.shuffle(4)
         return loader
@@ -318,6 +320,8 @@ def test_random_pipelines_resume_exactly(tmp_path, monkeypatch, case):
     rng_loader = rng.random() < 0.5
     main_stages = not with_epoch and rng.random() < 0.4
     config.update(main_stages=main_stages and not (workers == 0 and rng_loader))
+    persistent = workers > 0 and rng.random() < 0.5
+    config.update(persistent=persistent)
     if with_epoch is None:
         a = make()
         k = rng.randint(0, len(list(a)))  # this pipeline's epoch 0 (unseeded: its own draw)
