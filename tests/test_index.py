@@ -278,11 +278,14 @@ def test_verify_reports_every_problem_and_carries_on(tmp_path: Path) -> None:
         "header.tar": {"corrupt"},
         "missing.tar": {"missing"},
         "count.tar": {"samples"},
-        "gz.tar": {"size"},  # a gzip whose tar lost its end marker: still readable
+        # A gzip whose tar lost its end marker (cut at a member boundary): whole samples may
+        # be missing, and nothing but the marker can say otherwise.
+        "gz.tar": {"corrupt", "size"},
     }
     by_kind = {(os.path.basename(p.url), p.kind): p.message for p in problems}
     assert "truncated" in by_kind["trunc.tar", "corrupt"]
     assert "checksum" in by_kind["header.tar", "corrupt"]
+    assert "end-of-archive marker" in by_kind["gz.tar", "corrupt"]
     assert "4 samples, the index says 3" == by_kind["count.tar", "samples"]
     assert "no such file" in by_kind["missing.tar", "missing"]
     assert [p.url for p in problems] == sorted(p.url for p in problems)  # in index order

@@ -18,7 +18,7 @@ from typing import List, Tuple
 import pytest
 
 from webds.errors import ArgumentError, ShardReadError, WebdsError
-from webds.tar.reader import read_members
+from webds.tar.reader import EndWithoutMarker, read_members
 from webds.tar.writing import (
     END_OF_ARCHIVE,
     encode_header,
@@ -329,7 +329,7 @@ def test_base256_size_and_signed_checksum() -> None:
     hdr[148:156] = b" " * 8
     signed = sum(b - 256 if b > 127 else b for b in hdr)
     hdr[148:156] = b"%06o\0 " % signed
-    assert ours(bytes(hdr) + b"abc" + b"\0" * 509) == [("\udce9t\udce9.b", b"abc")]
+    assert ours(bytes(hdr) + b"abc" + b"\0" * 509 + END_OF_ARCHIVE) == [("\udce9t\udce9.b", b"abc")]
 
 
 @pytest.mark.parametrize(
@@ -343,7 +343,7 @@ def test_checksum_layouts_writers_use(layout: bytes) -> None:
     total = sum(hdr)
     field = (layout % total)[:8].ljust(8, b"\0")
     hdr[148:156] = field
-    assert ours(bytes(hdr) + b"abc" + b"\0" * 509) == [("k.bin", b"abc")]
+    assert ours(bytes(hdr) + b"abc" + b"\0" * 509 + END_OF_ARCHIVE) == [("k.bin", b"abc")]
     hdr[148:156] = (layout % (total + 1))[:8].ljust(8, b"\0")
     expect_error(bytes(hdr) + b"abc" + b"\0" * 509, "not a tar archive")
     # A flipped bit anywhere else changes the sum by at most 128: always caught.
@@ -405,22 +405,43 @@ def test_v7_directory_and_unknown_types_are_skipped() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_archive_ends(caplog: pytest.LogCaptureFixture) -> None:
+def test_archive_ends() -> None:
     members = [("a.txt", b"aaa"), ("b.txt", b"b" * 512)]
     raw = simple_tar(members)
     body = raw[: 512 * 4]  # two members, without any end-of-archive block
-    with caplog.at_level(logging.WARNING, logger="webds"):
-        # EOF at a header boundary keeps every member but warns: it may be a cut shard.
-        assert ours(body) == members
-    assert "ends without an end-of-archive marker" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="webds"):
-        assert ours(body + b"\0" * 512) == members  # a single zero block
-        assert ours(body + b"\0" * 100) == members  # a cut end-of-archive marker loses nothing
-        assert ours(raw) == members
-    assert caplog.text == ""
-    assert ours(raw + b"garbage after the end" * 50) == members
+    # EOF at a header boundary: the members read are whole, but whole members may be missing
+    # after them (a copy cut at a block boundary): an error after the last member read.
+    got = []
+    with pytest.raises(EndWithoutMarker, match="without its end-of-archive marker") as info:
+        for name, data, _ in read_members(io.BytesIO(body), "cut.tar"):
+            got.append((name, data))
+    assert got == members
+    assert isinstance(info.value, ShardReadError)
+    assert info.value.offset == 2048 and info.value.member == "b.txt"
+    assert ours(body + b"\0" * 512) == members  # a single zero block
+    assert ours(body + b"\0" * 100) == members  # a cut end-of-archive marker loses nothing
+    assert ours(raw) == members
+    assert ours(raw + b"\0" * 100_000) == members  # padding to a large record size
     assert ours(END_OF_ARCHIVE) == []
+
+
+def test_zero_block_followed_by_data() -> None:
+    """A zero block that is not the end: a header zeroed by a hole, or archives concatenated."""
+    members = [("a.txt", b"aaa"), ("b.txt", b"b" * 512), ("c.txt", b"ccc")]
+    raw = bytearray(simple_tar(members))
+    hole = bytearray(raw)
+    hole[1024:1536] = bytes(512)  # b.txt's header
+    err = expect_error(bytes(hole), "follows the zero block at offset 1024")
+    assert err.offset == 1536
+    start = bytearray(raw)
+    start[0:2048] = bytes(2048)  # a 2 KiB hole at the start, over a and b
+    assert expect_error(bytes(start), "follows the zero block at offset 0").offset == 2048
+    expect_error(bytes(raw) + b"garbage after the end" * 50, "archives were concatenated")
+    expect_error(bytes(raw) + simple_tar([("d.txt", b"ddd")]), "follows the zero block")
+    # An unfinished preallocated copy: the rest of the file is zeros, far more than padding.
+    expect_error(bytes(raw[:1024]) + bytes(3 << 20), "more than 1048576 zero bytes")
+    for opener in (gzip.compress, bz2.compress, lzma.compress):
+        expect_error(opener(bytes(hole)), "follows the zero block")
 
 
 def test_empty_and_non_tar_inputs() -> None:
@@ -452,8 +473,8 @@ def test_members_before_an_error_are_yielded() -> None:
 
 
 def test_truncated_everywhere() -> None:
-    """Cut a shard at every byte: complete members come out, then a precise error (or a clean
-    end exactly at a member boundary)."""
+    """Cut a shard at every byte: complete members come out, then a precise error (at a member
+    boundary too: only the end-of-archive marker says that no member is missing)."""
     members = [("a.txt", b"A" * 100), ("b.bin", os.urandom(1500)), ("c.txt", b"C" * 512)]
     raw = simple_tar(members)
     # Layout: a header 0, data 512..612, pad ..1024; b header 1024, data 1536..3036, pad ..3072;
@@ -473,6 +494,11 @@ def test_truncated_everywhere() -> None:
         try:
             for name, data, _ in read_members(io.BytesIO(raw[:cut]), "cut.tar"):
                 got.append((name, data))
+        except EndWithoutMarker as exn:
+            # A cut at a member boundary: every member before it, then an error.
+            assert cut in (1024, 3072, 4096), cut
+            assert got == members[: [1024, 3072, 4096].index(cut) + 1]
+            assert exn.offset == cut
         except ShardReadError as exn:
             assert cut not in (1024, 3072, 4096), cut
             limit, fragment, complete = next(e for e in expected if cut < e[0])
@@ -483,8 +509,7 @@ def test_truncated_everywhere() -> None:
                 assert exn.member == members[complete][0]
                 assert exn.offset == [0, 1024, 3072][complete]
         else:
-            assert cut in (1024, 3072, 4096), cut
-            assert got == members[: [1024, 3072, 4096].index(cut) + 1]
+            raise AssertionError(f"a cut at {cut} read as a whole shard")
 
 
 def test_invalid_numeric_fields_and_absurd_sizes() -> None:

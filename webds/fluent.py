@@ -230,6 +230,9 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``cache_dir``: keep remote shards in this local directory after their first read (see
       :mod:`webds.io.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off;
       ``cache_local=True`` caches local files too (shards on a slow network filesystem).
+    - ``max_member_size``: the largest member read out of a compressed shard (``.tar.gz``,
+      ``.tar.bz2``, ``.tar.xz``); default 1 GiB (:data:`webds.tar.reader.DEFAULT_MAX_MEMBER_SIZE`).
+      A larger one raises :class:`~webds.errors.ShardReadError` before it is read.
 
     Older keywords still work (see :func:`webds.keywords.legacy_keywords`): webdataset 1.x's
     ``mode="resampled"``, ``detshuffle``, ``verbose`` and ``url_to_name``, and the 0.1 style
@@ -256,6 +259,7 @@ class WebDataset(DataPipeline, FluentMixin):
         cache_local: bool = False,
         index: Union[str, "os.PathLike[str]", ShardIndex, bool, None] = None,
         balance: Optional[str] = None,
+        max_member_size: Optional[int] = None,
         **legacy: Any,
     ) -> None:
         super().__init__()
@@ -329,6 +333,7 @@ class WebDataset(DataPipeline, FluentMixin):
                 handler=handler,
                 select_files=select_files,
                 rename_files=rename_files,
+                max_member_size=max_member_size,
                 **(storage_options or {}),
             )
         )

@@ -287,9 +287,16 @@ class _CachingStream(ReadStream):
         )
         self.temp: Optional[BinaryIO] = open(self.temp_path, "wb")
         self.eof = False
+        # A read that raised (a command's failure status, a broken connection that retries did
+        # not fix) taints the copy for good, even if a later read finds EOF.
+        self.failed = False
 
     def read(self, n: int = -1) -> bytes:
-        data = self.source.read(n)
+        try:
+            data = self.source.read(n)
+        except BaseException:
+            self.failed = True
+            raise
         if data:
             if self.temp is not None:
                 self.temp.write(data)
@@ -301,7 +308,7 @@ class _CachingStream(ReadStream):
         if self.closed:
             return
         try:
-            if not self.eof:
+            if not self.eof and not self.failed:
                 self._drain()
             self.source.close()
         except BaseException:
@@ -309,7 +316,7 @@ class _CachingStream(ReadStream):
             raise
         finally:
             super().close()
-        if self.eof:
+        if self.eof and not self.failed:
             self._commit()
         else:
             self._discard()

@@ -11,11 +11,11 @@ from __future__ import annotations
 import bz2
 import lzma
 import zlib
-from typing import BinaryIO, Callable, Iterator, Optional
+from typing import BinaryIO, Callable, Iterator, Optional, Tuple
 
 from ..errors import ShardReadError, WebdsError
 
-__all__ = ["uncompressed_chunks"]
+__all__ = ["uncompressed_chunks", "sniffed_chunks"]
 
 _CHUNK = 1 << 20  # bytes asked of the stream (or produced by a decompressor) per read
 
@@ -50,6 +50,12 @@ def _raw_reader(stream: BinaryIO, url: Optional[str]) -> Callable[[int], bytes]:
 def uncompressed_chunks(stream: BinaryIO, url: Optional[str]) -> Iterator[bytes]:
     """Yield the uncompressed bytes of ``stream`` (plain, gzip, bzip2 or xz, sniffed from the
     first bytes) as non-empty chunks of at most ~1 MiB; failures raise ShardReadError."""
+    yield from sniffed_chunks(stream, url)[1]
+
+
+def sniffed_chunks(stream: BinaryIO, url: Optional[str]) -> Tuple[Optional[str], Iterator[bytes]]:
+    """``(compression, chunks)``: the compression sniffed from the first bytes (``"gzip"``,
+    ``"bzip2"``, ``"xz"`` or None for a plain stream) and :func:`uncompressed_chunks`."""
     raw = _raw_reader(stream, url)
     first = raw(_CHUNK)
     # A raw pipe or socket may return a few bytes at a time; get enough to see the magic.
@@ -59,17 +65,20 @@ def uncompressed_chunks(stream: BinaryIO, url: Optional[str]) -> Iterator[bytes]
             break
         first += more
     if first[:2] == b"\x1f\x8b":
-        yield from _inflate(first, raw, url)
-    elif first[:3] == b"BZh" and (first[4:10] in (b"1AY&SY", b"\x17rE8P\x90") or len(first) < 10):
-        yield from _decompress_stream(first, raw, url, "bzip2", bz2.BZ2Decompressor)
-    elif first[:6] == b"\xfd7zXZ\x00":
-        yield from _decompress_stream(
+        return "gzip", _inflate(first, raw, url)
+    if first[:3] == b"BZh" and (first[4:10] in (b"1AY&SY", b"\x17rE8P\x90") or len(first) < 10):
+        return "bzip2", _decompress_stream(first, raw, url, "bzip2", bz2.BZ2Decompressor)
+    if first[:6] == b"\xfd7zXZ\x00":
+        return "xz", _decompress_stream(
             first, raw, url, "xz", lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ)
         )
-    else:
-        while first:
-            yield first
-            first = raw(_CHUNK)
+    return None, _plain(first, raw)
+
+
+def _plain(first: bytes, raw: Callable[[int], bytes]) -> Iterator[bytes]:
+    while first:
+        yield first
+        first = raw(_CHUNK)
 
 
 def _inflate(data: bytes, raw: Callable[[int], bytes], url: Optional[str]) -> Iterator[bytes]:
@@ -135,6 +144,8 @@ def _decompress_stream(
             chunk = b""
         try:
             out = d.decompress(chunk, _CHUNK)
+        except MemoryError:
+            raise  # not corrupt data: read_members reports it as running out of memory
         except Exception as exn:  # OSError, lzma.LZMAError, EOFError, ValueError
             raise ShardReadError(
                 f"corrupt {kind} data ({exn}); re-download or re-create the shard",

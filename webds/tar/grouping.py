@@ -234,13 +234,17 @@ def tar_file_expander(
     handler: Handler = reraise_exception,
     select_files: Optional[Callable[[str], bool]] = None,
     rename_files: Optional[Callable[[str], Optional[str]]] = None,
+    max_member_size: Optional[int] = None,
 ) -> Iterator[Dict[str, Any]]:
     """Turn opened shards into member dicts ``{"fname", "data", "__url__", "__offset__"}``.
 
     ``__local_path__`` is added for local files. Each shard's stream is closed when the shard
     ends (or iteration stops), and an end-of-shard marker follows each shard so that
     :func:`group_by_keys` never merges samples across shards. ``rename_files(name)`` runs
-    before ``select_files(name)``.
+    before ``select_files(name)``. ``max_member_size`` bounds the members of compressed shards
+    (see :func:`~webds.tar.reader.read_members`). A broken shard (truncated, corrupt, or cut at
+    a member boundary without its end-of-archive marker) is followed by a marker that makes
+    :func:`group_by_keys` drop its sample in flight.
     """
     policy = ErrorPolicy(handler, "tar_file_expander")
     try:
@@ -258,7 +262,7 @@ def tar_file_expander(
             lpath = source.get("local_path")
             stop = False
             try:
-                for name, data, offset in read_members(stream, url):
+                for name, data, offset in read_members(stream, url, max_member_size):
                     try:
                         name = _kept_name(name, select_files, rename_files)
                     except Exception as exn:

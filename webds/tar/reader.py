@@ -14,12 +14,11 @@ uncompressed stream; memory stays bounded by what the stream really holds.
 
 from __future__ import annotations
 
-import logging
 import zlib
 from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Tuple
 
 from ..errors import ShardReadError
-from .compression import uncompressed_chunks
+from .compression import sniffed_chunks
 from .fields import (
     _AREG,
     _CONT,
@@ -33,9 +32,7 @@ from .fields import (
     _Pending,
 )
 
-log = logging.getLogger("webds")
-
-__all__ = ["read_members"]
+__all__ = ["read_members", "EndWithoutMarker", "DEFAULT_MAX_MEMBER_SIZE"]
 
 _ZERO_BLOCK = b"\0" * 512
 # No real member is this large; a size beyond it means a corrupt header, not a big file.
@@ -43,9 +40,25 @@ _MAX_MEMBER_SIZE = 1 << 46
 # Extended headers (pax records, GNU long names) are held whole in memory, so cap them.
 _MAX_EXTENDED_SIZE = 1 << 26
 _MAX_UNSIGNED_CHKSUM = 512 * 255
+#: The largest member read out of a compressed shard (.tar.gz, .tar.bz2, .tar.xz) by default. A
+#: plain tar's members are bounded by the file itself; a compressed one can claim (and expand to)
+#: any size from a few KB, and every member is held whole in memory.
+DEFAULT_MAX_MEMBER_SIZE = 1 << 30
+# Zero bytes allowed after the end-of-archive marker: writers pad to their record size (GNU tar
+# and tarfile: 10 KiB; tape-style blocking factors up to 1 MiB). More zeros than that is a
+# preallocated copy that was never finished, not padding.
+_MAX_END_PADDING = 1 << 20
 
 
-def read_members(stream: BinaryIO, url: Optional[str] = None) -> Iterator[Tuple[str, bytes, int]]:
+class EndWithoutMarker(ShardReadError):
+    """The stream ended at a member boundary without the end-of-archive marker: every member
+    read is whole, but whole members may be missing after them (a copy cut at a block
+    boundary). A reader that knows the shard's sample count (an index) may accept it."""
+
+
+def read_members(
+    stream: BinaryIO, url: Optional[str] = None, max_member_size: Optional[int] = None
+) -> Iterator[Tuple[str, bytes, int]]:
     """Yield ``(name, data, header_offset)`` for each regular file in a tar stream, in order.
 
     ``stream`` only needs ``read(n)``; it is read sequentially and never closed here (the caller
@@ -56,8 +69,20 @@ def read_members(stream: BinaryIO, url: Optional[str] = None) -> Iterator[Tuple[
 
         with open("shard-000000.tar", "rb") as f:
             for name, data, offset in read_members(f, url="shard-000000.tar"): ...
+
+    The archive must end cleanly: with its end-of-archive marker (zero blocks), followed by
+    nothing but zero padding (read to EOF, at most 1 MiB of it). A stream that stops at a member
+    boundary without the marker raises :class:`EndWithoutMarker` after its last member; a zero
+    block followed by data (a header zeroed by a hole in the file, or concatenated archives)
+    raises :class:`~webds.errors.ShardReadError`. ``max_member_size`` bounds the members of a
+    compressed stream (default :data:`DEFAULT_MAX_MEMBER_SIZE`; a larger one raises before it is
+    read); it applies to plain streams only when given.
     """
-    chunks = uncompressed_chunks(stream, url)
+    compression, chunks = sniffed_chunks(stream, url)
+    if max_member_size is None:
+        limit = DEFAULT_MAX_MEMBER_SIZE if compression else _MAX_MEMBER_SIZE
+    else:
+        limit = max_member_size
     # One generator, not two: a `yield from` layer costs ~10% on small members.
     try:
         nextchunk = chunks.__next__
@@ -139,6 +164,7 @@ def read_members(stream: BinaryIO, url: Optional[str] = None) -> Iterator[Tuple[
                             url=url,
                             offset=pending.offset,
                         )
+                    _check_end(nextchunk, buf, pos, base, url)
                     return
                 if hoff == 0:
                     raise ShardReadError(
@@ -217,14 +243,8 @@ def read_members(stream: BinaryIO, url: Optional[str] = None) -> Iterator[Tuple[
                     pos += 512 + ((size + 511) & -512)
                     continue
 
-            if size < 0 or size > _MAX_MEMBER_SIZE:
-                raise ShardReadError(
-                    f"corrupt header: member claims {size} bytes, which is impossible; "
-                    "re-create the shard",
-                    url=url,
-                    member=name,
-                    offset=hoff,
-                )
+            if size < 0 or size > limit:
+                raise _too_large(size, limit, compression, url, name, hoff)
             dstart = pos + 512
             dend = dstart + size
             if dend <= nbuf:
@@ -348,11 +368,69 @@ def _end_of_stream(
         )
     if not rest:
         # Every writer ends an archive with zero blocks; a stream that stops exactly at a header
-        # boundary without them was most likely cut there, taking whole members with it. Its
-        # members are all intact, so read on, but say so: only a size or sample-count check
-        # (`webds verify`, a shard index) can tell what is missing.
-        log.warning(
-            "shard %s ends without an end-of-archive marker: it may be truncated at a member "
-            "boundary (check it with `webds verify` against a shard index, or re-create it)",
-            url if url is not None else "<stream>",
+        # boundary without them was most likely cut there (a killed copy, a network chunk),
+        # taking whole members with it. The caller may know better (an index's sample count).
+        raise EndWithoutMarker(
+            "shard ends without its end-of-archive marker: it was most likely cut at a block "
+            "boundary, and whole samples may be missing; re-download or re-create it (if a "
+            "writer that never closed its archive made it, append the marker: 1024 zero bytes)",
+            url=url,
+            member=last_name,
+            offset=base + pos,
         )
+
+
+def _too_large(
+    size: int, limit: int, compression: Optional[str], url: Optional[str], name: str, hoff: int
+) -> ShardReadError:
+    if size < 0 or size > _MAX_MEMBER_SIZE:
+        message = f"corrupt header: member claims {size} bytes, which is impossible; re-create it"
+    else:
+        where = f"a {compression}-compressed shard" if compression else "this shard"
+        message = (
+            f"member is {size} bytes, more than the {limit} bytes allowed for a member of "
+            f"{where} (each member is held whole in memory; a compressed one may be a "
+            "decompression bomb); if it is genuine, raise the limit with "
+            "max_member_size= (tarfile_to_samples, WebDataset)"
+        )
+    return ShardReadError(message, url=url, member=name, offset=hoff)
+
+
+def _check_end(
+    nextchunk: Callable[[], bytes], buf: bytes, pos: int, base: int, url: Optional[str]
+) -> None:
+    """A zero block at ``buf[pos]`` ends the archive: check that only zero padding follows.
+
+    Reading on to EOF also lets a compressed stream check its own end (a gzip trailer) and a
+    ``pipe:`` command finish. Data after zeros is a header zeroed by a hole in the file (a
+    sparse or preallocated copy), or archives concatenated with ``cat``: either way members
+    would be lost silently, so it is an error, as is more zero padding than any writer adds.
+    """
+    marker = base + pos
+    rest = memoryview(buf)[pos:]
+    seen = 0
+    while True:
+        stripped = bytes(rest).lstrip(b"\0") if rest.nbytes else b""
+        if stripped:
+            at = marker + seen + rest.nbytes - len(stripped)
+            raise ShardReadError(
+                f"data at offset {at} follows the zero block at offset {marker} that should end "
+                "the archive: a header was zeroed (a hole in a sparse or preallocated copy) or "
+                "archives were concatenated; whole samples would be lost, so re-download or "
+                "re-create the shard",
+                url=url,
+                offset=at,
+            )
+        seen += rest.nbytes
+        if seen > _MAX_END_PADDING:
+            raise ShardReadError(
+                f"the shard ends with more than {_MAX_END_PADDING} zero bytes after offset "
+                f"{marker}: an unfinished (preallocated) copy, not end-of-archive padding; "
+                "re-download or re-create it",
+                url=url,
+                offset=marker,
+            )
+        try:
+            rest = memoryview(nextchunk())
+        except StopIteration:
+            return

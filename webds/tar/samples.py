@@ -35,7 +35,7 @@ from .grouping import (  # noqa: F401  (the one-step stages: importable from her
     tar_file_expander,
     url_opener,
 )
-from .reader import read_members
+from .reader import EndWithoutMarker, read_members
 
 __all__ = [
     "base_plus_ext",
@@ -56,6 +56,7 @@ def tarfile_to_samples(
     rename_files: Optional[Callable[[str], Optional[str]]] = None,
     lcase: bool = True,
     *,
+    max_member_size: Optional[int] = None,
     ledger: Any = None,
     **storage_options: Any,
 ) -> Iterator[Dict[str, Any]]:
@@ -64,7 +65,11 @@ def tarfile_to_samples(
 
         DataPipeline(SimpleShardList("data/shard-{000..009}.tar"), tarfile_to_samples())
 
-    ``lcase=False`` keeps each extension's case (tools that copy shards use it). In a pipeline,
+    ``lcase=False`` keeps each extension's case (tools that copy shards use it).
+    ``max_member_size`` bounds the members of compressed shards (see
+    :func:`~webds.tar.reader.read_members`). A shard must end with its end-of-archive marker; one
+    cut at a member boundary is an error (its sample in flight is never yielded) unless an index
+    planned it and its sample count is complete. In a pipeline,
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
     :mod:`webds.stages.ledger`); when resuming, the samples consumed before are skipped.
     """
@@ -97,88 +102,96 @@ def tarfile_to_samples(
             # A planned segment (see webds.shards.plan) reads samples [first, last) of the shard.
             first, last, indexed = _sample_range(shard)
             n = 0  # samples of this shard seen so far
+            unmarked: Optional[EndWithoutMarker] = None
             # With an index, samples are numbered as the index counted them: before
             # select_files/rename_files, a sample whose members are all filtered out included.
             count_raw = filtering and last < _NO_RANGE
             fixed = 2 if lpath is None else 3  # __key__, __url__ and maybe __local_path__
             try:
-                for name, data, offset in read_members(stream, url):
-                    # This loop runs once per member: a plain "key.ext" name takes one
-                    # partition; everything else (folders, metadata members, renaming, names
-                    # without a dot) the general rules below.
-                    key, dot, ext = name.partition(".")
-                    sample_key = key  # what separates samples (before renaming, for an index)
-                    if not dot or not key or filtering or key[:2] == "__" or "/" in name:
-                        if count_raw:
-                            sample_key = _member_key(name)
-                        try:
-                            name = _kept_name(name, select_files, rename_files)
-                        except Exception as exn:
-                            if policy(exn):
+                try:
+                    for name, data, offset in read_members(stream, url, max_member_size):
+                        # This loop runs once per member: a plain "key.ext" name takes one
+                        # partition; everything else (folders, metadata members, renaming, names
+                        # without a dot) the general rules below.
+                        key, dot, ext = name.partition(".")
+                        sample_key = key  # what separates samples (before renaming, for an index)
+                        if not dot or not key or filtering or key[:2] == "__" or "/" in name:
+                            if count_raw:
+                                sample_key = _member_key(name)
+                            try:
+                                name = _kept_name(name, select_files, rename_files)
+                            except Exception as exn:
+                                if policy(exn):
+                                    continue
+                                stop = True
+                                break
+                            if name is None:
+                                if sample_key is None or sample_key == cur_key or not count_raw:
+                                    continue
+                                # Filtered out, but it starts a sample that the index counts.
+                                key, ext = sample_key, None
+                            else:
+                                # base_plus_ext, inlined.
+                                slash = name.rfind("/")
+                                i = name.find(".", slash + 1)
+                                if i > slash + 1:
+                                    key = name[:i]
+                                else:
+                                    key = base_plus_ext(name)[0]
+                                    if key is None:
+                                        dotless += 1
+                                        if first_dotless is None:
+                                            first_dotless = name
+                                        continue
+                                ext = name[i + 1 :]
+                            if not count_raw:
+                                sample_key = key
+                        if sample_key != cur_key:
+                            if cur is not None and count_raw and len(cur) <= fixed:
+                                cur = None  # every member filtered out: counted, not yielded
+                                n += 1
+                            if cur is not None:
+                                if n >= first:
+                                    if base < 0:
+                                        yield cur
+                                    elif not resuming:
+                                        ledger.current = base | n
+                                        reading[1] = n
+                                        yield cur
+                                    elif not ledger.consumed(base | n):
+                                        ledger.produce(base | n)
+                                        yield cur
+                                n += 1
+                            if n >= last:
+                                cur = None
+                                if last < indexed:
+                                    break  # the rest of the shard belongs to another reader
+                                raise _stale_index(url, indexed, more=True)
+                            cur = {"__key__": key, "__url__": url}
+                            if lpath is not None:
+                                cur["__local_path__"] = lpath
+                            cur_key = sample_key
+                        elif cur is None:
+                            continue  # the rest of a sample dropped for a duplicate
+                        if ext is None:
+                            continue  # a member filtered out (count_raw)
+                        if count_raw and len(cur) == fixed:
+                            cur["__key__"] = key  # the key its first kept member has
+                        if lcase:
+                            ext = ext.lower()
+                        if ext in cur:
+                            cur = None
+                            if policy(_duplicate(key, ext, url, name, offset)):
                                 continue
                             stop = True
                             break
-                        if name is None:
-                            if sample_key is None or sample_key == cur_key or not count_raw:
-                                continue
-                            # Filtered out, but it starts a sample that the index counts.
-                            key, ext = sample_key, None
-                        else:
-                            # base_plus_ext, inlined.
-                            slash = name.rfind("/")
-                            i = name.find(".", slash + 1)
-                            if i > slash + 1:
-                                key = name[:i]
-                            else:
-                                key = base_plus_ext(name)[0]
-                                if key is None:
-                                    dotless += 1
-                                    if first_dotless is None:
-                                        first_dotless = name
-                                    continue
-                            ext = name[i + 1 :]
-                        if not count_raw:
-                            sample_key = key
-                    if sample_key != cur_key:
-                        if cur is not None and count_raw and len(cur) <= fixed:
-                            cur = None  # every member filtered out: counted, not yielded
-                            n += 1
-                        if cur is not None:
-                            if n >= first:
-                                if base < 0:
-                                    yield cur
-                                elif not resuming:
-                                    ledger.current = base | n
-                                    reading[1] = n
-                                    yield cur
-                                elif not ledger.consumed(base | n):
-                                    ledger.produce(base | n)
-                                    yield cur
-                            n += 1
-                        if n >= last:
-                            cur = None
-                            if last < indexed:
-                                break  # the rest of the shard belongs to another reader
-                            raise _stale_index(url, indexed, more=True)
-                        cur = {"__key__": key, "__url__": url}
-                        if lpath is not None:
-                            cur["__local_path__"] = lpath
-                        cur_key = sample_key
-                    elif cur is None:
-                        continue  # the rest of a sample dropped for a duplicate
-                    if ext is None:
-                        continue  # a member filtered out (count_raw)
-                    if count_raw and len(cur) == fixed:
-                        cur["__key__"] = key  # the key its first kept member has
-                    if lcase:
-                        ext = ext.lower()
-                    if ext in cur:
-                        cur = None
-                        if policy(_duplicate(key, ext, url, name, offset)):
-                            continue
-                        stop = True
-                        break
-                    cur[ext] = data
+                        cur[ext] = data
+                except EndWithoutMarker as exn:
+                    # Cut at a member boundary, or written without the marker: only an index's
+                    # sample count can vouch for the shard (checked below).
+                    if indexed < 0:
+                        raise
+                    unmarked = exn
                 if cur is not None and count_raw and len(cur) <= fixed:
                     cur = None
                     n += 1
@@ -186,7 +199,7 @@ def tarfile_to_samples(
                     n += 1
                 if not stop and n < last < _NO_RANGE:
                     cur = None
-                    raise _stale_index(url, indexed, more=False, seen=n)
+                    raise unmarked or _stale_index(url, indexed, more=False, seen=n)
                 s, stream = stream, None
                 if stop or n >= last:
                     _close_quietly(s)
