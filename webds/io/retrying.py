@@ -41,6 +41,7 @@ __all__ = [
     "Backoff",
     "ResumableStream",
     "is_transient",
+    "ReadStalled",
     "DEFAULT_RETRIES",
 ]
 
@@ -235,6 +236,13 @@ class _Truncated(ShardReadError):
     """The body ended before the object's known size: a cut that raised no exception."""
 
 
+class ReadStalled(TimeoutError):
+    """No bytes arrived within the read timeout: retried like a dropped connection.
+
+    Its message names the ``read_timeout`` storage option that sets the limit.
+    """
+
+
 def _close_quietly(stream: Any) -> None:
     try:
         stream.close()
@@ -331,7 +339,7 @@ class ResumableStream(ReadStream):
             stream, self._stream = self._stream, None
             _close_quietly(stream)
         kind = _kind(exn)
-        where = f"at byte offset {self.offset}" if self.offset else "opening"
+        where = f"at byte offset {self.offset}" if self.offset or self._reached else "opening"
         detail = f"{type(exn).__name__}: {exn}"
         if kind != "transient" and self._translate is not None and not isinstance(exn, WebdsError):
             final = self._translate(exn)
@@ -353,6 +361,8 @@ class ResumableStream(ReadStream):
             ) from exn
         if kind == "permanent":
             if isinstance(exn, WebdsError):
+                if exn.url is None:
+                    exn.url = self.url
                 raise exn
             raise ShardReadError(
                 f"reading failed {where} with an error retrying cannot fix: {detail}",
@@ -364,7 +374,7 @@ class ResumableStream(ReadStream):
         # client below that retries connections itself has already spent one (module docstring).
         unreachable = not self._reached and _unreachable(exn)
         limit = self.connect_retries if unreachable else self.max_retries
-        if self._failures > limit and not self.offset:
+        if self._failures > limit and not self.offset and not isinstance(exn, ReadStalled):
             if self._translate is not None and not isinstance(exn, WebdsError):
                 # Not a byte delivered yet: say why the URL can't be read (e.g. "HTTP 503"), and
                 # that retrying did not help (unless webds did not retry: then the attempts
