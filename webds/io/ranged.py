@@ -92,7 +92,28 @@ async def _http_get(fs: Any, path: str, offset: int) -> _Body:
     except BaseException:
         r.close()
         raise
-    return r.content.read, r.close, size
+    return _salvaging(r.content), r.close, size
+
+
+def _salvaging(content: Any) -> Callable[[int], Awaitable[bytes]]:
+    """``read(n)`` of an aiohttp body that delivers the bytes which arrived before a cut.
+
+    aiohttp raises a cut connection (a payload error) on the next read even while bytes that came
+    ahead of it are still buffered; they are handed over first, so that the attempt counts as
+    progress and the resume asks only for what is missing. (``_buffer`` and ``_read_nowait`` are
+    aiohttp's own; without them the error is raised as it is.)
+    """
+
+    async def read(n: int) -> bytes:
+        try:
+            return await content.read(n)
+        except Exception:
+            rest = getattr(content, "_read_nowait", None)
+            if getattr(content, "_buffer", None) and rest is not None:
+                return rest(n)
+            raise
+
+    return read
 
 
 async def _s3_get(fs: Any, path: str, offset: int) -> _Body:
@@ -103,11 +124,19 @@ async def _s3_get(fs: Any, path: str, offset: int) -> _Body:
         kwargs["VersionId"] = version
     r = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
     body = r["Body"]
+    content = getattr(getattr(body, "_raw_stream", None), "content", None)  # aiobotocore's
+    if content is not None:
+        read = _salvaging(content)
+    else:
+
+        async def read(n: int) -> bytes:
+            return await body.read(n if n >= 0 else None)
+
     if offset:
         size = _total_from_range(r.get("ContentRange"), offset)
     else:
         size = r.get("ContentLength")
-    return body.read, body.close, size
+    return read, body.close, size
 
 
 # Backends webds can ask for an open-ended range, by class name (matched along the MRO, so a
@@ -138,6 +167,20 @@ async def _bounded(aw: Awaitable[Any], limit: Optional[float], what: str) -> Any
         ) from None
 
 
+def _sync(loop: Any, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """fsspec's ``sync``, raising our ReadStalled as it is (``sync`` turns any TimeoutError
+    into its own FSTimeoutError, which would lose the message naming ``read_timeout``)."""
+    from fsspec.asyn import sync
+    from fsspec.exceptions import FSTimeoutError
+
+    try:
+        return sync(loop, fn, *args)
+    except FSTimeoutError as exn:
+        if isinstance(exn.__cause__, ReadStalled):
+            raise exn.__cause__ from None
+        raise
+
+
 async def _call(fn: Callable[[], Any]) -> None:
     fn()  # in the event loop's thread: aiohttp and aiobotocore objects belong to it
 
@@ -148,23 +191,19 @@ class RangedStream(ReadStream):
     def __init__(
         self, fs: Any, path: str, offset: int, get: _RangedGet, read_timeout: Optional[float]
     ) -> None:
-        from fsspec.asyn import sync
-
         self._loop = fs.loop
         self._limit = read_timeout
         self._read: Optional[Callable[[int], Awaitable[bytes]]] = None
-        self._read, self._close, self.size = sync(
+        self._read, self._close, self.size = _sync(
             self._loop, _bounded, get(fs, path, offset), read_timeout, "waiting for the response"
         )
         self._eof = False
 
     def read(self, n: int = -1) -> bytes:
-        from fsspec.asyn import sync
-
         if self._read is None:
             raise ValueError("read from a closed stream")
         what = "waiting for the next bytes of the body"
-        data = sync(self._loop, _bounded, self._read(n), self._limit, what)
+        data = _sync(self._loop, _bounded, self._read(n), self._limit, what)
         if not data and n != 0:
             self._eof = True
         return data
@@ -194,10 +233,8 @@ class StreamedFile(ReadStream):
         self.size = size  # known up front, so an early end of the body is caught and resumed
 
     def read(self, n: int = -1) -> bytes:
-        from fsspec.asyn import sync
-
         what = "waiting for the next bytes of the body"
-        return sync(self._fs.loop, _bounded, self._afile.read(n), self._limit, what)
+        return _sync(self._fs.loop, _bounded, self._afile.read(n), self._limit, what)
 
     def close(self) -> None:
         if self.closed:
@@ -229,7 +266,7 @@ def open_ranged(
         return RangedStream(fs, path, offset, get, read_timeout)
     if offset:
         return None
-    from fsspec.asyn import AsyncFileSystem, sync
+    from fsspec.asyn import AsyncFileSystem
 
     if not isinstance(fs, AsyncFileSystem) or type(fs).open_async is AsyncFileSystem.open_async:
         return None
@@ -238,5 +275,5 @@ def open_ranged(
     size = fs.size(path)
     if size is None:
         return None
-    afile = sync(fs.loop, _bounded, fs.open_async(path, "rb"), read_timeout, "opening")
+    afile = _sync(fs.loop, _bounded, fs.open_async(path, "rb"), read_timeout, "opening")
     return StreamedFile(fs, afile, size, read_timeout)

@@ -192,7 +192,8 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
 def _with_read_timeout(
     scheme: str, options: Dict[str, Any], read_timeout: Optional[float]
 ) -> Dict[str, Any]:
-    """Filesystem options with ``read_timeout`` as the http session's socket read timeout.
+    """Filesystem options with ``read_timeout`` (plus a second, so that webds's own timer fires
+    first on streamed reads) as the http session's socket read timeout.
 
     This bounds the block reads too (fsspec's HTTPFile), and lifts aiohttp's default limit of
     300 s on a whole request, which a large shard streamed in one GET can exceed on a slow link.
@@ -206,7 +207,7 @@ def _with_read_timeout(
     import aiohttp
 
     client_kwargs["timeout"] = aiohttp.ClientTimeout(
-        total=None, sock_connect=max(read_timeout, 30.0), sock_read=read_timeout
+        total=None, sock_connect=max(read_timeout, 30.0), sock_read=read_timeout + 1.0
     )
     return dict(options, client_kwargs=client_kwargs)
 

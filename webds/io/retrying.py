@@ -423,6 +423,8 @@ class ResumableStream(ReadStream):
         if n == 0:
             return b""
         while True:
+            if self.size is not None and self.offset >= self.size:
+                return b""  # all there: a connection lost after the last byte costs nothing
             if self._stream is None:
                 self._open()
             try:
