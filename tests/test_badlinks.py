@@ -188,7 +188,7 @@ def test_the_retry_budget_counts_attempts_without_progress(flaky_http_server):
     stream.close()
 
 
-# -- s3 (moto): ranged streams and resume ---------------------------------------------------------
+# -- s3 (moto) and gs (the emulator): ranged streams and resume ------------------------------
 
 
 class _CutEvery:
@@ -208,14 +208,18 @@ class _CutEvery:
         self.stream.close()
 
 
-def test_s3_reads_resume_with_an_open_ended_range(s3):
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_object_store_reads_resume_with_an_open_ended_range(request, store):
     import fsspec
 
-    from webds.io.ranged import open_ranged
+    from webds.io.ranged import RangedStream, open_ranged
 
+    bucket = request.getfixturevalue(store)
     data = random.Random(4).randbytes(1_000_000)
-    url = s3.put("a.bin", data)
-    fs, path = fsspec.core.url_to_fs(url, **s3.storage_options)
+    url = bucket.put("a.bin", data)
+    fs, path = fsspec.core.url_to_fs(url, **bucket.storage_options)
+    with open_url(url, **bucket.storage_options) as stream:  # what every read uses
+        assert isinstance(stream.current, RangedStream) and stream.read() == data
     with open_ranged(fs, path, 300_000, 5.0) as tail:
         assert tail.size == len(data) and tail.read(-1) == data[300_000:]
     opened = []

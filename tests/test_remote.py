@@ -156,13 +156,13 @@ def test_open_url_and_gopen_read_whole_objects(store, local_shards):
 
 
 def test_reads_default_to_one_stream_or_readahead_in_large_blocks(store):
-    # Backends that can stream an object from an offset in one request (s3, http) do; the
+    # Backends that can stream an object from an offset in one request (s3, gs, http) do; the
     # others read ahead in large blocks.
     store.put("a.bin", b"x" * 10_000)
     with open_url(store.url("a.bin"), **store.storage_options) as stream:
         current = stream.current
         if type(current).__name__ == "RangedStream":
-            assert urlparse(store.url("a.bin")).scheme in ("s3", "http")
+            assert urlparse(store.url("a.bin")).scheme in ("s3", "gs", "http")
             assert current.size == 10_000
         else:
             assert type(current.cache).__name__ == "ReadAheadCache"

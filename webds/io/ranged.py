@@ -1,7 +1,8 @@
 """Streamed reads of remote objects: one GET from a byte offset to the end, with a read timeout.
 
 A whole shard is one sequential read, so where the backend lets webds ask for "the object from
-byte N on" in one request (http(s) through fsspec's aiohttp session, s3 through s3fs's client),
+byte N on" in one request (http(s) through fsspec's aiohttp session, s3 through s3fs's client, gs
+through gcsfs's session),
 :func:`open_ranged` does that: at offset 0 a plain GET, after a failure an open-ended
 ``Range: bytes=N-`` GET from the first byte the reader has not received. Every byte that arrived
 before a cut reaches the reader, so each attempt that delivers data makes progress (fsspec's block
@@ -69,6 +70,19 @@ def _total_from_range(content_range: Optional[str], offset: int) -> Optional[int
     return None if m.group(2) == "*" else int(m.group(2))
 
 
+def _object_size(status: int, headers: Any, offset: int) -> Optional[int]:
+    """The whole object's size from a GET's answer (None if it does not say); an answer that
+    is not the range asked for raises."""
+    if status == 206:
+        return _total_from_range(headers.get("Content-Range"), offset)
+    if offset:
+        raise _resume_error(offset, f"it answered HTTP {status} to a range request")
+    length = headers.get("Content-Length")
+    if length is None or headers.get("Content-Encoding", "identity") not in ("identity", ""):
+        return None  # unknown, or the size of an encoding of the object
+    return int(length)
+
+
 async def _http_get(fs: Any, path: str, offset: int) -> _Body:
     """GET through fsspec's HTTPFileSystem session (its headers, auth and client options)."""
     session = await fs.set_session()
@@ -81,14 +95,7 @@ async def _http_get(fs: Any, path: str, offset: int) -> _Body:
     r = await session.get(fs.encode_url(path), headers=headers, **kwargs)
     try:
         r.raise_for_status()  # its status (404, 403, 503...) decides: retry, or say why
-        encoded = r.headers.get("Content-Encoding", "identity") not in ("identity", "")
-        length = None if encoded else r.headers.get("Content-Length")
-        if r.status == 206:
-            size = _total_from_range(r.headers.get("Content-Range"), offset)
-        elif offset:
-            raise _resume_error(offset, f"it answered HTTP {r.status} to a range request")
-        else:
-            size = int(length) if length is not None else None
+        size = _object_size(r.status, r.headers, offset)
     except BaseException:
         r.close()
         raise
@@ -139,9 +146,34 @@ async def _s3_get(fs: Any, path: str, offset: int) -> _Body:
     return read, body.close, size
 
 
+async def _gcs_get(fs: Any, path: str, offset: int) -> _Body:
+    """A media GET through gcsfs's session (its credentials, endpoint, user project)."""
+    from gcsfs.retry import validate_response
+
+    await fs._set_session()
+    headers = fs._get_headers({"Range": f"bytes={offset}-"} if offset else None)
+    params = fs._get_params({})
+    r = await fs.session.get(
+        fs.url(path), params=params, headers=headers, timeout=fs.requests_timeout
+    )
+    try:
+        if r.status >= 400:
+            try:
+                validate_response(r.status, await r.read(), path)
+            except OSError as exn:
+                if r.status in (401, 403):  # gcsfs says OSError("Forbidden"): not to retry
+                    raise PermissionError(f"HTTP {r.status}: {exn}") from exn
+                raise
+        size = _object_size(r.status, r.headers, offset)
+    except BaseException:
+        r.close()
+        raise
+    return _salvaging(r.content), r.close, size
+
+
 # Backends webds can ask for an open-ended range, by class name (matched along the MRO, so a
 # subclass qualifies and neither package must be imported to check).
-_RANGED_GETS = {"HTTPFileSystem": _http_get, "S3FileSystem": _s3_get}
+_RANGED_GETS = {"HTTPFileSystem": _http_get, "S3FileSystem": _s3_get, "GCSFileSystem": _gcs_get}
 
 
 def ranged_get_for(fs: Any) -> Optional[_RangedGet]:
@@ -258,7 +290,7 @@ def open_ranged(
 ) -> Optional[ReadStream]:
     """Stream ``path`` from ``offset`` to its end in one request, or None if the backend can't.
 
-    http(s) and s3 take an open-ended range at any offset; another fsspec async filesystem with
+    http(s), s3 and gs take an open-ended range at any offset; another fsspec async filesystem with
     a streamed open is used from offset 0 only (None elsewhere: resume through block reads).
     """
     get = ranged_get_for(fs)
