@@ -17,6 +17,7 @@ stalls raises :class:`~webds.io.retrying.ReadStalled`, which
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 from typing import Any, Awaitable, Callable, Optional, Tuple
@@ -188,15 +189,21 @@ def ranged_get_for(fs: Any) -> Optional[_RangedGet]:
 
 
 async def _bounded(aw: Awaitable[Any], limit: Optional[float], what: str) -> Any:
+    """Await ``aw`` for at most ``limit`` seconds. Not ``wait_for``: a timeout of the client's
+    own (botocore's, aiohttp's) must keep its name rather than be reported as ours."""
     if limit is None:
         return await aw
-    try:
-        return await asyncio.wait_for(aw, limit)
-    except asyncio.TimeoutError:
-        raise ReadStalled(
-            f"no answer for {limit:g} s while {what}; for a slow server raise "
-            f"storage_options read_timeout= (now {limit:g} s; None for no limit)"
-        ) from None
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=limit)
+    if done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task  # let the request clean up after itself
+    raise ReadStalled(
+        f"no answer for {limit:g} s while {what}; for a slow server raise "
+        f"storage_options read_timeout= (now {limit:g} s; None for no limit)"
+    )
 
 
 def _sync(loop: Any, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
