@@ -6,7 +6,8 @@ Loaded as a pytest plugin (``pytest_plugins = ["servers"]`` in conftest.py). Fix
 - ``gcs_server`` (session) / ``gcs`` (per test, a fresh bucket): ``gcp-storage-emulator`` as a
   subprocess;
 - ``http_server``: a range-capable HTTP/1.1 file server over a temporary folder;
-- ``flaky_http_server``: the same, plus injected faults (cut bodies, error statuses).
+- ``flaky_http_server``: the same, plus injected faults (cut bodies, error statuses, stalls,
+  bodies without a Content-Length).
 
 Every server listens on 127.0.0.1 only, on a free port, and stops at teardown. A fixture whose
 package is missing skips its tests, naming the package.
@@ -395,6 +396,8 @@ class _Handler(BaseHTTPRequestHandler):
             srv.log.append((self.command, self.path, self.headers.get("Range")))
             fail = srv._take_fault("fail")
             cut = srv._take_fault("cut") if body and not fail else None
+            stall = srv._take_stall() if body and not fail and cut is None else None
+            unsized, unsized_cut = srv.unsized, srv.unsized_cut
         if fail:
             self._reply(fail, b"injected failure\n", body)
             return
@@ -405,7 +408,7 @@ class _Handler(BaseHTTPRequestHandler):
         data = path.read_bytes()
         size = len(data)
         status, start, end = 200, 0, size  # end is exclusive
-        spec = self.headers.get("Range")
+        spec = None if unsized else self.headers.get("Range")
         if spec:
             m = _RANGE.match(spec.strip())
             if m is None or (m.group(1) == "" and m.group(2) == ""):
@@ -424,12 +427,31 @@ class _Handler(BaseHTTPRequestHandler):
         payload = data[start:end]
         self.send_response(status)
         self.send_header("Content-Type", "application/x-tar")
-        self.send_header("Content-Length", str(len(payload)))
-        self.send_header("Accept-Ranges", "bytes")
+        if unsized:
+            # No Content-Length: the body ends when the connection closes, so a cut looks
+            # exactly like the end (a proxy or dynamic server streaming the object).
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        else:
+            self.send_header("Content-Length", str(len(payload)))
+            self.send_header("Accept-Ranges", "bytes")
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
         if not body:
+            return
+        if unsized:
+            self.wfile.write(payload if unsized_cut is None else payload[:unsized_cut])
+            self.wfile.flush()
+            return
+        if stall is not None:
+            # Send the headers and part of the body, then nothing: a stalled server. The
+            # connection stays open until the stall ends (or the server stops).
+            after, seconds = stall
+            self.wfile.write(payload[:after])
+            self.wfile.flush()
+            srv.stopping.wait(seconds)
+            self.close_connection = True
             return
         if cut is not None:
             # Promise the whole body, send part of it, then hang up: a dropped connection.
@@ -472,6 +494,11 @@ class RangeHTTPServer(ThreadingHTTPServer):
         self.requests = 0
         self.log: List[Tuple[str, str, Optional[str]]] = []
         self._faults: Dict[str, List[int]] = {"fail": [0, 0], "cut": [0, 0]}
+        self._cuts: List[int] = []  # per-response cuts, in order, before the "cut" fault
+        self._stalls: List[Tuple[int, float]] = []
+        self.unsized = False
+        self.unsized_cut: Optional[int] = None
+        self.stopping = threading.Event()
         self._thread = threading.Thread(
             target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
@@ -497,13 +524,19 @@ class RangeHTTPServer(ThreadingHTTPServer):
 
     def _take_fault(self, kind: str) -> Optional[int]:
         # Called with the lock held. Returns the fault's value if one is still armed.
+        if kind == "cut" and self._cuts:
+            return self._cuts.pop(0)
         value, left = self._faults[kind]
         if left <= 0:
             return None
         self._faults[kind][1] = left - 1
         return value
 
+    def _take_stall(self) -> Optional[Tuple[int, float]]:
+        return self._stalls.pop(0) if self._stalls else None
+
     def stop(self) -> None:
+        self.stopping.set()  # ends stalled responses
         self.shutdown()
         self.server_close()
         self._thread.join(timeout=10)
@@ -517,6 +550,24 @@ class FlakyHTTPServer(RangeHTTPServer):
         with self.lock:
             self._faults["cut"] = [int(nbytes), int(times)]
 
+    def cut_each(self, nbytes: List[int]) -> None:
+        """The next GET responses send ``nbytes[0]``, ``nbytes[1]``... bytes of their body,
+        one each, then close (ahead of any :meth:`cut_after`)."""
+        with self.lock:
+            self._cuts = [int(n) for n in nbytes]
+
+    def stall_after(self, nbytes: int, seconds: float = 60.0, times: int = 1) -> None:
+        """The next ``times`` GET responses send their headers and ``nbytes`` of their body,
+        then nothing for ``seconds`` (or until the server stops), then close."""
+        with self.lock:
+            self._stalls = [(int(nbytes), float(seconds))] * int(times)
+
+    def serve_unsized(self, cut: Optional[int] = None) -> None:
+        """Answer without Content-Length (the body ends at the close) and without range
+        support; with ``cut``, close after that many bytes of every body."""
+        with self.lock:
+            self.unsized, self.unsized_cut = True, cut
+
     def fail_with(self, status: int, times: int = 1) -> None:
         """The next ``times`` requests (any method) are answered with ``status``."""
         with self.lock:
@@ -526,7 +577,10 @@ class FlakyHTTPServer(RangeHTTPServer):
     def faults_left(self) -> Dict[str, int]:
         """How many injected cuts and failures are still armed."""
         with self.lock:
-            return {kind: left for kind, (_, left) in self._faults.items()}
+            out = {kind: left for kind, (_, left) in self._faults.items()}
+            out["cut"] += len(self._cuts)
+            out["stall"] = len(self._stalls)
+            return out
 
 
 def _http_fixture(cls: type, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:

@@ -4,13 +4,19 @@
 :func:`~webds.tar.cached.cached_shards`) streams a
 shard that is not in the cache yet and writes it to the cache *while* it is read, so the first
 epoch does not wait for whole downloads; later epochs read the local copy. A shard enters the
-cache only once it was read to its end and checked as a complete tar: it is written under a hidden
-temporary name and renamed into place, so an interrupted read or a crashed process never leaves a
-partial file under a cache name. Several workers or processes may share one cache directory: the
-first reader of a shard takes a lock on its entry (``flock`` on a hidden ``.NAME.lock`` file,
-removed when the entry is filled or abandoned) and fills it; a concurrent reader of the same shard
-streams it without writing a second copy, and a later one reads the cache. A lock dies with its
-process, so a crash never blocks an entry.
+cache only once it was read to its end and is known to be whole: its size was known (the
+server's Content-Length, the object store's size, or ``nbytes`` from the caller, e.g. an index)
+and all of it arrived, or, for a source that gives no size (a server streaming without
+Content-Length, a ``pipe:`` command), it ends with the tar end-of-archive marker (1024 zero bytes;
+inside the compressed stream, which must itself end cleanly, for a gzip, bzip2 or xz shard).
+Otherwise the read raises :class:`~webds.errors.ShardReadError` and nothing is kept: a server that
+closes the connection at a member boundary looks like a short, valid tar. The copy is written
+under a hidden temporary name and renamed into place, so an interrupted read or a crashed process
+never leaves a partial file under a cache name. Several workers or processes may share one cache
+directory: the first reader of a shard takes a lock on its entry (``flock`` on a hidden
+``.NAME.lock`` file, removed when the entry is filled or abandoned) and fills it; a concurrent
+reader of the same shard streams it without writing a second copy, and a later one reads the
+cache. A lock dies with its process, so a crash never blocks an entry.
 
 :class:`LRUCleanup` keeps the directory under ``cache_size`` bytes, deleting the least recently
 used shards first; :func:`pipe_cleaner` finds the real URL inside a ``pipe:`` command, so a shard
@@ -19,15 +25,18 @@ read through ``pipe:curl ... URL`` is cached under the name of URL, not of the c
 
 from __future__ import annotations
 
+import bz2
 import hashlib
 import logging
+import lzma
 import os
 import re
 import time
 import uuid
+import zlib
 from typing import Any, BinaryIO, Callable, Optional, Tuple
 
-from ..errors import ArgumentError, WebdsError
+from ..errors import ArgumentError, ShardReadError, WebdsError
 from .streams import ReadStream
 from .urls import local_path, open_url
 
@@ -170,8 +179,14 @@ class ShardCache:
         digest = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
         return os.path.join(self.cache_dir, f"{digest}-{name}")
 
-    def open(self, url: str, **storage_options: Any) -> Tuple[BinaryIO, Optional[str]]:
-        """Open ``url`` through the cache; returns the stream and its local path if it has one."""
+    def open(
+        self, url: str, *, nbytes: Optional[int] = None, **storage_options: Any
+    ) -> Tuple[BinaryIO, Optional[str]]:
+        """Open ``url`` through the cache; returns the stream and its local path if it has one.
+
+        ``nbytes``, if known (an index's byte count), is the shard's whole size: a copy of any
+        other size is not kept. Without it, the source's own size counts, if it has one.
+        """
         lpath = local_path(url)
         if lpath is not None and not self.cache_local:
             return open_url(url, "rb"), lpath
@@ -196,7 +211,9 @@ class ShardCache:
         except BaseException:
             _unlock(lock)
             raise
-        stream = _CachingStream(source, path, url, self.verbose, self.lru, lock, self.check)
+        stream = _CachingStream(
+            source, path, url, self.verbose, self.lru, lock, self.check, nbytes=nbytes
+        )
         return stream, None  # type: ignore[return-value]
 
     def _remove_orphans(self) -> None:
@@ -260,6 +277,80 @@ def _alive(pid: int) -> bool:
     return True
 
 
+_EOA_SIZE = 1024  # a tar ends with two 512-byte blocks of zeros
+
+
+_CHUNK = 1 << 20
+
+
+def _inflated_tail(f: BinaryIO) -> Optional[bytes]:
+    """The last bytes of a gzip file's content (members may be concatenated), or None if the
+    compressed stream is cut or corrupt."""
+    d, tail, data = zlib.decompressobj(31), b"", b""
+    while True:
+        if not data:
+            data = f.read(_CHUNK)
+            if not data:
+                return None  # the file ends inside a member
+        try:
+            out = d.decompress(data, _CHUNK)
+        except zlib.error:
+            return None
+        tail = (tail + out)[-_EOA_SIZE:]
+        data = d.unconsumed_tail
+        if d.eof:
+            data = d.unused_data.lstrip(b"\0")  # zero bytes between members are padding
+            while not data:
+                more = f.read(_CHUNK)
+                if not more:
+                    return tail
+                data = more.lstrip(b"\0")
+            d = zlib.decompressobj(31)
+
+
+def _decompressed_tail(f: BinaryIO, new: Callable[[], Any]) -> Optional[bytes]:
+    """Like :func:`_inflated_tail`, for bzip2 or xz (``new()`` makes a decompressor)."""
+    d, tail, data = new(), b"", b""
+    while True:
+        chunk = b""
+        if d.needs_input:
+            if not data:
+                data = f.read(_CHUNK)
+                if not data:
+                    return None
+            chunk, data = data, b""
+        try:
+            out = d.decompress(chunk, _CHUNK)
+        except (OSError, EOFError, ValueError, lzma.LZMAError):
+            return None
+        tail = (tail + out)[-_EOA_SIZE:]
+        if d.eof:
+            data = (d.unused_data + data).lstrip(b"\0")
+            while not data:
+                more = f.read(_CHUNK)
+                if not more:
+                    return tail
+                data = more.lstrip(b"\0")
+            d = new()
+
+
+def _ends_with_end_of_archive(path: str, head: bytes, tail: bytes) -> bool:
+    """True if the file at ``path`` ends with a tar end-of-archive marker: its last 1024 bytes
+    are zero, or for a gzip, bzip2 or xz shard (told by its magic bytes) the compressed stream
+    ended cleanly and the last 1024 bytes it holds are zero. Memory stays bounded (1 MiB of
+    output per step); the decompression runs only for sources that gave no size."""
+    if head[:2] == b"\x1f\x8b":
+        with open(path, "rb") as f:
+            tail = _inflated_tail(f) or b""
+    elif head[:3] == b"BZh":
+        with open(path, "rb") as f:
+            tail = _decompressed_tail(f, bz2.BZ2Decompressor) or b""
+    elif head[:6] == b"\xfd7zXZ\x00":
+        with open(path, "rb") as f:
+            tail = _decompressed_tail(f, lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ)) or b""
+    return len(tail) == _EOA_SIZE and not any(tail)
+
+
 class _CachingStream(ReadStream):
     """A remote stream that copies what is read into a temporary file, committed on close when
     the shard was read to its end and passes ``check``."""
@@ -273,8 +364,13 @@ class _CachingStream(ReadStream):
         lru: Optional[LRUCleanup],
         lock: Optional[_Lock] = None,
         check: Optional[CopyCheck] = None,
+        nbytes: Optional[int] = None,
     ) -> None:
         self.source = source
+        self.nbytes = nbytes
+        self.copied = 0
+        self.head = b""  # the first bytes, to tell a compressed shard
+        self.tail = b""  # the last _EOA_SIZE bytes, for the end-of-archive check
         self.check = check
         self.lru = lru
         self.lock = lock
@@ -300,15 +396,49 @@ class _CachingStream(ReadStream):
         if data:
             if self.temp is not None:
                 self.temp.write(data)
-        elif n != 0:
+                self.copied += len(data)
+                if len(self.head) < 8:
+                    self.head = (self.head + data)[:8]
+                self.tail = (self.tail + data)[-_EOA_SIZE:]
+        elif n != 0 and not self.eof:
+            self._check_whole()
             self.eof = True
         return data
+
+    def _check_whole(self) -> None:
+        """At the end of the source: raise (and drop the copy) unless it is the whole shard."""
+        if self.temp is None:
+            return
+        size = self.nbytes
+        if size is None:
+            size = getattr(self.source, "size", None)
+            size = size if isinstance(size, int) and not isinstance(size, bool) else None
+        if size is not None:
+            if self.copied == size:
+                return
+            why = f"it ended after {self.copied} of its {size} bytes"
+        else:
+            self.temp.flush()
+            if _ends_with_end_of_archive(self.temp_path, self.head, self.tail):
+                return
+            why = (
+                f"it ended after {self.copied} bytes without the tar end-of-archive marker, and "
+                "the source gave no size (no Content-Length) that could prove it complete"
+            )
+        self._discard()
+        raise ShardReadError(
+            f"the download is incomplete: {why}; it was not cached. The connection was probably "
+            "cut: read it again; if it recurs, have the server send a Content-Length or fix the "
+            "shard",
+            url=self.url,
+            offset=self.copied,
+        )
 
     def close(self) -> None:
         if self.closed:
             return
         try:
-            if not self.eof and not self.failed:
+            if not self.eof and not self.failed and self.temp is not None:
                 self._drain()
             self.source.close()
         except BaseException:
@@ -316,7 +446,7 @@ class _CachingStream(ReadStream):
             raise
         finally:
             super().close()
-        if self.eof and not self.failed:
+        if self.eof and not self.failed and self.temp is not None:
             self._commit()
         else:
             self._discard()

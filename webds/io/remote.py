@@ -14,6 +14,7 @@ from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
 from ..errors import OpenError, ShardReadError, WebdsError
+from .ranged import DEFAULT_READ_TIMEOUT, check_read_timeout, open_ranged
 from .retrying import (
     _HUNG_UP_NAMES,
     DEFAULT_RETRIES,
@@ -21,7 +22,6 @@ from .retrying import (
     ResumableStream,
     _close_quietly,
 )
-from .streams import ReadStream
 
 log = logging.getLogger("webds")
 
@@ -41,7 +41,7 @@ REMOTE_BLOCK_SIZE = 8 << 20
 # Arguments of ``fs.open()`` rather than of the filesystem: taken out of ``storage_options``.
 _OPEN_OPTIONS = ("block_size", "cache_type", "cache_options")
 # storage_options that say how to read a stream (open and retry), not how to build a filesystem.
-_STREAM_OPTIONS = _OPEN_OPTIONS + ("retries", "retry_backoff")
+_STREAM_OPTIONS = _OPEN_OPTIONS + ("retries", "retry_backoff", "read_timeout")
 
 
 def filesystem_options(storage_options: Dict[str, Any]) -> Dict[str, Any]:
@@ -102,9 +102,11 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
     """Open a remote URL through fsspec, streaming-friendly, with errors as OpenError.
 
     ``block_size``, ``cache_type`` and ``cache_options`` in ``storage_options`` go to
-    ``fs.open()``; ``retries`` and ``retry_backoff`` set how reads recover from a broken
-    connection (:class:`~webds.io.retrying.ResumableStream`: reopen at the offset reached); the rest
-    configure the filesystem (credentials, endpoint). Reads default to a read-ahead cache of
+    ``fs.open()``; ``retries``, ``retry_backoff`` and ``read_timeout`` set how reads recover from
+    a broken or stalled connection (:class:`~webds.io.retrying.ResumableStream`: reopen at the
+    offset reached); the rest configure the filesystem (credentials, endpoint). http(s) and s3
+    objects are read as one streamed GET, resumed with an open-ended range
+    (:mod:`webds.io.ranged`); other backends, or a caller who chose block reads, read ahead in
     :data:`REMOTE_BLOCK_SIZE` blocks where the backend takes them.
     """
     import fsspec
@@ -114,8 +116,9 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
     open_kw = {name: options.pop(name) for name in _OPEN_OPTIONS if name in options}
     retries = options.pop("retries", DEFAULT_RETRIES)
     backoff = options.pop("retry_backoff", None)
+    read_timeout = check_read_timeout(options.pop("read_timeout", DEFAULT_READ_TIMEOUT))
     try:
-        fs, path = fsspec.core.url_to_fs(url, **options)
+        fs, path = fsspec.core.url_to_fs(url, **_with_read_timeout(scheme, options, read_timeout))
     except ImportError as exn:
         raise _missing_backend(url, scheme, exn) from None
     except ValueError as exn:
@@ -147,12 +150,14 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
 
     chose_blocks = any(name in options for name in ("default_block_size", "default_cache_type"))
 
+    # A whole shard is one sequential read: stream it in one request where the backend can
+    # (webds.io.ranged), unless the caller chose block reads; resume the same way, from the
+    # first byte not yet delivered. Otherwise read blocks, and resume by seeking.
+    streams = not open_kw and not chose_blocks
+
     def open_at(offset: int) -> Any:
-        # A whole shard is one sequential read: where the backend can stream an object in one
-        # request (fsspec's async filesystems: s3, http), do that, unless the caller chose block
-        # reads; resume after a failure with a ranged, block-wise reader from the offset reached.
-        if offset == 0 and not open_kw and not chose_blocks:
-            stream = _streamed(fs, path)
+        if streams:
+            stream = open_ranged(fs, path, offset, read_timeout)
             if stream is not None:
                 return stream
         return seek_opener(open_file, url)(offset)
@@ -184,52 +189,27 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
         raise _remote_error(exn, url, scheme, fs=fs, path=path) from exn
 
 
-class _SyncStreamedFile(ReadStream):
-    """An fsspec async streamed file (one GET for the whole object) read synchronously."""
+def _with_read_timeout(
+    scheme: str, options: Dict[str, Any], read_timeout: Optional[float]
+) -> Dict[str, Any]:
+    """Filesystem options with ``read_timeout`` (plus a second, so that webds's own timer fires
+    first on streamed reads) as the http session's socket read timeout.
 
-    def __init__(self, fs: Any, afile: Any, size: int) -> None:
-        self._fs = fs
-        self._afile = afile
-        self.size = size  # known up front, so an early end of the body is caught and resumed
+    This bounds the block reads too (fsspec's HTTPFile), and lifts aiohttp's default limit of
+    300 s on a whole request, which a large shard streamed in one GET can exceed on a slow link.
+    A ``client_kwargs={"timeout": ...}`` of the caller's own is kept.
+    """
+    if scheme not in ("http", "https") or read_timeout is None:
+        return options
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    if "timeout" in client_kwargs:
+        return options
+    import aiohttp
 
-    def read(self, n: int = -1) -> bytes:
-        from fsspec.asyn import sync
-
-        return sync(self._fs.loop, self._afile.read, n)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        from fsspec.asyn import sync
-
-        try:
-            body = getattr(self._afile, "r", None)  # s3fs keeps the response body here
-            if body is not None and hasattr(body, "close"):
-                body.close()
-            close = getattr(self._afile, "close", None)
-            if close is not None:
-                result = close()
-                if hasattr(result, "__await__"):
-                    sync(self._fs.loop, lambda: result)
-        except Exception as exn:  # closing a half-read response must not mask the real outcome
-            log.debug("webds: ignoring error closing a streamed file: %s", exn)
-        finally:
-            super().close()
-
-
-def _streamed(fs: Any, path: str) -> Optional[BinaryIO]:
-    """Open ``path`` as one streaming request if the backend supports it, else None."""
-    from fsspec.asyn import AsyncFileSystem, sync
-
-    if not isinstance(fs, AsyncFileSystem) or type(fs).open_async is AsyncFileSystem.open_async:
-        return None
-    if not getattr(fs, "asynchronous", False) and getattr(fs, "loop", None) is None:
-        return None
-    size = fs.size(path)
-    if size is None:
-        return None
-    afile = sync(fs.loop, fs.open_async, path, "rb")
-    return _SyncStreamedFile(fs, afile, size)  # type: ignore[return-value]
+    client_kwargs["timeout"] = aiohttp.ClientTimeout(
+        total=None, sock_connect=max(read_timeout, 30.0), sock_read=read_timeout + 1.0
+    )
+    return dict(options, client_kwargs=client_kwargs)
 
 
 def _read_defaults(fs: Any, options: Dict[str, Any], open_kw: Dict[str, Any]) -> Dict[str, Any]:
@@ -362,8 +342,15 @@ def _remote_error(
                 url=url,
             )
     if status in (401, 403) or (status is None and isinstance(exn, PermissionError)):
-        hint = _CREDENTIAL_HINTS.get(scheme, "check the credentials in storage_options")
         code = f" (HTTP {status})" if status else ""
+        if scheme in ("http", "https"):  # a web server, not an object store: no bucket policy
+            return OpenError(
+                f"the server refused access{code}; check the URL, and whether the server needs "
+                "credentials: pass them as request options, e.g. storage_options={'headers': "
+                "{'Authorization': ...}} or {'client_kwargs': {'auth': ...}}",
+                url=url,
+            )
+        hint = _CREDENTIAL_HINTS.get(scheme, "check the credentials in storage_options")
         return OpenError(
             f"permission denied{code}: the credentials in use are wrong or may not access this "
             f"object; check them and the bucket's access policy. To choose credentials: {hint}",

@@ -1,14 +1,16 @@
 """Remote reads that survive dropped connections: retries with resume at the byte offset reached.
 
 :class:`ResumableStream` wraps ``open_at(offset) -> stream``. When a read fails with a transient
-error (connection reset or cut, timeout, HTTP 5xx/429, a body that ends before the object's known
-size), it closes the broken stream, waits (bounded exponential backoff with jitter) and reopens at
-the offset it had delivered, so the reader sees every byte exactly once. Errors that retrying
-cannot fix are raised at once: not found and permission denied as
-:class:`~webds.errors.OpenError`, anything else as :class:`~webds.errors.ShardReadError`.
+error (connection reset or cut, timeout, a read that stalls (:class:`ReadStalled`), HTTP 5xx/429,
+a body that ends before the object's known size), it closes the broken stream, waits (bounded
+exponential backoff with jitter) and reopens at the offset it had delivered, so the reader sees
+every byte exactly once. Errors that retrying cannot fix are raised at once: not found and
+permission denied as :class:`~webds.errors.OpenError`, anything else as
+:class:`~webds.errors.ShardReadError`.
 
 ``retries`` bounds the *consecutive* failures without progress: any byte delivered after a reopen
-resets the count and the backoff, so a long shard on a flaky link finishes, while a source that
+resets the count and the backoff (so the sources must deliver the bytes that arrived before a cut,
+as :mod:`webds.io.ranged` does), so a long shard on a flaky link finishes, while a source that
 keeps failing at the same offset raises :class:`~webds.errors.ShardReadError` naming the url, the
 offset and the number of attempts. Every retry is counted in ``stream.retries`` and logged at
 WARNING on the ``"webds"`` logger.
@@ -19,10 +21,13 @@ without an answer). :func:`~webds.io.urls.open_url` sets it to 0 for backends wh
 retries connections (s3fs through botocore, gcsfs): retrying on top multiplied their attempts,
 so a wrong endpoint took a minute (S3) to four minutes (GCS) to be reported.
 
+:func:`~webds.io.urls.open_url` reads http(s), s3 and gs objects as one streamed GET, resumed
+with an open-ended range from the first byte not delivered (:mod:`webds.io.ranged`).
 :func:`~webds.io.remote.resumable_fsspec` / :func:`~webds.io.remote.open_resumable` build one
 for an fsspec file: ``fs.open`` then ``seek(offset)``, which makes the next read a ranged request
 for http, s3 and gcs. fsspec fetches whole blocks, so after a cut the block in flight is fetched
-again from its start (nothing is duplicated: the reader only ever received whole blocks).
+again from its start (nothing is duplicated: the reader only ever received whole blocks); a link
+that cuts every response inside a block never gets past it on that path.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ __all__ = [
     "Backoff",
     "ResumableStream",
     "is_transient",
+    "ReadStalled",
     "DEFAULT_RETRIES",
 ]
 
@@ -235,6 +241,13 @@ class _Truncated(ShardReadError):
     """The body ended before the object's known size: a cut that raised no exception."""
 
 
+class ReadStalled(TimeoutError):
+    """No bytes arrived within the read timeout: retried like a dropped connection.
+
+    Its message names the ``read_timeout`` storage option that sets the limit.
+    """
+
+
 def _close_quietly(stream: Any) -> None:
     try:
         stream.close()
@@ -331,7 +344,7 @@ class ResumableStream(ReadStream):
             stream, self._stream = self._stream, None
             _close_quietly(stream)
         kind = _kind(exn)
-        where = f"at byte offset {self.offset}" if self.offset else "opening"
+        where = f"at byte offset {self.offset}" if self.offset or self._reached else "opening"
         detail = f"{type(exn).__name__}: {exn}"
         if kind != "transient" and self._translate is not None and not isinstance(exn, WebdsError):
             final = self._translate(exn)
@@ -353,6 +366,8 @@ class ResumableStream(ReadStream):
             ) from exn
         if kind == "permanent":
             if isinstance(exn, WebdsError):
+                if exn.url is None:
+                    exn.url = self.url
                 raise exn
             raise ShardReadError(
                 f"reading failed {where} with an error retrying cannot fix: {detail}",
@@ -364,7 +379,7 @@ class ResumableStream(ReadStream):
         # client below that retries connections itself has already spent one (module docstring).
         unreachable = not self._reached and _unreachable(exn)
         limit = self.connect_retries if unreachable else self.max_retries
-        if self._failures > limit and not self.offset:
+        if self._failures > limit and not self.offset and not isinstance(exn, ReadStalled):
             if self._translate is not None and not isinstance(exn, WebdsError):
                 # Not a byte delivered yet: say why the URL can't be read (e.g. "HTTP 503"), and
                 # that retrying did not help (unless webds did not retry: then the attempts
@@ -413,6 +428,8 @@ class ResumableStream(ReadStream):
         if n == 0:
             return b""
         while True:
+            if self.size is not None and self.offset >= self.size:
+                return b""  # all there: a connection lost after the last byte costs nothing
             if self._stream is None:
                 self._open()
             try:

@@ -1,0 +1,318 @@
+"""Streamed reads of remote objects: one GET from a byte offset to the end, with a read timeout.
+
+A whole shard is one sequential read, so where the backend lets webds ask for "the object from
+byte N on" in one request (http(s) through fsspec's aiohttp session, s3 through s3fs's client, gs
+through gcsfs's session),
+:func:`open_ranged` does that: at offset 0 a plain GET, after a failure an open-ended
+``Range: bytes=N-`` GET from the first byte the reader has not received. Every byte that arrived
+before a cut reaches the reader, so each attempt that delivers data makes progress (fsspec's block
+cache, by contrast, asks for the same 8 MiB block again after a cut inside it, and a link that
+drops every connection part-way never gets past it).
+
+Every request and every read is bounded by ``read_timeout`` seconds: a server that answers and then
+stalls raises :class:`~webds.io.retrying.ReadStalled`, which
+:class:`~webds.io.retrying.ResumableStream` retries like a dropped connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from typing import Any, Awaitable, Callable, Optional, Tuple
+
+from ..errors import ArgumentError, ShardReadError
+from .retrying import ReadStalled
+from .streams import ReadStream
+
+log = logging.getLogger("webds")
+
+__all__ = ["DEFAULT_READ_TIMEOUT", "check_read_timeout", "open_ranged", "ranged_get_for"]
+
+#: Seconds a network read may wait for its next bytes (or a request for its answer) before the
+#: connection counts as dropped and is retried: ``storage_options={"read_timeout": ...}``; None
+#: waits as long as the backend's own timeouts allow.
+DEFAULT_READ_TIMEOUT = 30.0
+
+# A ranged GET's answer: (read(n) coroutine function, close(), the object's whole size or None).
+_Body = Tuple[Callable[[int], Awaitable[bytes]], Callable[[], None], Optional[int]]
+_RangedGet = Callable[[Any, str, int], Awaitable[_Body]]
+_CONTENT_RANGE = re.compile(r"^bytes (\d+)-\d+/(\d+|\*)$")
+
+
+def check_read_timeout(value: Any) -> Optional[float]:
+    """``read_timeout`` as seconds (> 0), or None for no limit; anything else is an error."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ArgumentError(
+            f"read_timeout must be a number of seconds > 0, or None for no limit; got {value!r}"
+        )
+    return float(value)
+
+
+class _CannotResume(ShardReadError):
+    """The server ignored the range asked for: resuming there would duplicate or skip bytes."""
+
+
+def _resume_error(offset: int, why: str) -> _CannotResume:
+    return _CannotResume(
+        f"the read failed at byte offset {offset} and this server cannot resume there ({why}); "
+        "it must answer range requests (HTTP 'Accept-Ranges: bytes', status 206)",
+        offset=offset,
+    )
+
+
+def _total_from_range(content_range: Optional[str], offset: int) -> Optional[int]:
+    m = _CONTENT_RANGE.match((content_range or "").strip())
+    if m is None or int(m.group(1)) != offset:
+        raise _resume_error(offset, f"it answered the range 'Content-Range: {content_range}'")
+    return None if m.group(2) == "*" else int(m.group(2))
+
+
+def _object_size(status: int, headers: Any, offset: int) -> Optional[int]:
+    """The whole object's size from a GET's answer (None if it does not say); an answer that
+    is not the range asked for raises."""
+    if status == 206:
+        return _total_from_range(headers.get("Content-Range"), offset)
+    if offset:
+        raise _resume_error(offset, f"it answered HTTP {status} to a range request")
+    length = headers.get("Content-Length")
+    if length is None or headers.get("Content-Encoding", "identity") not in ("identity", ""):
+        return None  # unknown, or the size of an encoding of the object
+    return int(length)
+
+
+async def _http_get(fs: Any, path: str, offset: int) -> _Body:
+    """GET through fsspec's HTTPFileSystem session (its headers, auth and client options)."""
+    session = await fs.set_session()
+    kwargs = dict(fs.kwargs)
+    headers = dict(kwargs.pop("headers", None) or {})
+    # The size and the range are in bytes of the object as stored, not as transfer-decoded.
+    headers.setdefault("Accept-Encoding", "identity")
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    r = await session.get(fs.encode_url(path), headers=headers, **kwargs)
+    try:
+        r.raise_for_status()  # its status (404, 403, 503...) decides: retry, or say why
+        size = _object_size(r.status, r.headers, offset)
+    except BaseException:
+        r.close()
+        raise
+    return _salvaging(r.content), r.close, size
+
+
+def _salvaging(content: Any) -> Callable[[int], Awaitable[bytes]]:
+    """``read(n)`` of an aiohttp body that delivers the bytes which arrived before a cut.
+
+    aiohttp raises a cut connection (a payload error) on the next read even while bytes that came
+    ahead of it are still buffered; they are handed over first, so that the attempt counts as
+    progress and the resume asks only for what is missing. (``_buffer`` and ``_read_nowait`` are
+    aiohttp's own; without them the error is raised as it is.)
+    """
+
+    async def read(n: int) -> bytes:
+        try:
+            return await content.read(n)
+        except Exception:
+            rest = getattr(content, "_read_nowait", None)
+            if getattr(content, "_buffer", None) and rest is not None:
+                return rest(n)
+            raise
+
+    return read
+
+
+async def _s3_get(fs: Any, path: str, offset: int) -> _Body:
+    """get_object through s3fs's client (its credentials, endpoint, retries and errors)."""
+    bucket, key, version = fs.split_path(path)
+    kwargs = {"Range": f"bytes={offset}-"} if offset else {}
+    if version:
+        kwargs["VersionId"] = version
+    r = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
+    body = r["Body"]
+    content = getattr(getattr(body, "_raw_stream", None), "content", None)  # aiobotocore's
+    if content is not None:
+        read = _salvaging(content)
+    else:
+
+        async def read(n: int) -> bytes:
+            return await body.read(n if n >= 0 else None)
+
+    if offset:
+        size = _total_from_range(r.get("ContentRange"), offset)
+    else:
+        size = r.get("ContentLength")
+    return read, body.close, size
+
+
+async def _gcs_get(fs: Any, path: str, offset: int) -> _Body:
+    """A media GET through gcsfs's session (its credentials, endpoint, user project)."""
+    from gcsfs.retry import validate_response
+
+    await fs._set_session()
+    headers = fs._get_headers({"Range": f"bytes={offset}-"} if offset else None)
+    params = fs._get_params({})
+    r = await fs.session.get(
+        fs.url(path), params=params, headers=headers, timeout=fs.requests_timeout
+    )
+    try:
+        if r.status >= 400:
+            try:
+                validate_response(r.status, await r.read(), path)
+            except OSError as exn:
+                if r.status in (401, 403):  # gcsfs says OSError("Forbidden"): not to retry
+                    raise PermissionError(f"HTTP {r.status}: {exn}") from exn
+                raise
+        size = _object_size(r.status, r.headers, offset)
+    except BaseException:
+        r.close()
+        raise
+    return _salvaging(r.content), r.close, size
+
+
+# Backends webds can ask for an open-ended range, by class name (matched along the MRO, so a
+# subclass qualifies and neither package must be imported to check).
+_RANGED_GETS = {"HTTPFileSystem": _http_get, "S3FileSystem": _s3_get, "GCSFileSystem": _gcs_get}
+
+
+def ranged_get_for(fs: Any) -> Optional[_RangedGet]:
+    """The ranged GET of ``fs``'s backend, or None if webds has none for it."""
+    if getattr(fs, "loop", None) is None:
+        return None
+    for cls in type(fs).__mro__:
+        get = _RANGED_GETS.get(cls.__name__)
+        if get is not None:
+            return get
+    return None
+
+
+async def _bounded(aw: Awaitable[Any], limit: Optional[float], what: str) -> Any:
+    """Await ``aw`` for at most ``limit`` seconds. Not ``wait_for``: a timeout of the client's
+    own (botocore's, aiohttp's) must keep its name rather than be reported as ours."""
+    if limit is None:
+        return await aw
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=limit)
+    if done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task  # let the request clean up after itself
+    raise ReadStalled(
+        f"no answer for {limit:g} s while {what}; for a slow server raise "
+        f"storage_options read_timeout= (now {limit:g} s; None for no limit)"
+    )
+
+
+def _sync(loop: Any, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    """fsspec's ``sync``, raising our ReadStalled as it is (``sync`` turns any TimeoutError
+    into its own FSTimeoutError, which would lose the message naming ``read_timeout``)."""
+    from fsspec.asyn import sync
+    from fsspec.exceptions import FSTimeoutError
+
+    try:
+        return sync(loop, fn, *args)
+    except FSTimeoutError as exn:
+        if isinstance(exn.__cause__, ReadStalled):
+            raise exn.__cause__ from None
+        raise
+
+
+async def _call(fn: Callable[[], Any]) -> None:
+    fn()  # in the event loop's thread: aiohttp and aiobotocore objects belong to it
+
+
+class RangedStream(ReadStream):
+    """A synchronous stream over one ranged GET; ``size`` is the whole object's, if known."""
+
+    def __init__(
+        self, fs: Any, path: str, offset: int, get: _RangedGet, read_timeout: Optional[float]
+    ) -> None:
+        self._loop = fs.loop
+        self._limit = read_timeout
+        self._read: Optional[Callable[[int], Awaitable[bytes]]] = None
+        self._read, self._close, self.size = _sync(
+            self._loop, _bounded, get(fs, path, offset), read_timeout, "waiting for the response"
+        )
+        self._eof = False
+
+    def read(self, n: int = -1) -> bytes:
+        if self._read is None:
+            raise ValueError("read from a closed stream")
+        what = "waiting for the next bytes of the body"
+        data = _sync(self._loop, _bounded, self._read(n), self._limit, what)
+        if not data and n != 0:
+            self._eof = True
+        return data
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        from fsspec.asyn import sync
+
+        self._read = None
+        try:
+            sync(self._loop, _call, self._close)
+        except Exception as exn:  # closing a broken response must not mask the real outcome
+            log.debug("webds: ignoring error closing a ranged read: %s", exn)
+        finally:
+            super().close()
+
+
+class StreamedFile(ReadStream):
+    """Another backend's async streamed file (one GET for the whole object), read synchronously
+    with every read bounded by ``read_timeout``."""
+
+    def __init__(self, fs: Any, afile: Any, size: int, read_timeout: Optional[float]) -> None:
+        self._fs = fs
+        self._afile = afile
+        self._limit = read_timeout
+        self.size = size  # known up front, so an early end of the body is caught and resumed
+
+    def read(self, n: int = -1) -> bytes:
+        what = "waiting for the next bytes of the body"
+        return _sync(self._fs.loop, _bounded, self._afile.read(n), self._limit, what)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        from fsspec.asyn import sync
+
+        try:
+            close = getattr(self._afile, "close", None)
+            if close is not None:
+                result = close()
+                if hasattr(result, "__await__"):
+                    sync(self._fs.loop, lambda: result)
+        except Exception as exn:  # closing a half-read response must not mask the real outcome
+            log.debug("webds: ignoring error closing a streamed file: %s", exn)
+        finally:
+            super().close()
+
+
+def open_ranged(
+    fs: Any, path: str, offset: int, read_timeout: Optional[float]
+) -> Optional[ReadStream]:
+    """Stream ``path`` from ``offset`` to its end in one request, or None if the backend can't.
+
+    http(s), s3 and gs take an open-ended range at any offset; another fsspec async filesystem with
+    a streamed open is used from offset 0 only (None elsewhere: resume through block reads).
+    """
+    get = ranged_get_for(fs)
+    if get is not None:
+        return RangedStream(fs, path, offset, get, read_timeout)
+    if offset:
+        return None
+    from fsspec.asyn import AsyncFileSystem
+
+    if not isinstance(fs, AsyncFileSystem) or type(fs).open_async is AsyncFileSystem.open_async:
+        return None
+    if getattr(fs, "loop", None) is None:
+        return None
+    size = fs.size(path)
+    if size is None:
+        return None
+    afile = _sync(fs.loop, _bounded, fs.open_async(path, "rb"), read_timeout, "opening")
+    return StreamedFile(fs, afile, size, read_timeout)
