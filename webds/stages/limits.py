@@ -69,10 +69,13 @@ def check_max(name: str, value: Optional[int]) -> Optional[int]:
     return value
 
 
+_NAMES = {"gz": "gzip", "bz2": "bzip2", "xz": "xz"}
+
+
 def _field_limit_error(codec: str, limit: int) -> DecodeError:
     return DecodeError(
-        f"{codec} data expands past max_field_bytes={limit:,} ({_size(limit)}); it may be a "
-        "decompression bomb. If such fields are genuine, raise the limit: "
+        f"{_NAMES[codec]} data expands past max_field_bytes={limit:,} ({_size(limit)}); it may "
+        "be a decompression bomb. If such fields are genuine, raise the limit: "
         "decode(..., max_field_bytes=N), or max_field_bytes=None for no limit"
     )
 
@@ -89,7 +92,8 @@ def decompress_field(data: bytes, codec: str, max_bytes: Optional[int] = MAX_FIE
 
     Concatenated members or streams are read as ``gzip``/``bz2``/``lzma.decompress`` read them.
     Output is produced in 1 MiB steps, so a bomb is stopped holding at most ``max_bytes`` plus
-    one step. ``max_bytes=None``: no limit.
+    one step (a field within the limit is then joined into one bytes object, briefly twice its
+    size). ``max_bytes=None``: no limit.
 
         decompress_field(gzip.compress(b"hi"), "gz", max_bytes=2)   # b"hi"; max_bytes=1 raises
     """
@@ -107,7 +111,7 @@ def decompress_field(data: bytes, codec: str, max_bytes: Optional[int] = MAX_FIE
         return b""  # as gzip.decompress and bz2.decompress (lzma.decompress refuses it)
     chunks: List[bytes] = []
     total = 0
-    pending = bytes(data)
+    pending = data if isinstance(data, bytes) else bytes(data)
     first = True
     while first or pending:
         start = len(chunks)
@@ -126,7 +130,6 @@ def decompress_field(data: bytes, codec: str, max_bytes: Optional[int] = MAX_FIE
             if first or codec == "gz":
                 raise
             # bz2/lzma.decompress ignore what follows the first stream when it is not a stream.
-            total -= sum(len(c) for c in chunks[start:])
             del chunks[start:]
             break
         first = False
@@ -193,7 +196,9 @@ def _one_stream(
             if limit is not None and total > limit:
                 raise _field_limit_error(codec, limit)
         elif d.needs_input and not d.eof:
-            raise DecodeError(f"{codec} data is truncated: it ends inside a compressed stream")
+            raise DecodeError(
+                f"{_NAMES[codec]} data is truncated: it ends inside a compressed stream"
+            )
     return d.unused_data, total
 
 
