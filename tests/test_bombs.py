@@ -107,6 +107,16 @@ def test_field_at_the_limit_decodes_one_byte_over_raises(codec):
     assert [s["__key__"] for s in stage(iter([sample, small]))] == ["k8"]
 
 
+def test_out_of_memory_reads_as_out_of_memory_not_as_bad_data(tmp_path):
+    # With the limit off, a 4 GiB field meets the 1 GiB address space.
+    rc, out, _ = run_shard(
+        tmp_path, {"txt.gz": zero_bomb("gz", 4 * GiB)}, "max_field_bytes=None", as_limit=1 * GiB
+    )
+    assert rc == 0, out
+    assert "out of memory while decoding it (MemoryError)" in out
+    assert "holds valid" not in out and "member '0001.txt.gz'" in out
+
+
 def test_xz_field_asking_for_a_huge_dictionary_is_refused_before_allocating(tmp_path, baseline):
     # A .lzma header names the dictionary the decoder allocates up front: 1.5 GiB here, for 5
     # bytes of data. Under a 1 GiB address space lzma.decompress dies with a MemoryError.

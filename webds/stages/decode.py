@@ -216,6 +216,14 @@ class Decoder:
 def _decode_error(exn: Exception, url: Any, key: Any, field: str) -> DecodeError:
     if isinstance(exn, DecodeError):
         detail = exn.message
+    elif isinstance(exn, MemoryError):
+        # Not "check that the member holds valid data": the data may be fine, the memory is not.
+        detail = (
+            "out of memory while decoding it (MemoryError): the field may be a decompression "
+            "bomb, or larger than this process can hold. decode's limits stop such fields "
+            "before memory runs out: keep or lower max_field_bytes / max_pixels (None turns "
+            "them off), or give the process more memory"
+        )
     elif type(exn).__name__ == "DecompressionBombError":  # Pillow's, without importing Pillow
         detail = (
             f"Pillow refused it as a possible decompression bomb ({exn}). Pillow's limit is its "
