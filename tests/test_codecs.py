@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bz2
 import fractions
 import gzip
 import io
+import lzma
 import pickle
 import sys
 import tarfile
@@ -637,3 +639,15 @@ def test_decode_stage_in_spawned_dataloader_worker():
     out = list(loader)
     assert [s["cls"] for s in out] == [0, 1, 2, 3] and [s["pkl"] for s in out] == [0, 1, 2, 3]
     assert all(s["png"].shape == (3, 2, 3) and s["png"].dtype == torch.uint8 for s in out)
+
+
+def test_bz2_and_xz_fields_decode_by_their_inner_extension():
+    sample = {
+        "__key__": "k",
+        "json.bz2": bz2.compress(b'{"a": 1}'),
+        "cls.xz": lzma.compress(b"7"),
+        "empty.bz2": b"",
+    }
+    out = Decoder([])(sample)
+    assert out["json.bz2"] == {"a": 1} and out["cls.xz"] == 7
+    assert out["empty.bz2"] == b""

@@ -121,17 +121,27 @@ def test_truncated_jpeg_in_a_pipeline_names_the_member(tmp_path):
         next(it)
 
 
-def test_decompression_bomb_limit_is_pillows(monkeypatch):
+@pytest.mark.parametrize("spec", ["pil", "rgb8", "torchrgb"])
+def test_pixel_limit_is_max_pixels_on_both_paths_not_pillows_global(monkeypatch, spec):
     data = jpeg(photo(), quality=90)
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 321 * 239 // 3)  # 2x over: an error
-    assert fastjpeg.decode_rgb(data) is None
-    with pytest.raises(Image.DecompressionBombError):
-        decode_image(data, "rgb8")
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 321 * 239 - 1)  # just over: a warning
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        decode_image(data, "pil")
-    assert any(issubclass(w.category, Image.DecompressionBombWarning) for w in caught)
+    pixels = 321 * 239
+    # Pillow's process-global limit is not consulted (it warned between 1x and 2x, refused
+    # above): a lowered one changes nothing, and decode never writes it.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pixels // 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for fast in (True, False):
+            assert np.asarray(decode_image(data, spec, fast, max_pixels=pixels)).size > 0
+            assert np.asarray(decode_image(data, spec, fast)).size > 0
+    assert Image.MAX_IMAGE_PIXELS == pixels // 3
+
+    def refuse(*a, **k):
+        raise AssertionError("simplejpeg decoded an image over the limit")
+
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", refuse)
+    for fast in (True, False):
+        with pytest.raises(webds.DecodeError, match=r"321x239 = 76,719 pixels.*max_pixels=76,718"):
+            decode_image(data, spec, fast, max_pixels=pixels - 1)
 
 
 def test_without_simplejpeg_pillow_decodes(monkeypatch):

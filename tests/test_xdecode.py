@@ -101,3 +101,18 @@ def test_xdecode_bad_arguments():
         xdecode("*.txt")([{"txt": b""}])
     with pytest.raises(ValueError):
         xdecode(("*.txt", 3))([{"txt": b""}])
+
+
+def test_pillow_bomb_error_in_a_users_decoder_is_a_decode_error_with_advice(tmp_path):
+    from bombs import png_claiming
+    from PIL import Image
+
+    # Pillow refuses above twice its process-global limit; the user's own Image.open does.
+    png = png_claiming(20000, 20000)
+    pipe = _samples(tmp_path, [("a.png", png)]).compose(xdecode(png=Image.open))
+    with pytest.raises(DecodeError) as info:
+        list(pipe)
+    message = str(info.value)
+    assert "Pillow refused it as a possible decompression bomb" in message
+    assert "PIL.Image.MAX_IMAGE_PIXELS" in message and "max_pixels=N" in message
+    assert info.value.member == "a.png"

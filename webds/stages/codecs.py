@@ -15,10 +15,11 @@ import json
 import os
 import pickle
 import tempfile
-from typing import Any, Callable, Dict, Iterable, List, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 from ..errors import ArgumentError, DecodeError
 from . import fastjpeg
+from .limits import MAX_PIXELS, check_max, open_image
 
 __all__ = [
     "BasicHandlers",
@@ -81,25 +82,31 @@ def _last_ext(key: str) -> str:
 # -- images ----------------------------------------------------------------------------------------
 
 
-def decode_image(data: bytes, imagespec: str, fast_jpeg: bool = True) -> Any:
+def decode_image(
+    data: bytes,
+    imagespec: str,
+    fast_jpeg: bool = True,
+    max_pixels: Optional[int] = MAX_PIXELS,
+) -> Any:
     """Decode image bytes according to an image spec (see :data:`imagespecs`).
 
     With ``fast_jpeg`` (the default), RGB JPEGs go through ``simplejpeg`` when it is installed
     (see :mod:`webds.stages.fastjpeg`: same pixels, faster); everything else through Pillow.
+    An image of more than ``max_pixels`` pixels (None: no limit) is a DecodeError, raised from
+    its header before any pixel is decoded.
     """
     atype, etype, mode = imagespecs[imagespec]
     a: Any = None
     if fast_jpeg and mode == "rgb":
         if atype == "pil":
-            result = fastjpeg.pil_rgb(data)
+            result = fastjpeg.pil_rgb(data, max_pixels)
             if result is not None:
                 return result
         else:
-            a = fastjpeg.decode_rgb(data)  # HxWx3 uint8, writable, no PIL image in between
+            # HxWx3 uint8, writable, no PIL image in between
+            a = fastjpeg.decode_rgb(data, max_pixels)
     if a is None:
-        from PIL import Image
-
-        img = Image.open(io.BytesIO(data))
+        img = open_image(data, max_pixels)
         img.load()
         # convert() copies even when the mode is already right: skip it then (~15% of a decode).
         result = img if img.mode == mode.upper() else img.convert(mode.upper())
@@ -129,6 +136,7 @@ class ImageHandler:
         imagespec: str,
         extensions: Union[str, Iterable[str]] = IMAGE_EXTENSIONS,
         fast_jpeg: bool = True,
+        max_pixels: Optional[int] = MAX_PIXELS,
     ) -> None:
         if not isinstance(imagespec, str) or imagespec.lower() not in imagespecs:
             raise ArgumentError(
@@ -139,27 +147,32 @@ class ImageHandler:
         self.imagespec = imagespec.lower()
         self.extensions = frozenset(e.lower().lstrip(".") for e in extensions)
         self.fast_jpeg = bool(fast_jpeg)
+        self.max_pixels = check_max("max_pixels", max_pixels)
 
     def __call__(self, key: str, data: bytes) -> Any:
         if _last_ext(key) not in self.extensions:
             return None
-        return decode_image(data, self.imagespec, self.fast_jpeg)
+        return decode_image(data, self.imagespec, self.fast_jpeg, self.max_pixels)
 
     def __repr__(self) -> str:
         fast = "" if self.fast_jpeg else ", fast_jpeg=False"
-        return f"imagehandler({self.imagespec!r}{fast})"
+        limit = "" if self.max_pixels == MAX_PIXELS else f", max_pixels={self.max_pixels!r}"
+        return f"imagehandler({self.imagespec!r}{fast}{limit})"
 
 
 def imagehandler(
     imagespec: str,
     extensions: Union[str, Iterable[str]] = IMAGE_EXTENSIONS,
     fast_jpeg: bool = True,
+    max_pixels: Optional[int] = MAX_PIXELS,
 ) -> ImageHandler:
     """A handler decoding image fields: ``Decoder([imagehandler("torchrgb")])``.
 
-    ``fast_jpeg=False`` decodes JPEGs with Pillow even when ``simplejpeg`` is installed.
+    ``fast_jpeg=False`` decodes JPEGs with Pillow even when ``simplejpeg`` is installed. Images
+    of more than ``max_pixels`` pixels (89,478,485 by default, Pillow's number; None: no limit)
+    are a DecodeError, raised from the header before decoding.
     """
-    return ImageHandler(imagespec, extensions, fast_jpeg)
+    return ImageHandler(imagespec, extensions, fast_jpeg, max_pixels)
 
 
 # -- loaders for the extension table --------------------------------------------------------

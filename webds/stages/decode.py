@@ -8,6 +8,10 @@ is ``[gzfilter] + handlers + [basichandlers]``; the handlers themselves (the ext
 images by image spec, video, audio) are in :mod:`webds.stages.codecs`, and webdataset's
 stream-reading ``xdecode`` is in :mod:`webds.stages.xdecode`.
 
+Codec fields (``.gz``, ``.bz2``, ``.xz``) are decompressed to at most ``max_field_bytes`` (1 GiB
+by default) and images decoded up to ``max_pixels`` (89,478,485 by default): past either limit
+the field is a DecodeError that names it and the knob (see :mod:`webds.stages.limits`).
+
     decoder = Decoder([imagehandler("rgb8")])
     decoder({"__key__": "a", "jpg": b"...", "cls": b"3"})   # {"jpg": uint8 HxWx3 array, "cls": 3}
 
@@ -18,17 +22,18 @@ Pickles (``.pyd .pickle .pkl``) run arbitrary code when loaded, so they are only
 
 from __future__ import annotations
 
-import gzip
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 from ..errors import ArgumentError, DecodeError
 from .codecs import BasicHandlers, imagehandler, imagespecs
 from .core import SAME, stage
 from .handlers import Handler, apply_each, reraise_exception
+from .limits import FIELD_CODECS, MAX_FIELD_BYTES, MAX_PIXELS, check_max, decompress_field
 
 __all__ = [
     "Continue",
     "Decoder",
+    "Decompress",
     "DecodingError",
     "ExtensionHandler",
     "decode",
@@ -59,10 +64,30 @@ class Continue:
 
 
 def gzfilter(key: str, data: bytes) -> Optional[Continue]:
-    """Gunzip ``.gz`` fields and continue with the inner extension (``.txt.gz`` -> ``.txt``)."""
+    """Gunzip ``.gz`` fields and continue with the inner extension (``.txt.gz`` -> ``.txt``),
+    to at most :data:`~webds.stages.limits.MAX_FIELD_BYTES`."""
     if not key.lower().endswith(".gz"):
         return None
-    return Continue(key[:-3], gzip.decompress(data))
+    return Continue(key[:-3], decompress_field(data, "gz", MAX_FIELD_BYTES))
+
+
+class Decompress:
+    """The decoder's first handler: decompress ``.gz``, ``.bz2`` and ``.xz`` fields and continue
+    with the inner extension (``.npy.xz`` -> ``.npy``), refusing more than ``max_field_bytes``
+    of output (None: no limit) with a DecodeError, at bounded memory."""
+
+    def __init__(self, max_field_bytes: Optional[int] = MAX_FIELD_BYTES) -> None:
+        self.max_field_bytes = check_max("max_field_bytes", max_field_bytes)
+
+    def __call__(self, key: str, data: bytes) -> Optional[Continue]:
+        stem, _, codec = key.rpartition(".")
+        codec = codec.lower()
+        if codec not in FIELD_CODECS:
+            return None
+        return Continue(stem, decompress_field(data, codec, self.max_field_bytes))
+
+    def __repr__(self) -> str:
+        return f"Decompress(max_field_bytes={self.max_field_bytes!r})"
 
 
 class ExtensionHandler:
@@ -106,9 +131,10 @@ _BYTES_LIKE = (bytes, bytearray, memoryview)
 class Decoder:
     """Decode every field of a sample through a chain of handlers ``pre + handlers + post``.
 
-    ``pre`` defaults to ``[gzfilter]`` and ``post`` to ``[BasicHandlers(allow_pickle,
-    weights_only)]``. ``only`` (a space-separated string or a list of exact field names) limits
-    decoding to those fields. With ``partial=False`` every field must still be bytes; with
+    ``pre`` defaults to ``[Decompress(max_field_bytes)]`` (``.gz``, ``.bz2``, ``.xz`` fields, at
+    most 1 GiB each by default) and ``post`` to ``[BasicHandlers(allow_pickle, weights_only)]``.
+    ``only`` (a space-separated string or a list of exact field names) limits decoding to those
+    fields. With ``partial=False`` every field must still be bytes; with
     ``partial=True`` fields that are not bytes pass through.
     """
 
@@ -122,8 +148,9 @@ class Decoder:
         *,
         allow_pickle: bool = False,
         weights_only: bool = True,
+        max_field_bytes: Optional[int] = MAX_FIELD_BYTES,
     ) -> None:
-        pre = [gzfilter] if pre is None else list(pre)
+        pre = [Decompress(max_field_bytes)] if pre is None else list(pre)
         post = [BasicHandlers(allow_pickle, weights_only)] if post is None else list(post)
         chain = pre + list(handlers) + post
         for h in chain:
@@ -189,6 +216,21 @@ class Decoder:
 def _decode_error(exn: Exception, url: Any, key: Any, field: str) -> DecodeError:
     if isinstance(exn, DecodeError):
         detail = exn.message
+    elif isinstance(exn, MemoryError):
+        # Not "check that the member holds valid data": the data may be fine, the memory is not.
+        detail = (
+            "out of memory while decoding it (MemoryError): the field may be a decompression "
+            "bomb, or larger than this process can hold. decode's limits stop such fields "
+            "before memory runs out: keep or lower max_field_bytes / max_pixels (None turns "
+            "them off), or give the process more memory"
+        )
+    elif type(exn).__name__ == "DecompressionBombError":  # Pillow's, without importing Pillow
+        detail = (
+            f"Pillow refused it as a possible decompression bomb ({exn}). Pillow's limit is its "
+            "process-global PIL.Image.MAX_IMAGE_PIXELS, which webds neither sets nor reads: "
+            "decode's own limit is decode(..., max_pixels=N); for your own Image.open calls, "
+            "raise Pillow's in your program if such images are genuine"
+        )
     else:
         detail = (
             f"{type(exn).__name__}: {exn}. Check that the member holds valid '.{field}' data; "
@@ -216,18 +258,21 @@ def make_decoder(
     partial: bool = False,
     allow_pickle: bool = False,
     weights_only: bool = True,
+    max_field_bytes: Optional[int] = MAX_FIELD_BYTES,
+    max_pixels: Optional[int] = MAX_PIXELS,
 ) -> Decoder:
     """Build the Decoder that ``decode(*args, ...)`` uses.
 
-    Strings are image specs (``"rgb8"``), callables are handlers ``f(key, data)``, and a single
-    :class:`Decoder` is used as it is.
+    Strings are image specs (``"rgb8"``, decoded up to ``max_pixels``), callables are handlers
+    ``f(key, data)``, and a single :class:`Decoder` is used as it is.
     """
+    max_pixels = check_max("max_pixels", max_pixels)
     if len(args) == 1 and isinstance(args[0], Decoder):
         return args[0]
     handlers: List[KeyHandler] = []
     for arg in args:
         if isinstance(arg, str):
-            handlers.append(imagehandler(arg))
+            handlers.append(imagehandler(arg, max_pixels=max_pixels))
         elif isinstance(arg, Decoder):
             raise ArgumentError(
                 "decode: pass a Decoder on its own (decode(my_decoder)), or pass handlers and "
@@ -248,6 +293,7 @@ def make_decoder(
         partial=partial,
         allow_pickle=allow_pickle,
         weights_only=weights_only,
+        max_field_bytes=max_field_bytes,
     )
 
 
@@ -262,12 +308,17 @@ def decode(
     partial: bool = False,
     allow_pickle: bool = False,
     weights_only: bool = True,
+    max_field_bytes: Optional[int] = MAX_FIELD_BYTES,
+    max_pixels: Optional[int] = MAX_PIXELS,
 ) -> Iterator[Dict[str, Any]]:
     """Decode the fields of each sample by extension; strings are image specs.
 
     ``decode("rgb8")`` gives images as uint8 HxWx3 arrays, ``.cls`` as int, ``.json`` parsed...
     ``allow_pickle=True`` enables ``.pyd/.pickle/.pkl``; ``weights_only=False`` lets ``.pth``
-    hold arbitrary objects. Failures raise DecodeError unless ``handler`` says otherwise.
+    hold arbitrary objects. ``.gz``, ``.bz2`` and ``.xz`` fields are decompressed to at most
+    ``max_field_bytes`` (1 GiB), and images decoded up to ``max_pixels`` (89,478,485): a field
+    past either is a DecodeError (None: no limit). Failures raise DecodeError unless
+    ``handler`` says otherwise.
     """
     decoder = make_decoder(
         *args,
@@ -277,5 +328,7 @@ def decode(
         partial=partial,
         allow_pickle=allow_pickle,
         weights_only=weights_only,
+        max_field_bytes=max_field_bytes,
+        max_pixels=max_pixels,
     )
     return apply_each(src, decoder, handler, "decode")

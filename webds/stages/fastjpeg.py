@@ -7,10 +7,10 @@ With the same settings (accurate integer DCT, fancy upsampling) the two give ide
 so the fast path changes speed, not results: the tests compare them.
 
 It is used only where it cannot change behaviour: baseline or progressive 8-bit JPEGs decoded to
-RGB, within Pillow's decompression-bomb limit. Anything else (CMYK, 12-bit, corrupt or truncated
-data, other formats) returns ``None`` and the caller decodes with Pillow as before, so errors and
-warnings stay Pillow's. ``pip install simplejpeg`` (or ``webds[fast]``) enables it; without the
-package nothing changes.
+RGB. Anything else (CMYK, 12-bit, corrupt or truncated data, other formats) returns ``None`` and
+the caller decodes with Pillow as before, so errors and warnings stay Pillow's. An image over
+``max_pixels`` is refused from its header on either path, with the same DecodeError.
+``pip install simplejpeg`` (or ``webds[fast]``) enables it; without the package nothing changes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import importlib
 from typing import Any, Optional
+
+from .limits import MAX_PIXELS, check_pixels, open_image
 
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -36,14 +38,14 @@ def available() -> bool:
     return _simplejpeg() is not None
 
 
-def decode_rgb(data: bytes) -> Optional[Any]:
+def decode_rgb(data: bytes, max_pixels: Optional[int] = MAX_PIXELS) -> Optional[Any]:
     """Decode JPEG ``data`` to an HxWx3 uint8 RGB numpy array, or ``None`` to say "use Pillow"
-    (not a JPEG, ``simplejpeg`` missing, an image Pillow would warn about or refuse, or any
-    decoding failure)."""
-    return _decode(data, "RGB")
+    (not a JPEG, ``simplejpeg`` missing, or any decoding failure). A JPEG whose header says more
+    than ``max_pixels`` pixels is a DecodeError, raised before decoding."""
+    return _decode(data, "RGB", max_pixels)
 
 
-def _decode(data: bytes, colorspace: str) -> Optional[Any]:
+def _decode(data: bytes, colorspace: str, max_pixels: Optional[int]) -> Optional[Any]:
     if data[:3] != _JPEG_MAGIC:
         return None
     sj = _simplejpeg()
@@ -53,13 +55,9 @@ def _decode(data: bytes, colorspace: str) -> Optional[Any]:
         height, width, source, _ = sj.decode_jpeg_header(data)
     except ValueError:
         return None
+    check_pixels(width, height, max_pixels)  # before simplejpeg allocates HxWx3
     if source not in ("YCbCr", "Gray", "RGB"):  # CMYK/YCCK: Pillow converts those
         return None
-    from PIL import Image
-
-    limit = Image.MAX_IMAGE_PIXELS
-    if limit is not None and width * height > limit:
-        return None  # Pillow's DecompressionBombWarning / Error is the behaviour users know
     try:
         # strict: recoverable libjpeg errors (a truncated image) fail here; Pillow then reports
         # them as it always does.
@@ -68,20 +66,18 @@ def _decode(data: bytes, colorspace: str) -> Optional[Any]:
         return None
 
 
-def pil_rgb(data: bytes) -> Optional[Any]:
+def pil_rgb(data: bytes, max_pixels: Optional[int] = MAX_PIXELS) -> Optional[Any]:
     """:func:`decode_rgb` as a PIL ``RGB`` image carrying the JPEG's ``info`` (EXIF, ICC profile,
     DPI, ...: what ``ImageOps.exif_transpose`` and colour management read) and ``format``."""
     # RGBX: Pillow keeps RGB in 4 bytes per pixel, so this layout is copied in with a memcpy
     # per row, where 3-byte RGB would be expanded pixel by pixel (a third of the decode time).
-    array = _decode(data, "RGBX")
+    array = _decode(data, "RGBX", max_pixels)
     if array is None:
         return None
-    import io
-
     from PIL import Image
 
     # Parsing the markers again costs ~20 us of the ~1.5 ms and keeps img.info as Pillow has it.
-    with Image.open(io.BytesIO(data)) as header:
+    with open_image(data, None) as header:
         if header.format != "JPEG" or header.size != (array.shape[1], array.shape[0]):
             return None
         info = dict(header.info)

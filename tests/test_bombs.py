@@ -1,0 +1,200 @@
+"""Decompression bombs at decode: codec fields past ``max_field_bytes`` and images past
+``max_pixels`` are DecodeErrors naming the sample, the field, the limit and the knob, raised at
+bounded memory (measured in a subprocess under an address-space limit: see tests/bombs.py)."""
+
+import bz2
+import gzip
+import io
+import lzma
+import struct
+import warnings
+
+import numpy as np
+import pytest
+from bombs import GiB, MiB, png_claiming, png_zeros, run_limited, zero_bomb
+from PIL import Image
+
+import webds
+from webds.stages.codecs import decode_image
+from webds.stages.decode import Decoder
+from webds.stages.limits import MAX_FIELD_BYTES, MAX_PIXELS
+
+COMPRESS = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}
+
+# Decode a shard's samples without importing torch (webds.WebDataset would): its address space
+# would dwarf what is measured. Prints the DecodeError and exits 0, or exits 1 without one.
+DECODE_SHARD = """
+import sys, webds
+samples = webds.tarfile_to_samples()(iter([{{"url": {url!r}}}]))
+try:
+    for sample in webds.decode({args})(samples):
+        print("decoded", sample["__key__"], {{k: len(v) for k, v in sample.items() if k[0] != "_"}})
+except webds.DecodeError as exn:
+    print("DecodeError:", exn)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def shard(path, fields):
+    with webds.TarWriter(str(path)) as w:
+        w.write({"__key__": "0001", **fields})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """Peak RSS of the subprocess decoding a shard with a small gz field and a small PNG."""
+    buf = io.BytesIO()
+    Image.new("L", (64, 64)).save(buf, "PNG")
+    url = shard(
+        tmp_path_factory.mktemp("small") / "s.tar",
+        {"txt.gz": gzip.compress(b"hello"), "png": buf.getvalue()},
+    )
+    rc, out, peak = run_limited(DECODE_SHARD.format(url=url, args='"rgb8"'), 1 * GiB)
+    assert rc == 1 and "decoded 0001" in out, out  # no error: it ran to the end
+    return peak
+
+
+def run_shard(tmp_path, fields, args, as_limit):
+    url = shard(tmp_path / "bomb.tar", fields)
+    return run_limited(DECODE_SHARD.format(url=url, args=args), as_limit)
+
+
+# -- codec fields ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["gz", "bz2", "xz"])
+def test_4gib_field_bomb_stops_at_the_knob_at_bounded_memory(tmp_path, baseline, codec):
+    bomb = zero_bomb(codec, 4 * GiB)
+    assert len(bomb) < 5 * MiB
+    rc, out, peak = run_shard(
+        tmp_path, {f"txt.{codec}": bomb}, "max_field_bytes=64 << 20", as_limit=1 * GiB
+    )
+    assert rc == 0, out  # a DecodeError, not a MemoryError, not a kill
+    assert f"DecodeError: cannot decode field 'txt.{codec}'" in out
+    assert "expands past max_field_bytes=67,108,864 (64 MiB)" in out
+    assert "decode(..., max_field_bytes=N)" in out and "member '0001.txt." in out
+    assert peak - baseline < 64 * MiB + 32 * MiB, (peak, baseline)
+
+
+@pytest.mark.parametrize("codec", ["gz", "bz2", "xz"])
+def test_default_limit_stops_a_4gib_field_after_1gib(tmp_path, baseline, codec):
+    rc, out, peak = run_shard(
+        tmp_path, {f"json.{codec}": zero_bomb(codec, 4 * GiB)}, "", as_limit=3 * GiB
+    )
+    assert rc == 0, out
+    assert f"expands past max_field_bytes={MAX_FIELD_BYTES:,} (1 GiB)" in out
+    assert 0.9 * GiB < peak - baseline < GiB + 64 * MiB, (peak, baseline)
+
+
+@pytest.mark.parametrize("codec", ["gz", "bz2", "xz"])
+def test_field_at_the_limit_decodes_one_byte_over_raises(codec):
+    payload = np.random.default_rng(0).integers(0, 4, 3 * MiB + 17, dtype=np.uint8).tobytes()
+    # Two concatenated members/streams: the limit is the field's, not each stream's.
+    packed = COMPRESS[codec](payload[: 2 * MiB]) + COMPRESS[codec](payload[2 * MiB :])
+    sample = {"__key__": "k7", "__url__": "s.tar", f"bin.{codec}": packed}
+    limit = len(payload)
+    assert Decoder([], max_field_bytes=limit)(sample)[f"bin.{codec}"] == payload
+    assert Decoder([], max_field_bytes=None)(sample)[f"bin.{codec}"] == payload
+    with pytest.raises(webds.DecodeError) as info:
+        Decoder([], max_field_bytes=limit - 1)(sample)
+    assert info.value.member == f"k7.bin.{codec}" and info.value.url == "s.tar"
+    assert f"max_field_bytes={limit - 1:,}" in str(info.value)
+    # The stage's knob, and a skipping handler that goes on with the next sample.
+    small = {"__key__": "k8", "bin.gz": gzip.compress(b"ok")}
+    stage = webds.decode(max_field_bytes=limit - 1, handler=webds.ignore_and_continue)
+    assert [s["__key__"] for s in stage(iter([sample, small]))] == ["k8"]
+
+
+def test_out_of_memory_reads_as_out_of_memory_not_as_bad_data(tmp_path):
+    # With the limit off, a 4 GiB field meets the 1 GiB address space.
+    rc, out, _ = run_shard(
+        tmp_path, {"txt.gz": zero_bomb("gz", 4 * GiB)}, "max_field_bytes=None", as_limit=1 * GiB
+    )
+    assert rc == 0, out
+    assert "out of memory while decoding it (MemoryError)" in out
+    assert "holds valid" not in out and "member '0001.txt.gz'" in out
+
+
+def test_xz_field_asking_for_a_huge_dictionary_is_refused_before_allocating(tmp_path, baseline):
+    # A .lzma header names the dictionary the decoder allocates up front: 1.5 GiB here, for 5
+    # bytes of data. Under a 1 GiB address space lzma.decompress dies with a MemoryError.
+    data = lzma.compress(b"hello", format=lzma.FORMAT_ALONE)
+    bomb = data[:1] + struct.pack("<I", 0x60000000) + data[5:]
+    rc, out, peak = run_shard(tmp_path, {"txt.xz": bomb}, "", as_limit=1 * GiB)
+    assert rc == 0, out
+    assert "asks for a decoder dictionary over its memory limit (1 GiB" in out
+    assert peak - baseline < 32 * MiB
+    sample = {"__key__": "k", "txt.xz": bomb}
+    assert Decoder([], max_field_bytes=2 * GiB)(sample)["txt.xz"] == "hello"
+
+
+def test_limits_must_be_positive_or_none():
+    for bad in (0, -1, "1GB", 1.5, True):
+        with pytest.raises(webds.ArgumentError, match="max_field_bytes must be a positive"):
+            Decoder([], max_field_bytes=bad)
+        with pytest.raises(webds.ArgumentError, match="max_pixels must be a positive"):
+            webds.imagehandler("rgb8", max_pixels=bad)
+
+
+# -- images ------------------------------------------------------------------------------------
+
+
+def jpeg_claiming(width, height):
+    """A small JPEG whose frame header claims ``width`` x ``height`` pixels: a decoder allocates
+    the whole image before it finds the data short."""
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+def test_png_bomb_is_refused_from_its_header_at_bounded_memory(tmp_path, baseline):
+    bomb = png_zeros(13000, 13000)
+    assert len(bomb) < 200_000
+    rc, out, peak = run_shard(tmp_path, {"png": bomb}, '"rgb8"', as_limit=1 * GiB)
+    assert rc == 0, out
+    assert "DecodeError: cannot decode field 'png': the image is 13000x13000 = 169,000,000" in out
+    assert f"over max_pixels={MAX_PIXELS:,}" in out and "decode(..., max_pixels=N)" in out
+    assert "member '0001.png'" in out
+    assert peak - baseline < 16 * MiB, (peak, baseline)
+
+
+@pytest.mark.parametrize("spec", ["rgb8", "pil", "l8", "rgb"])
+@pytest.mark.parametrize("fast_jpeg", [True, False])
+def test_jpeg_bomb_is_refused_before_decoding(monkeypatch, spec, fast_jpeg):
+    simplejpeg = pytest.importorskip("simplejpeg")
+
+    def refuse(*a, **k):
+        raise AssertionError("the JPEG was decoded")
+
+    bomb = jpeg_claiming(20000, 10000)
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", refuse)
+    monkeypatch.setattr(Image.Image, "load", refuse)
+    decoder = Decoder([webds.imagehandler(spec, fast_jpeg=fast_jpeg)])
+    with pytest.raises(webds.DecodeError, match=r"20000x10000 = 200,000,000 pixels, over"):
+        decoder({"__key__": "k", "jpg": bomb})
+
+
+def test_image_at_max_pixels_decodes_one_pixel_more_raises():
+    sample = {"__key__": "k", "png": png_zeros(64, 50, "RGB"), "jpg": jpeg_claiming(16, 16)}
+    out = webds.decode("rgb8", max_pixels=64 * 50)(iter([sample]))
+    assert next(out)["png"].shape == (50, 64, 3)
+    with pytest.raises(webds.DecodeError, match="64x50 = 3,200 pixels, over max_pixels=3,199"):
+        next(webds.decode("rgb8", max_pixels=64 * 50 - 1)(iter([sample])))
+    assert decode_image(png_zeros(64, 50), "l8", max_pixels=None).shape == (50, 64)
+
+
+def test_pillow_warning_band_is_an_error_and_pillows_global_is_untouched():
+    # 100 Mpx: over Pillow's limit, under twice it, where Pillow only warns and decodes.
+    header = png_claiming(10000, 10000)
+    before = Image.MAX_IMAGE_PIXELS
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(webds.DecodeError, match="10000x10000 = 100,000,000 pixels"):
+            Decoder([webds.imagehandler("pil")])({"__key__": "k", "png": header})
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    assert Image.MAX_IMAGE_PIXELS == before
