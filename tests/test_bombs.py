@@ -198,3 +198,74 @@ def test_pillow_warning_band_is_an_error_and_pillows_global_is_untouched():
             Decoder([webds.imagehandler("pil")])({"__key__": "k", "png": header})
     assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
     assert Image.MAX_IMAGE_PIXELS == before
+
+
+# -- members of compressed shards --------------------------------------------------------------
+
+# Read a shard's samples (torch-free); print the ShardReadError and exit 0, or exit 1 without one.
+READ_SHARD = """
+import sys
+from webds.errors import ShardReadError
+from webds.tar.samples import tarfile_samples
+try:
+    for sample in tarfile_samples(iter([{{"url": {url!r}}}]), {args}):
+        print("read", sample["__key__"], sorted(sample))
+except ShardReadError as exn:
+    print("ShardReadError:", exn)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def member_bomb(path, codec, size):
+    """A compressed shard: sample 0000 whole, then 0001.bin of ``size`` zero bytes."""
+    import tarfile
+
+    small = tarfile.TarInfo("0000.cls")
+    small.size = 1
+    big = tarfile.TarInfo("0001.bin")
+    big.size = size
+    prefix = small.tobuf(tarfile.USTAR_FORMAT) + b"7" + bytes(511) + big.tobuf(tarfile.GNU_FORMAT)
+    path.write_bytes(zero_bomb(codec, size, prefix, bytes(-size % 512) + bytes(1024)))
+    return str(path)
+
+
+@pytest.mark.parametrize("codec", ["gz", "bz2", "xz"])
+def test_a_4gib_member_of_a_compressed_shard_is_refused_before_it_is_read(tmp_path, codec):
+    url = member_bomb(tmp_path / f"bomb.tar.{codec}", codec, 4 * GiB)
+    assert len(open(url, "rb").read()) < 5 * MiB
+    rc, out, peak = run_limited(READ_SHARD.format(url=url, args=""), 1 * GiB)
+    assert rc == 0, out  # a ShardReadError, not a MemoryError, not a kill
+    name = {"gz": "gzip", "bz2": "bzip2", "xz": "xz"}[codec]
+    assert f"more than the 1073741824 bytes allowed for a member of a {name}-compressed" in out
+    assert "max_member_size=" in out and "member '0001.bin'" in out
+    assert peak < 150 * MiB, peak
+
+
+def test_the_member_limit_is_a_knob(tmp_path):
+    url = member_bomb(tmp_path / "m.tar.gz", "gz", 3 * MiB)
+    rc, out, _ = run_limited(READ_SHARD.format(url=url, args="max_member_size=2 << 20"), 1 * GiB)
+    assert rc == 0 and "more than the 2097152 bytes allowed" in out, out
+    rc, out, _ = run_limited(READ_SHARD.format(url=url, args="max_member_size=3 << 20"), 1 * GiB)
+    assert rc == 1 and "read 0001 ['__key__', '__local_path__', '__url__', 'bin']" in out, out
+    # A plain tar's members are bounded by the file; the knob applies there only when given.
+    import gzip
+
+    plain = tmp_path / "m.tar"
+    plain.write_bytes(gzip.decompress(open(url, "rb").read()))
+    rc, out, _ = run_limited(READ_SHARD.format(url=str(plain), args=""), 1 * GiB)
+    assert rc == 1 and "read 0001" in out, out
+    rc, out, _ = run_limited(
+        READ_SHARD.format(url=str(plain), args="max_member_size=1 << 20"), 1 * GiB
+    )
+    assert rc == 0 and "more than the 1048576 bytes allowed for a member of this shard" in out
+
+
+@pytest.mark.parametrize("codec", ["bz2", "xz"])
+def test_out_of_memory_in_a_compressed_shard_is_not_called_corrupt(tmp_path, codec):
+    """With the limit lifted past the address space, the read fails as out of memory (it used
+    to say corrupt data, re-download)."""
+    url = member_bomb(tmp_path / f"oom.tar.{codec}", codec, 2 * GiB)
+    rc, out, _ = run_limited(READ_SHARD.format(url=url, args="max_member_size=4 << 30"), 1 * GiB)
+    assert rc == 0, out
+    assert "out of memory" in out and "corrupt" not in out, out

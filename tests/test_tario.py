@@ -5,7 +5,6 @@ from __future__ import annotations
 import bz2
 import gzip
 import io
-import logging
 import lzma
 import os
 import shutil
