@@ -197,11 +197,13 @@ class PipeStream(ReadStream):
     output ends and at :meth:`close`, which first reads what is left of the output (at most
     ``drain_bytes``, for at most ``drain_seconds``) so that a command still writing a tar's
     padding, or about to exit, is waited for: a failure status raises :class:`OpenError` (also a
-    :class:`ShardReadError`) naming the command, with the tail of its stderr. A command that
-    neither ends its output nor exits within those bounds is ended (with its whole group) and
-    a warning says so: its status is unknown. A read that waits more than ``idle_seconds`` for
-    any output ends the command and raises :class:`ShardReadError` (a stalled download, or a
-    command that keeps its output open after the shard). :meth:`abandon` is the early stop on
+    :class:`ShardReadError`) naming the command, with the tail of its stderr. A command still
+    running ``drain_seconds`` after its output ended or went silent is ended (with its whole
+    group) and raises :class:`ShardReadError`: its status is unknown. One still writing past
+    those bounds (the reader stopped early) is ended with a logged warning, not an error. A
+    read that waits more than ``idle_seconds`` for any output ends the command and raises
+    :class:`ShardReadError` (a stalled download, or a command that keeps its output open after
+    the shard). :meth:`abandon` is the early stop on
     purpose (a reader that needs only part of the output): it ends the command at once and
     checks nothing. The bounds' defaults are :data:`PIPE_DRAIN_BYTES`,
     :data:`PIPE_DRAIN_SECONDS` and :data:`PIPE_IDLE_SECONDS`; other bounds need an opener
@@ -242,6 +244,7 @@ class PipeStream(ReadStream):
         self._pipe: IO[bytes] = self.proc.stdout if mode == "rb" else self.proc.stdin  # type: ignore
         self._fd = self._pipe.fileno()
         self._eof = False
+        self._stalled = False
         self._checked = False
 
     def readable(self) -> bool:
@@ -261,7 +264,8 @@ class PipeStream(ReadStream):
         parts = []
         want = n if n is not None and n >= 0 else -1
         while want:
-            self._wait_for_output()
+            if not self._output_waiting(bool(parts)):
+                break  # stalled: what came so far is returned, the error follows next read
             # Unbuffered: the select() above must see every byte that is waiting.
             chunk = os.read(self._fd, want if 0 < want < _PIPE_CHUNK else _PIPE_CHUNK)
             if not chunk:
@@ -275,19 +279,24 @@ class PipeStream(ReadStream):
             self._finish(time.monotonic() + self.drain_seconds)
         return data
 
-    def _wait_for_output(self) -> None:
+    def _output_waiting(self, have_data: bool) -> bool:
+        """Wait (at most ``idle_seconds``) for output; False if none came and we hold data."""
         if self.idle_seconds is None:
-            return
-        if not select.select([self._fd], [], [], self.idle_seconds)[0]:
-            self._checked = True  # ended by us: its status says nothing
-            self._kill()
-            raise ShardReadError(
-                f"command {self.command!r} wrote nothing for {self.idle_seconds:g} s, so it "
-                "was ended (a stalled download, or a command that keeps its output open after "
-                "writing the shard); make it finish, or give PipeStream(idle_seconds=) a "
-                "longer wait",
-                url=f"pipe:{self.command}",
-            )
+            return True
+        if not self._stalled and select.select([self._fd], [], [], self.idle_seconds)[0]:
+            return True
+        self._stalled = True
+        if have_data:
+            return False
+        self._checked = True  # ended by us: its status says nothing
+        self._kill()
+        raise ShardReadError(
+            f"command {self.command!r} wrote nothing for {self.idle_seconds:g} s, so it "
+            "was ended (a stalled download, or a command that keeps its output open after "
+            "writing the shard); make it finish, or give PipeStream(idle_seconds=) a "
+            "longer wait",
+            url=f"pipe:{self.command}",
+        )
 
     def write(self, b: Any) -> int:
         try:
@@ -317,26 +326,31 @@ class PipeStream(ReadStream):
                 url=f"pipe:{self.command}",
             )
 
-    def _drain(self, deadline: float) -> None:
-        """Read and drop the rest of the output until it ends, within the bounds."""
+    def _drain(self, deadline: float) -> bool:
+        """Read and drop the rest of the output until it ends, within the bounds; True if the
+        command was still writing when a bound was reached (not just silent)."""
         fd = self._fd
         left = self.drain_bytes
         while left > 0:
             wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
-                return
+            if wait <= 0:
+                return True
+            if not select.select([fd], [], [], wait)[0]:
+                return False
             chunk = os.read(fd, min(left, 1 << 16))
             if not chunk:
                 self._eof = True
-                return
+                return False
             left -= len(chunk)
+        return True
 
     def _finish(self, deadline: float) -> None:
         """Reading side: wait (until ``deadline``) for the command's status and check it."""
         if self._checked:
             return
+        writing = False
         if not self._eof:
-            self._drain(deadline)
+            writing = self._drain(deadline)
         status = None
         if self._eof:
             try:
@@ -345,21 +359,29 @@ class PipeStream(ReadStream):
                 pass
         else:
             status = self.proc.poll()
-        if status is None:
-            self._checked = True
-            self._kill()
-            what = "still running" if self._eof else "still writing"
+        if status is not None:
+            self._check(status)
+            return
+        self._checked = True
+        self._kill()
+        if writing:
+            # More output than a tar's padding: the reader went away early. As with a command
+            # that dies of SIGPIPE then, that is no verdict on the command; say so, though.
             log.warning(
-                "webds: the command %r was %s %.3g s after the reader stopped (after up to %d "
-                "more bytes of its output were read); it was ended, so its exit status is "
-                "unknown. Make it exit once its output is written.",
+                "webds: the command %r was still writing when the reader stopped (%d more bytes "
+                "read in %.3g s); it was ended, so its exit status is unknown",
                 self.command,
-                what,
-                self.drain_seconds,
                 self.drain_bytes,
+                self.drain_seconds,
             )
             return
-        self._check(status)
+        when = "its output ended" if self._eof else "it last wrote (its output still open)"
+        raise ShardReadError(
+            f"command {self.command!r} was still running {self.drain_seconds:g} s after {when}, "
+            "so it was ended and its exit status is unknown; make it exit once it has written "
+            "the shard (or give PipeStream(drain_seconds=) a longer wait)",
+            url=f"pipe:{self.command}",
+        )
 
     def abandon(self) -> None:
         """Stop reading on purpose (the rest of the output is not wanted): end the command now,
