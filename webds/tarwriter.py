@@ -65,6 +65,27 @@ def check_key(key: Any) -> str:
     return key
 
 
+def refused_input(exn: EncodeError, sample: Mapping[str, Any], output: Any) -> EncodeError:
+    """``exn`` (a sample refused for writing to ``output``) naming the shard the sample was read
+    from, if ``sample["__url__"]`` says (``webds cat``, a reshard): the fault is in that shard's
+    member names, and the output is only where it would have gone."""
+    source = sample.get("__url__")
+    if not isinstance(source, str) or source == output:
+        return EncodeError(exn.message, url=output, member=exn.member, key=exn.key)
+    member = exn.member
+    if member is None and isinstance(exn.key, str):
+        fields = sorted(f for f in sample if isinstance(f, str) and not f.startswith("_"))
+        member = f"{exn.key}.{fields[0]}" if fields else None
+    into = f" to {output!r}" if output else ""
+    return EncodeError(
+        f"{exn.message}; the sample was read from this shard, which can't be written{into} "
+        "as it is: re-create the shard, or give the sample another key before writing it",
+        url=source,
+        member=member,
+        key=exn.key,
+    )
+
+
 def _check_case(key: str, encoded: Mapping[str, Any], cased: List[str], url: Any) -> None:
     """Refuse fields that differ only in case (``txt`` and ``TXT``): readers lower-case
     extensions, so the shard would hold one sample with two fields of one name."""
@@ -228,6 +249,9 @@ class TarWriter(CommitOnExit):
             )
         try:
             key = check_key(obj["__key__"])
+        except EncodeError as exn:
+            raise refused_input(exn, obj, self.url) from None
+        try:
             encoded = self.encoder(obj)
         except EncodeError as exn:
             if exn.url is not None:
