@@ -10,8 +10,8 @@ import tarfile
 from typing import Any, BinaryIO, List, Mapping, Optional, Union
 
 from .errors import ArgumentError, EncodeError, WriteError
-from .io.streams import CommitOnExit, discard_stream
-from .io.urls import open_url
+from .io.streams import CommitOnExit, discard_stream, remove_stale_temps
+from .io.urls import local_path, open_url
 from .stages.encode import EncoderSpec, make_encoder
 from .tar.writing import END_OF_ARCHIVE, header_encoder
 
@@ -158,7 +158,9 @@ class TarWriter(CommitOnExit):
     remote shard becomes visible only when ``close()`` completes; ``discard()``, an exception
     inside ``with``, or dropping an unclosed writer aborts the upload, so no object appears.
     ``checksum=True`` counts and hashes the bytes as written: ``file_bytes`` and ``sha256``
-    (hex) are set by ``close()``.
+    (hex) are set by ``close()``. A local file is written under a hidden temporary name and
+    renamed at ``close()``; with ``clean_stale`` (the default) the temporary files of this name
+    that killed writers left (:func:`webds.io.streams.remove_stale_temps`) are removed first.
     """
 
     def __init__(
@@ -175,6 +177,7 @@ class TarWriter(CommitOnExit):
         progress: bool = False,
         storage_options: Optional[Mapping[str, Any]] = None,
         checksum: bool = False,
+        clean_stale: bool = True,
     ) -> None:
         self.closed = True  # until the stream is open: nothing for discard() or __del__ to do
         if format not in _FORMATS:
@@ -201,6 +204,10 @@ class TarWriter(CommitOnExit):
         if isinstance(fileobj, (str, os.PathLike)):
             self.url = os.fspath(fileobj)
             gz = _compression(compress, self.url)
+            path = local_path(self.url)
+            if clean_stale and path is not None:
+                folder, name = os.path.split(os.path.abspath(path))
+                remove_stale_temps(folder, name.__eq__)
             self._stream: Any = open_url(self.url, "wb", **dict(storage_options or {}))
             self._own_stream = True
         elif hasattr(fileobj, "write"):

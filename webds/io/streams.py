@@ -8,16 +8,19 @@ They stand apart from urls.py so that retrying.py and remote.py can build on the
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
+import re
 import select
 import signal
+import socket
 import subprocess
 import tempfile
 import time
 import uuid
-from typing import IO, Any, Optional
+from typing import IO, Any, Callable, List, Optional
 
 from ..errors import ArgumentError, OpenError, ShardReadError
 
@@ -28,6 +31,8 @@ __all__ = [
     "PipeStream",
     "discard_stream",
     "abandon_stream",
+    "remove_stale_temps",
+    "STALE_TEMP_SECONDS",
     "PIPE_DRAIN_BYTES",
     "PIPE_DRAIN_SECONDS",
     "PIPE_IDLE_SECONDS",
@@ -136,18 +141,80 @@ def abandon_stream(stream: Any) -> None:
         stream.close()
 
 
+# This host, as a temporary name spells it: a pid means something only on the host that wrote it.
+_HOST_TAG = hashlib.sha1(socket.gethostname().encode("utf-8", "replace")).hexdigest()[:8]
+# ".NAME.tmp-PID-HOST-RANDOM" (the HOST part is missing in names written before it existed).
+_TEMP_NAME = re.compile(
+    r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)-(?:(?P<host>[0-9a-f]{8})-)?[0-9a-f]{8}$"
+)
+#: A writer's temporary file untouched this long is stale even if its pid can't be checked
+#: (another host, or a name without a host): a live writer touches it with every write.
+STALE_TEMP_SECONDS = 24 * 3600.0
+
+
+def remove_stale_temps(
+    directory: str, wanted: Callable[[str], bool], max_age: float = STALE_TEMP_SECONDS
+) -> List[str]:
+    """Remove the temporary files that dead writers left in ``directory`` for a final name
+    ``wanted(name)`` accepts; return their paths.
+
+    A temporary file (``.NAME.tmp-PID-HOST-XXXXXXXX``, see :class:`AtomicFile`) is stale when
+    it was written on this host by a process that no longer runs, or when nothing wrote to it for
+    ``max_age`` seconds. The file of a writer still running is never removed (unless it wrote
+    nothing for ``max_age``). ``remove_stale_temps("out", lambda n: n == "a.tar")``.
+    """
+    removed: List[str] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed  # no folder (yet), or not ours to list: nothing to clean
+    now = time.time()
+    for entry in entries:
+        match = _TEMP_NAME.match(entry.name)
+        if match is None or not wanted(match["name"]):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            old = now - entry.stat(follow_symlinks=False).st_mtime > max_age
+            dead = match["host"] == _HOST_TAG and not _process_alive(int(match["pid"]))
+            if old or dead:
+                os.unlink(entry.path)
+                removed.append(entry.path)
+        except OSError:
+            continue  # gone already (another writer cleaned it), or not ours to remove
+    if removed:
+        log.info("webds: removed %d stale temporary file(s) in %s", len(removed), directory)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process: alive (and not ours to judge)
+    return True
+
+
 class AtomicFile(CommitOnExit, io.BufferedWriter):
     """A local file written under a temporary name and renamed to ``path`` by ``close()``.
 
     ``discard()`` deletes the temporary file instead. The temporary name is hidden (leading dot)
     and unique per writer, so concurrent writers and crashed processes never collide with, or
-    leave a partial file under, the final name.
+    leave a partial file under, the final name. A writer killed before ``close()`` leaves its
+    temporary file behind: :func:`remove_stale_temps` is how a later writer removes it.
     """
 
     def __init__(self, path: str) -> None:
         self.final_path = path
         directory, name = os.path.split(os.path.abspath(path))
-        unique = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # pid and host in the name: a later writer can tell a dead writer's leftover
+        # (remove_stale_temps) from the file of one still writing.
+        unique = f"{os.getpid()}-{_HOST_TAG}-{uuid.uuid4().hex[:8]}"
         self.temp_path = os.path.join(directory, f".{name}.tmp-{unique}")
         self._done = True  # nothing to clean up until the temporary file exists
         super().__init__(io.FileIO(self.temp_path, "wb"), buffer_size=1 << 20)
