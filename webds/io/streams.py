@@ -24,6 +24,11 @@ from typing import IO, Any, Callable, List, Optional
 
 from ..errors import ArgumentError, OpenError, ShardReadError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: pipe: commands need a POSIX shell anyway
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = [
     "ReadStream",
     "CommitOnExit",
@@ -310,6 +315,14 @@ class PipeStream(ReadStream):
             raise OpenError(f"cannot start command: {exn}", url=f"pipe:{command}") from None
         self._pipe: IO[bytes] = self.proc.stdout if mode == "rb" else self.proc.stdin  # type: ignore
         self._fd = self._pipe.fileno()
+        if mode == "rb":
+            os.set_blocking(self._fd, False)
+        if mode == "rb" and fcntl is not None and hasattr(fcntl, "F_SETPIPE_SZ"):
+            # A larger pipe (Linux): fewer, larger reads per chunk; the default is 64 KiB.
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, _PIPE_CHUNK)
+            except OSError:
+                pass  # above the system's limit (/proc/sys/fs/pipe-max-size): keep the default
         self._eof = False
         self._stalled = False
         self._checked = False
@@ -331,10 +344,13 @@ class PipeStream(ReadStream):
         parts = []
         want = n if n is not None and n >= 0 else -1
         while want:
-            if not self._output_waiting(bool(parts)):
-                break  # stalled: what came so far is returned, the error follows next read
-            # Unbuffered: the select() above must see every byte that is waiting.
-            chunk = os.read(self._fd, want if 0 < want < _PIPE_CHUNK else _PIPE_CHUNK)
+            try:
+                # Non-blocking and unbuffered: a wait happens only in select(), bounded.
+                chunk = os.read(self._fd, want if 0 < want < _PIPE_CHUNK else _PIPE_CHUNK)
+            except BlockingIOError:
+                if not self._output_waiting(bool(parts)):
+                    break  # stalled: what came so far is returned, the error follows next read
+                continue
             if not chunk:
                 self._eof = True
                 break
@@ -348,8 +364,6 @@ class PipeStream(ReadStream):
 
     def _output_waiting(self, have_data: bool) -> bool:
         """Wait (at most ``idle_seconds``) for output; False if none came and we hold data."""
-        if self.idle_seconds is None:
-            return True
         if not self._stalled and select.select([self._fd], [], [], self.idle_seconds)[0]:
             return True
         self._stalled = True
