@@ -226,3 +226,36 @@ def test_help_and_terminal_refusal(tmp_path: Path) -> None:
     assert done.stderr.startswith(
         "webds create: error: refusing to write a tar archive to the terminal"
     )
+
+
+def test_from_dir_refuses_a_link_that_leads_out_of_the_folder(
+    cwd: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (cwd / "secret.key").write_bytes(b"do not publish")
+    (cwd / "d" / "a").mkdir(parents=True)
+    (cwd / "d" / "a" / "0001.txt").write_bytes(b"one")
+    (cwd / "d" / "a" / "0002.txt").symlink_to(cwd / "secret.key")
+    assert main(["create", "--from-dir", "d", "-o", "out.tar"]) == 2
+    err = capsys.readouterr().err
+    assert "'a/0002.txt' is a symbolic link to" in err and "secret.key" in err
+    assert "--follow-links" in err
+    assert not (cwd / "out.tar").exists()
+    # Asked for: the linked file's content is packed.
+    assert main(["create", "--from-dir", "d", "-o", "out.tar", "--follow-links", "-q"]) == 0
+    assert tar_contents(cwd / "out.tar", cwd / "x1")["a/0002.txt"] == b"do not publish"
+
+
+def test_from_dir_packs_links_inside_the_folder_and_skips_folder_links(
+    cwd: Path, capsys: pytest.CaptureFixture
+) -> None:
+    (cwd / "elsewhere").mkdir()
+    (cwd / "elsewhere" / "0009.txt").write_bytes(b"far")
+    (cwd / "d" / "a").mkdir(parents=True)
+    (cwd / "d" / "a" / "0001.txt").write_bytes(b"one")
+    (cwd / "d" / "0002.txt").symlink_to(Path("a") / "0001.txt")  # relative, stays inside
+    (cwd / "d" / "linked").symlink_to(cwd / "elsewhere", target_is_directory=True)
+    assert main(["create", "--from-dir", "d", "-o", "out.tar"]) == 0
+    assert "did not follow 1 symbolic link(s) to folders (first: 'linked')" in (
+        capsys.readouterr().err
+    )
+    assert tar_contents(cwd / "out.tar", cwd / "x2") == {"0002.txt": b"one", "a/0001.txt": b"one"}

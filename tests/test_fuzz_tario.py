@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import tarfile
 import tracemalloc
 from typing import List, Tuple
@@ -201,3 +202,140 @@ def test_damaged_shards_fail_cleanly(items, other_items, fmt, gz, ops) -> None:
         tracemalloc.stop()
     # The shards are tiny; a reader that believed a corrupt size would allocate far more.
     assert peak < 16 * 1024 * 1024
+
+
+# Only WebdsError reaches a user, past the reader too: `webds proc`, `webds cat` and the writers
+# on hostile member names (a pax path record may hold any byte, NUL and ".." included).
+
+
+def pax_member(path: bytes, data: bytes) -> bytes:
+    """A member whose pax header gives ``path`` (any bytes), after a plain ustar header."""
+    body = b"path=" + path + b"\n"
+    length = len(body) + 2
+    while len(str(length).encode()) + 1 + len(body) != length:
+        length += 1
+    record = str(length).encode() + b" " + body
+    header = tarfile.TarInfo("PaxHeaders/x")
+    header.type = tarfile.XHDTYPE
+    header.size = len(record)
+    pax = header.tobuf(tarfile.USTAR_FORMAT) + record + b"\0" * (-len(record) % 512)
+    return pax + member_bytes("placeholder.txt", data, mtime=0)
+
+
+def hostile_shard(path: bytes) -> bytes:
+    return (
+        member_bytes("0000.txt", b"before", mtime=0)
+        + pax_member(path, b"hostile")
+        + member_bytes("0002.txt", b"after", mtime=0)
+        + END_OF_ARCHIVE
+    )
+
+
+hostile_paths = st.lists(
+    st.sampled_from([b"a", b"..", b".", b"", b"\0", b"b\0c", b"/", b"\\", b"x.txt", b"\xff"]),
+    min_size=1,
+    max_size=5,
+).map(b"".join)
+
+
+@pytest.mark.timeout(300)
+@settings(FUZZ, max_examples=60)
+@given(path=hostile_paths)
+def test_hostile_member_names_give_webds_errors_in_proc_and_writers(path) -> None:
+    from webds.cli.procrun import SampleCommand
+    from webds.cli.shardio import write_samples
+    from webds.tarwriter import TarWriter
+
+    data = hostile_shard(path)
+    samples = []
+    try:
+        samples = list(tarfile_to_samples()(iter([{"url": "h.tar", "stream": io.BytesIO(data)}])))
+    except WebdsError:
+        pass
+    command = SampleCommand("cat sample.* > sample.out")
+    for sample in samples:
+        try:
+            command.run(sample)
+        except WebdsError as exn:
+            assert exn.url == "h.tar"
+    try:
+        with TarWriter(io.BytesIO()) as writer:
+            write_samples(writer, samples, "cat")
+    except WebdsError as exn:
+        if exn.key is not None:  # a refused key: the shard at fault is the input
+            assert exn.url == "h.tar" and exn.member is not None
+
+
+def test_webds_proc_on_a_nul_member_name_says_what_is_wrong(tmp_path) -> None:
+    from clitools import run_webds
+
+    (tmp_path / "nul.tar").write_bytes(hostile_shard(b"a\0b.txt"))
+    for extra in ([], ["--keep-going"]):
+        proc = run_webds(
+            "proc",
+            *extra,
+            "-o",
+            "out.tar",
+            "-c",
+            "cp sample.txt sample.out",
+            "nul.tar",
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 1
+        assert "Traceback" not in proc.stderr and "embedded null byte" not in proc.stderr
+        assert "NUL" in proc.stderr and "nul.tar" in proc.stderr and "'a\\x00b'" in proc.stderr
+    # --keep-going leaves the sample out and keeps the others.
+    with tarfile.open(tmp_path / "out.tar") as tf:
+        assert sorted(tf.getnames()) == ["0000.out", "0000.txt", "0002.out", "0002.txt"]
+
+
+@pytest.mark.parametrize("output", ["out.tar", "out/", "out-%03d.tar"])
+def test_webds_cat_names_the_input_of_a_refused_key(tmp_path, output) -> None:
+    from clitools import run_webds
+
+    (tmp_path / "in.tar").write_bytes(hostile_shard(b"../evil.txt"))
+    proc = run_webds("cat", "in.tar", "-o", output, cwd=tmp_path)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "shard 'in.tar'" in proc.stderr and "member '../evil.txt'" in proc.stderr
+    assert f"shard '{output}'" not in proc.stderr
+
+
+_WRITE_INTO_LOCKED = """
+import sys
+from webds import ShardWriter, WebdsError
+try:
+    with ShardWriter(sys.argv[1], maxcount=2) as writer:
+        writer.write({"__key__": "a", "txt": "x"})
+except WebdsError as exn:
+    assert isinstance(exn, PermissionError), type(exn).__mro__
+    print("WebdsError:", exn)
+"""
+
+
+def test_shard_writer_in_an_unsearchable_folder_gives_a_webds_error(tmp_path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    from clitools import cli_env
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    pattern = str(locked / "sub" / "s-%03d.tar")
+    command = [sys.executable, "-c", _WRITE_INTO_LOCKED, pattern]
+    if os.geteuid() == 0:
+        # root passes permission checks: drop that power (CAP_DAC_*) for the writer process.
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv to drop CAP_DAC_OVERRIDE")
+        command = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *command]
+    locked.chmod(0o600)  # readable and writable, but not searchable
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=cli_env(), timeout=60)
+    finally:
+        locked.chmod(0o700)
+    if os.geteuid() == 0 and "setpriv" in proc.stderr:
+        pytest.skip(f"setpriv can't drop capabilities here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"{locked / 'sub'}" in proc.stdout and "permission denied" in proc.stdout
+    assert not list(tmp_path.rglob("*.tmp-*"))

@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -612,3 +613,96 @@ def test_checksum_counts_and_hashes_the_stored_bytes(tmp_path, name):
     plain = TarWriter(io.BytesIO())
     plain.close()
     assert plain.sha256 is None and plain.file_bytes is None
+
+
+# A writer killed mid-shard leaves its hidden temporary file: the next writer removes it, but
+# never the temporary file of a writer still running.
+
+_KILLED_WRITER = """
+import sys, time
+from webds.writer import ShardWriter, TarWriter
+target, kind = sys.argv[1], sys.argv[2]
+writer = ShardWriter(target, maxcount=1000) if kind == "shards" else TarWriter(target)
+for i in range(50):
+    writer.write({"__key__": f"{i:04d}", "bin": b"x" * 100_000})
+print("writing", flush=True)
+time.sleep(600)
+"""
+
+
+def _start_writer(target: str, kind: str) -> subprocess.Popen:
+    import sys
+
+    from clitools import cli_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, target, kind],
+        stdout=subprocess.PIPE,
+        env=cli_env(),
+        text=True,
+    )
+    assert proc.stdout.readline() == "writing\n"
+    return proc
+
+
+def _temps(folder: Path) -> list:
+    return sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name)
+
+
+@pytest.mark.parametrize("kind", ["shards", "tar"])
+def test_a_later_writer_removes_what_a_killed_writer_left(tmp_path, kind):
+    import signal
+
+    target = str(tmp_path / ("out-%03d.tar" if kind == "shards" else "out-000.tar"))
+    killed = _start_writer(target, kind)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    stale = _temps(tmp_path)
+    assert len(stale) == 1 and stale[0].startswith(".out-000.tar.tmp-")
+    # Another writer of the same output, running right now (it cleans up too): its file stays.
+    live = _start_writer(
+        str(tmp_path / ("out-%03d.tar" if kind == "shards" else "out-000.tar")), kind
+    )
+    try:
+        running = [t for t in _temps(tmp_path) if t not in stale]
+        assert len(running) == 1
+        if kind == "shards":
+            with ShardWriter(target, maxcount=10, start_shard=5, index=False) as w:
+                w.write({"__key__": "a", "txt": "fresh"})  # shard 5: cleans the whole pattern
+        else:
+            with TarWriter(target) as w:
+                w.write({"__key__": "a", "txt": "fresh"})
+        assert _temps(tmp_path) == running
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_stale_temps_by_age_and_name(tmp_path):
+    from webds.io.streams import remove_stale_temps
+
+    old = time.time() - 2 * 24 * 3600
+    names = {
+        ".a.tar.tmp-123-0badc0de": old,  # name without a host: stale only by age
+        ".a.tar.tmp-124-0badc0de": time.time(),
+        ".a.tar.tmp-1-ffffffff-0badc0de": time.time(),  # another host's live writer
+        ".a.tar.tmp-1-ffffffff-1badc0de": old,  # another host's, untouched for two days
+        ".b.tar.tmp-123-0badc0de": old,  # another output
+        "a.tar": old,
+    }
+    for name, mtime in names.items():
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (mtime, mtime))
+    removed = remove_stale_temps(str(tmp_path), "a.tar".__eq__)
+    assert sorted(os.path.basename(p) for p in removed) == [
+        ".a.tar.tmp-1-ffffffff-1badc0de",
+        ".a.tar.tmp-123-0badc0de",
+    ]
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [
+            ".a.tar.tmp-124-0badc0de",
+            ".a.tar.tmp-1-ffffffff-0badc0de",
+            ".b.tar.tmp-123-0badc0de",
+            "a.tar",
+        ]
+    )

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Union
+import re
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Set, Union
 
 from .errors import ArgumentError, OpenError, WebdsError, WriteError
-from .io.streams import CommitOnExit, discard_stream
+from .io.streams import CommitOnExit, discard_stream, remove_stale_temps
 from .io.urls import local_path, make_parent_folder, url_identity, url_scheme
 from .shards.index import ShardIndex, ShardInfo, default_index_name
 from .stages.encode import make_encoder
@@ -129,6 +130,7 @@ class ShardWriter(CommitOnExit):
         self.tarstream: Optional[TarWriter] = None
         self._stream: Optional[BinaryIO] = None
         self._bar = None
+        self._cleaned: Set[str] = set()  # folders cleaned of stale temporary files
         if progress:
             from tqdm.auto import tqdm
 
@@ -179,10 +181,12 @@ class ShardWriter(CommitOnExit):
             # Like webds.pack: a local pattern's folder is created, for each shard (the number
             # may be in the folder name: "out/%03d/data.tar"); remote and pipe: are left alone.
             make_parent_folder(fname)
+            self._clean_folder(fname)
             self.tarstream = TarWriter(
                 fname,
                 storage_options=self.storage_options,
                 checksum=self.index is not None,
+                clean_stale=False,  # done per folder, for the whole pattern
                 **self.kw,
             )
         self.fname = fname
@@ -191,6 +195,18 @@ class ShardWriter(CommitOnExit):
         self.size = 0
         self._samples = 0
         self._last_key = None
+
+    def _clean_folder(self, fname: str) -> None:
+        """Once per local folder: remove the temporary files that killed writers of this
+        pattern left there (a listing per folder, not per shard)."""
+        path = local_path(fname)
+        if path is None:
+            return
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder in self._cleaned:
+            return
+        self._cleaned.add(folder)
+        remove_stale_temps(folder, _name_matcher(self.pattern))
 
     def _commit(self) -> None:
         tarstream, stream = self.tarstream, self._stream
@@ -308,6 +324,16 @@ class ShardWriter(CommitOnExit):
 
     def __repr__(self) -> str:
         return f"<ShardWriter {self.pattern!r}: {len(self.shards)} shards, {self.total} samples>"
+
+
+def _name_matcher(pattern: str) -> Callable[[str], bool]:
+    """Whether a file name is one ``pattern`` gives (its last component, any shard number)."""
+    base = os.path.basename(local_path(pattern) or pattern)
+    parts = re.split(r"(%%|%[-#0 +]*\d*(?:\.\d+)?[diouxX])", base)
+    regex = "".join(
+        "%" if p == "%%" else "[0-9A-Za-z]+" if p.startswith("%") else re.escape(p) for p in parts
+    )
+    return re.compile(f"^{regex}$").match  # type: ignore[return-value]
 
 
 def _existing_index(url: str, storage_options: Mapping[str, Any]) -> ShardIndex:

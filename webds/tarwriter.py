@@ -10,8 +10,8 @@ import tarfile
 from typing import Any, BinaryIO, List, Mapping, Optional, Union
 
 from .errors import ArgumentError, EncodeError, WriteError
-from .io.streams import CommitOnExit, discard_stream
-from .io.urls import open_url
+from .io.streams import CommitOnExit, discard_stream, remove_stale_temps
+from .io.urls import local_path, open_url
 from .stages.encode import EncoderSpec, make_encoder
 from .tar.writing import END_OF_ARCHIVE, header_encoder
 
@@ -63,6 +63,27 @@ def check_key(key: Any) -> str:
     if problem is not None:
         raise EncodeError(f"refusing sample key {key!r}: {problem}", key=key)
     return key
+
+
+def refused_input(exn: EncodeError, sample: Mapping[str, Any], output: Any) -> EncodeError:
+    """``exn`` (a sample refused for writing to ``output``) naming the shard the sample was read
+    from, if ``sample["__url__"]`` says (``webds cat``, a reshard): the fault is in that shard's
+    member names, and the output is only where it would have gone."""
+    source = sample.get("__url__")
+    if not isinstance(source, str) or source == output:
+        return EncodeError(exn.message, url=output, member=exn.member, key=exn.key)
+    member = exn.member
+    if member is None and isinstance(exn.key, str):
+        fields = sorted(f for f in sample if isinstance(f, str) and not f.startswith("_"))
+        member = f"{exn.key}.{fields[0]}" if fields else None
+    into = f" to {output!r}" if output else ""
+    return EncodeError(
+        f"{exn.message}; the sample was read from this shard, which can't be written{into} "
+        "as it is: re-create the shard, or give the sample another key before writing it",
+        url=source,
+        member=member,
+        key=exn.key,
+    )
 
 
 def _check_case(key: str, encoded: Mapping[str, Any], cased: List[str], url: Any) -> None:
@@ -137,7 +158,9 @@ class TarWriter(CommitOnExit):
     remote shard becomes visible only when ``close()`` completes; ``discard()``, an exception
     inside ``with``, or dropping an unclosed writer aborts the upload, so no object appears.
     ``checksum=True`` counts and hashes the bytes as written: ``file_bytes`` and ``sha256``
-    (hex) are set by ``close()``.
+    (hex) are set by ``close()``. A local file is written under a hidden temporary name and
+    renamed at ``close()``; with ``clean_stale`` (the default) the temporary files of this name
+    that killed writers left (:func:`webds.io.streams.remove_stale_temps`) are removed first.
     """
 
     def __init__(
@@ -154,6 +177,7 @@ class TarWriter(CommitOnExit):
         progress: bool = False,
         storage_options: Optional[Mapping[str, Any]] = None,
         checksum: bool = False,
+        clean_stale: bool = True,
     ) -> None:
         self.closed = True  # until the stream is open: nothing for discard() or __del__ to do
         if format not in _FORMATS:
@@ -180,6 +204,10 @@ class TarWriter(CommitOnExit):
         if isinstance(fileobj, (str, os.PathLike)):
             self.url = os.fspath(fileobj)
             gz = _compression(compress, self.url)
+            path = local_path(self.url)
+            if clean_stale and path is not None:
+                folder, name = os.path.split(os.path.abspath(path))
+                remove_stale_temps(folder, name.__eq__)
             self._stream: Any = open_url(self.url, "wb", **dict(storage_options or {}))
             self._own_stream = True
         elif hasattr(fileobj, "write"):
@@ -228,6 +256,9 @@ class TarWriter(CommitOnExit):
             )
         try:
             key = check_key(obj["__key__"])
+        except EncodeError as exn:
+            raise refused_input(exn, obj, self.url) from None
+        try:
             encoded = self.encoder(obj)
         except EncodeError as exn:
             if exn.url is not None:

@@ -46,6 +46,9 @@ samples in the order their keys first appear (--sort: sorted by key). An output 
 --from-dir DIR takes every file under DIR (recursively; hidden files and folders skipped, files
 without an extension skipped with a warning), named by its path relative to DIR, so
 'DIR/a/0001.jpg' and 'DIR/a/0001.cls' form the sample 'a/0001'; samples are sorted by key.
+A symbolic link to a file is packed as the file's content if the file is inside DIR; a link
+that leads out of DIR is an error (it would put a file from elsewhere, say ~/.ssh, into the
+tar) unless --follow-links is given. Links to folders are not followed (a warning says so).
 
 exit status: 0 done, 1 a source could not be read (or a pipe: command failed),
 2 a bad plan line or argument (the message names the plan line)."""
@@ -86,6 +89,11 @@ def register(subparsers: Any) -> None:
         "--from-dir", metavar="DIR", help="make the plan from the files under DIR instead"
     )
     p.add_argument(
+        "--follow-links",
+        action="store_true",
+        help="with --from-dir: also pack the files that symbolic links lead to outside DIR",
+    )
+    p.add_argument(
         "-o",
         "--output",
         default="-",
@@ -118,7 +126,9 @@ def run_create(args: argparse.Namespace) -> int:
             "give either a PLAN file (or '-') or --from-dir DIR; see 'webds create --help'"
         )
     if args.from_dir is not None:
-        entries = plan_from_dir(args.from_dir, skip=_local_output(args.output))
+        entries = plan_from_dir(
+            args.from_dir, skip=_local_output(args.output), follow_links=args.follow_links
+        )
         where = args.from_dir
     else:
         entries = parse_plan(args.plan)
@@ -225,17 +235,28 @@ def _split_name(name: str, where: str) -> Tuple[str, str]:
 # -- folders ------------------------------------------------------------------------------------
 
 
-def plan_from_dir(directory: str, skip: Optional[str] = None) -> List[Entry]:
+def plan_from_dir(
+    directory: str, skip: Optional[str] = None, follow_links: bool = False
+) -> List[Entry]:
     """The entries for every regular file under ``directory`` (recursively, not following links
     to folders), named by their path relative to it. Hidden files and folders are skipped;
-    files without an extension are skipped with one warning; ``skip`` (a path) is left out."""
+    files without an extension are skipped with one warning; ``skip`` (a path) is left out.
+    A link to a file outside ``directory`` is an :class:`ArgumentError` unless ``follow_links``
+    (its content would be packed: a file the folder's owner may not mean to publish)."""
     if not os.path.isdir(directory):
         raise OpenError(f"--from-dir {directory!r} is not a folder")
     entries: List[Entry] = []
     dotless: List[str] = []
     special: List[str] = []
+    dir_links: List[str] = []
     skip_real = os.path.realpath(skip) if skip is not None else None
+    top = os.path.realpath(directory)
     for root, dirs, files in os.walk(directory, onerror=_walk_error):
+        dir_links += [
+            os.path.relpath(os.path.join(root, d), directory).replace(os.sep, "/")
+            for d in dirs
+            if not d.startswith(".") and os.path.islink(os.path.join(root, d))
+        ]
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for fname in sorted(files):
             if fname.startswith("."):
@@ -245,8 +266,16 @@ def plan_from_dir(directory: str, skip: Optional[str] = None) -> List[Entry]:
             if not os.path.isfile(path):
                 special.append(rel)  # a fifo or socket: reading it could block forever
                 continue
-            if skip_real is not None and os.path.realpath(path) == skip_real:
+            real = os.path.realpath(path)
+            if skip_real is not None and real == skip_real:
                 continue
+            if not follow_links and os.path.commonpath([real, top]) != top:
+                raise ArgumentError(
+                    f"--from-dir {directory!r}: {rel!r} is a symbolic link to {real!r}, outside "
+                    "the folder; its content would go into the tar (GNU tar would store the "
+                    "link instead). Pass --follow-links to pack such files, or replace the link "
+                    "by a copy"
+                )
             key, ext = base_plus_ext(rel)
             if key is None or ext is None or ext == "":
                 dotless.append(rel)
@@ -264,6 +293,12 @@ def plan_from_dir(directory: str, skip: Optional[str] = None) -> List[Entry]:
         )
     if special:
         warn("create", f"skipped {len(special)} non-regular file(s) (first: {special[0]!r})")
+    if dir_links:
+        warn(
+            "create",
+            f"did not follow {len(dir_links)} symbolic link(s) to folders (first: "
+            f"{dir_links[0]!r}); pack the folder itself, or copy it into {directory!r}",
+        )
     return entries
 
 

@@ -76,6 +76,15 @@ class SampleCommand:
     def run(self, sample: Sample, running: Optional["Running"] = None) -> Sample:
         key = sample["__key__"]
         url = sample.get("__url__")
+        if "\0" in key:
+            # Only a damaged or hostile header (a pax path record) gives a name with a NUL.
+            raise SampleCommandError(
+                "the sample's key holds a NUL byte, so it can't be given to the command as "
+                "$KEY: a damaged or hostile member name in the shard; re-create the shard, or "
+                "pass --keep-going to leave such samples out",
+                url=url,
+                key=key,
+            )
         with tempfile.TemporaryDirectory(prefix="webds-proc-") as folder:
             for field, value in sample.items():
                 if field.startswith("_"):
@@ -121,15 +130,20 @@ class SampleCommand:
             if running.stopped:
                 raise SampleCommandError("not run: the command stopped early", key=key)
             # Own process group: a timeout or an early stop ends the command and its children.
-            proc = subprocess.Popen(
-                ["sh", "-c", self.command],
-                cwd=folder,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+            try:
+                proc = subprocess.Popen(
+                    ["sh", "-c", self.command],
+                    cwd=folder,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+            except (OSError, ValueError) as exn:  # e.g. a key too long for the environment
+                raise SampleCommandError(
+                    f"cannot start the command: {type(exn).__name__}: {exn}", key=key
+                ) from None
             running.procs.add(proc)
         timed_out = False
         try:

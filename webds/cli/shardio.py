@@ -11,9 +11,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Union
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, EncodeError
 from ..shardwriter import ShardWriter
-from ..tarwriter import TarWriter, is_numbered_pattern
+from ..tarwriter import TarWriter, is_numbered_pattern, refused_input
 from .common import open_output
 
 __all__ = [
@@ -90,7 +90,11 @@ def write_samples(writer: Writer, samples: Iterable[Sample], command: str) -> in
             if first_repeat is None:
                 first_repeat = key
         last_key = key
-        writer.write(tar_fields(sample))
+        try:
+            writer.write(tar_fields(sample))
+        except EncodeError as exn:
+            # The writer sees no __url__ (not written): name the input, the shard at fault.
+            raise refused_input(exn, sample, exn.url) from None
         count += 1
     if repeats:
         warn(

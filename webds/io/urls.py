@@ -85,8 +85,28 @@ def make_parent_folder(url: PathOrURL) -> None:
     ``out/``.
     """
     path = local_path(url)
-    if path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except PermissionError as exn:
+        raise _FolderPermissionError(
+            f"cannot create or enter the folder {folder!r} for {path!r}: permission denied "
+            f"at {exn.filename!r}; a folder on the way needs write and search (x) permission "
+            "for this user: fix its mode (chmod u+wx), or write elsewhere",
+            url=os.fspath(url),
+        ) from None
+    except OSError as exn:
+        raise OpenError(
+            f"cannot create the folder {folder!r} for {path!r}: {exn.strerror or exn} "
+            f"(at {exn.filename!r}); check that path",
+            url=os.fspath(url),
+        ) from None
+
+
+class _FolderPermissionError(OpenError, PermissionError):
+    """An output's folder can't be created or entered (also a PermissionError, as before)."""
 
 
 def url_identity(url: PathOrURL) -> str:
