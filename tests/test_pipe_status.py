@@ -176,3 +176,20 @@ def test_leaving_a_with_block_on_an_error_keeps_that_error():
                 time.sleep(0.01)
             raise KeyError("the caller's own error")
     assert f.closed
+
+
+def test_readers_that_stop_early_end_the_command_at_once(shard, caplog):
+    """A consumer that breaks off, or a planned part of a shard, ends the command without
+    draining its output or waiting for it (nor a warning that it was still writing)."""
+    url = f"pipe:cat {shard}; yes | head -c 100000000"  # 100 MB more after the shard
+    for read in (
+        lambda: next(_samples(url)),
+        lambda: list(
+            tarfile_to_samples()(iter([{"url": url, "start": 0, "stop": 3, "samples": 10}]))
+        ),
+    ):
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="webds"):
+            read()
+        assert time.monotonic() - start < 1.0
+        assert "still writing" not in caplog.text

@@ -449,8 +449,9 @@ class PipeStream(ReadStream):
             # More output than a tar's padding: the reader went away early. As with a command
             # that dies of SIGPIPE then, that is no verdict on the command; say so, though.
             log.warning(
-                "webds: the command %r was still writing when the reader stopped (%d more bytes "
-                "read in %.3g s); it was ended, so its exit status is unknown",
+                "webds: the command %r was still writing when the reader stopped (more output "
+                "than the %d bytes or %.3g s waited for); it was ended, so its exit status is "
+                "unknown",
                 self.command,
                 self.drain_bytes,
                 self.drain_seconds,

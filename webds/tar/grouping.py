@@ -34,6 +34,7 @@ import re
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from ..errors import ArgumentError, OpenError, SampleError, WebdsError
+from ..io.streams import abandon_stream
 from ..io.urls import local_path, open_url
 from ..stages.core import stage
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
@@ -122,9 +123,11 @@ def _open_shard(shard: Any, storage_options: Dict[str, Any]) -> Tuple[str, Any, 
 
 
 def _close_quietly(stream: Any) -> None:
-    """Close a stream we are abandoning; its close error can't add to the error at hand."""
+    """Close a stream we are abandoning (a planned part of a shard read, the consumer broke
+    off, an error on its way): a ``pipe:`` command is ended without a wait for its status,
+    and a close error can't add to the error at hand."""
     try:
-        stream.close()
+        abandon_stream(stream)
     except Exception as exn:  # e.g. a pipe command killed because we stopped early
         log.debug("webds: ignoring error closing abandoned stream: %s", exn)
 
