@@ -14,7 +14,8 @@ import pytest
 
 from webds import DataPipeline, SimpleShardList, TarWriter, tarfile_to_samples
 from webds.errors import OpenError, ShardReadError
-from webds.io.streams import PipeStream, abandon_stream
+from webds.io.pipes import PipeStream
+from webds.io.streams import abandon_stream
 from webds.io.urls import open_url
 
 

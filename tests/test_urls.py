@@ -13,7 +13,8 @@ import time
 import pytest
 
 from webds.errors import ArgumentError, OpenError, WebdsError
-from webds.io.streams import AtomicFile, PipeStream
+from webds.io.pipes import PipeStream
+from webds.io.streams import AtomicFile
 from webds.io.urls import local_path, open_url
 
 

@@ -152,7 +152,7 @@ MOVED: Dict[str, List[str]] = {
     "tariterators": ["webds.compat.tariterators"],
     "tario": ["webds.tar.reader", "webds.tar.writing", "webds.tar.compression"],
     "tenbin": ["webds.stages.tenbin"],
-    "urls": ["webds.io.urls", "webds.io.streams", "webds.io.remote"],
+    "urls": ["webds.io.urls", "webds.io.streams", "webds.io.pipes", "webds.io.remote"],
 }
 
 #: Names that webdataset's module of the same name as an old webds module (``filters``) exported

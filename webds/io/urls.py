@@ -26,8 +26,9 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from ..errors import ArgumentError, OpenError, WebdsError
+from .pipes import PipeStream
 from .remote import _open_fsspec, filesystem_options
-from .streams import AtomicFile, PipeStream, _Unclosable
+from .streams import AtomicFile, _Unclosable
 
 __all__ = [
     "open_url",
