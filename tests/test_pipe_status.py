@@ -13,6 +13,7 @@ import time
 import pytest
 
 from webds import DataPipeline, SimpleShardList, TarWriter, tarfile_to_samples
+from webds import errors as webds_errors
 from webds.errors import OpenError, ShardReadError
 from webds.io.pipes import PipeStream
 from webds.io.streams import abandon_stream
@@ -194,3 +195,17 @@ def test_readers_that_stop_early_end_the_command_at_once(shard, caplog):
             read()
         assert time.monotonic() - start < 1.0
         assert "still writing" not in caplog.text
+
+
+def test_read_timeout_bounds_a_silent_command(shard):
+    """storage_options' read_timeout, which bounds remote reads, bounds a command's silences."""
+    start = time.monotonic()
+    with pytest.raises(ShardReadError, match="wrote nothing for 0.5 s"):
+        f = open_url("pipe:sleep 30", "rb", read_timeout=0.5)
+        try:
+            f.read(10)
+        finally:
+            abandon_stream(f)
+    assert time.monotonic() - start < 5
+    with pytest.raises(webds_errors.ArgumentError):
+        open_url("pipe:true", "rb", read_timeout=-1)

@@ -26,7 +26,8 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from ..errors import ArgumentError, OpenError, WebdsError
-from .pipes import PipeStream
+from .pipes import PIPE_IDLE_SECONDS, PipeStream
+from .ranged import check_read_timeout
 from .remote import _open_fsspec, filesystem_options
 from .streams import AtomicFile, _Unclosable
 
@@ -183,7 +184,10 @@ def open_url(
     if registered is not None:
         return _open_registered(registered, url, mode, bufsize, storage_options)
     if url.startswith("pipe:"):
-        return PipeStream(url[5:], mode)  # type: ignore[return-value]
+        # A command's output is a link too: ``read_timeout`` bounds its silences (the rest of
+        # storage_options is for fsspec, and a list may mix pipe: and remote URLs).
+        idle = check_read_timeout(storage_options.get("read_timeout", PIPE_IDLE_SECONDS))
+        return PipeStream(url[5:], mode, idle_seconds=idle)  # type: ignore[return-value]
     path = local_path(url)
     if path is not None:
         return _open_local(url, path, mode)
