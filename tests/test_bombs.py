@@ -78,7 +78,9 @@ def test_4gib_field_bomb_stops_at_the_knob_at_bounded_memory(tmp_path, baseline,
     assert peak - baseline < 64 * MiB + 32 * MiB, (peak, baseline)
 
 
-@pytest.mark.parametrize("codec", ["gz", "bz2", "xz"])
+# One codec: each codec's stop is tested at the knob above; this test is for the default, and
+# decompressing 1 GiB costs seconds.
+@pytest.mark.parametrize("codec", ["gz"])
 def test_default_limit_stops_a_4gib_field_after_1gib(tmp_path, baseline, codec):
     rc, out, peak = run_shard(
         tmp_path, {f"json.{codec}": zero_bomb(codec, 4 * GiB)}, "", as_limit=3 * GiB
@@ -108,9 +110,9 @@ def test_field_at_the_limit_decodes_one_byte_over_raises(codec):
 
 
 def test_out_of_memory_reads_as_out_of_memory_not_as_bad_data(tmp_path):
-    # With the limit off, a 4 GiB field meets the 1 GiB address space.
+    # With the limit off, a 4 GiB field meets a 512 MiB address space.
     rc, out, _ = run_shard(
-        tmp_path, {"txt.gz": zero_bomb("gz", 4 * GiB)}, "max_field_bytes=None", as_limit=1 * GiB
+        tmp_path, {"txt.gz": zero_bomb("gz", 4 * GiB)}, "max_field_bytes=None", as_limit=512 * MiB
     )
     assert rc == 0, out
     assert "out of memory while decoding it (MemoryError)" in out
@@ -266,6 +268,6 @@ def test_out_of_memory_in_a_compressed_shard_is_not_called_corrupt(tmp_path, cod
     """With the limit lifted past the address space, the read fails as out of memory (it used
     to say corrupt data, re-download)."""
     url = member_bomb(tmp_path / f"oom.tar.{codec}", codec, 2 * GiB)
-    rc, out, _ = run_limited(READ_SHARD.format(url=url, args="max_member_size=4 << 30"), 1 * GiB)
+    rc, out, _ = run_limited(READ_SHARD.format(url=url, args="max_member_size=4 << 30"), 512 * MiB)
     assert rc == 0, out
     assert "out of memory" in out and "corrupt" not in out, out
