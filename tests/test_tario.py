@@ -808,3 +808,73 @@ def test_header_encoder_output_read_by_tarfile(tmp_path: Path) -> None:
         b"".join(header(n, len(d)) + d + b"\0" * (-len(d) % 512) for n, d in data) + END_OF_ARCHIVE
     )
     assert tarfile_reads(path) == data
+
+
+# ---------------------------------------------------------------------------------------------
+# Pax headers that change nothing are skipped on the fast path; those that do are honoured
+# ---------------------------------------------------------------------------------------------
+
+
+def test_pax_blocks_seen_before_are_honoured_when_their_records_differ() -> None:
+    """The same pax header block (same size) once with a time, once with a path: the fast path
+    recognises the first again only with the same record key, so the path is honoured."""
+    mtime, path = b"27 mtime=1795631126.262537\n", b"27 path=renamed/file-x.txt\n"
+    assert len(mtime) == len(path) == 27
+    data = (
+        pax_with(mtime) + tarinfo_block("a.txt", 1) + b"a" + bytes(511)
+        + pax_with(mtime) + tarinfo_block("b.txt", 1) + b"b" + bytes(511)
+        + pax_with(path) + tarinfo_block("c.txt", 1) + b"c" + bytes(511)
+        + pax_with(b"27 size=2" + b"0" * 17 + b"\n") + tarinfo_block("d.txt", 1) + b"d" + bytes(511)
+        + END_OF_ARCHIVE
+    )  # fmt: skip
+    members = []
+    with pytest.raises(ShardReadError, match="claims 200000000000000000 bytes") as info:
+        for member in read_members(io.BytesIO(data), "mixed.tar"):
+            members.append(member)
+    assert info.value.member == "d.txt"  # its pax size is honoured too
+    assert [(n, d) for n, d, _ in members] == [
+        ("a.txt", b"a"),
+        ("b.txt", b"b"),
+        ("renamed/file-x.txt", b"c"),
+    ]
+    # Each member's offset is that of its pax header, skipped or not.
+    assert [o for _, _, o in members] == [0, 2048, 4096]
+
+
+_RECORDS = [
+    {},
+    {"mtime": "1700000000.25"},
+    {"atime": "1700000000.5", "ctime": "1700000001.125"},
+    {"path": "renamed/{i}.bin"},
+    {"comment": "a comment\nwith path=evil/{i} inside"},
+    {"uname": "someone", "uid": "12345678901", "mtime": "1.5"},
+    {"SCHILY.xattr.user.path": "x"},
+    {"linkpath": "elsewhere"},
+]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_pax_archives_read_as_tarfile_reads_them(tmp_path: Path, seed: int) -> None:
+    """Archives of members whose pax records are drawn at random (harmless or not, in any
+    order): names, data and offsets as Python's tarfile reads them."""
+    import random
+
+    rng = random.Random(seed)
+    path = tmp_path / "r.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(rng.randrange(1, 30)):
+            info = tarfile.TarInfo(f"{i:04d}.{rng.choice(['bin', 'txt', 'seg.png'])}")
+            data = os.urandom(rng.randrange(0, 1500))
+            info.size = len(data)
+            info.mtime = rng.choice([1700000000, 1700000000.5 + i / 7])
+            info.pax_headers = {k: v.format(i=i) for k, v in rng.choice(_RECORDS).items()}
+            tf.addfile(info, io.BytesIO(data))
+    with tarfile.open(path) as tf:
+        want = [
+            (m.name, tf.extractfile(m).read(), m.offset)  # type: ignore[union-attr]
+            for m in tf.getmembers()
+            if m.isreg()
+        ]
+    with open(path, "rb") as f:
+        got = list(read_members(f, str(path)))
+    assert got == want

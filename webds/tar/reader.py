@@ -14,8 +14,9 @@ uncompressed stream; memory stays bounded by what the stream really holds.
 
 from __future__ import annotations
 
+import re
 import zlib
-from typing import Any, BinaryIO, Callable, Iterator, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import ShardReadError
 from .compression import sniffed_chunks
@@ -24,6 +25,7 @@ from .fields import (
     _CONT,
     _EXTENDED_TYPES,
     _NO_DATA_TYPES,
+    _PAX_MEMBER,
     _REG,
     _SURROGATE,
     _checksum_ok,
@@ -93,6 +95,12 @@ def read_members(
         nbuf = 0
         pending = _Pending()
         slow = False  # pending.active(), kept in a local for the fast path
+        # The offset of a pax header skipped on the fast path (it holds only times, or other
+        # records that change nothing we read), awaiting its member; -1 if none.
+        xoff = -1
+        # Harmless pax header blocks seen before -> (the start of their only record, b"27
+        # mtime=", and their data size): the same block followed by that start is skipped at once.
+        pax_known: Dict[bytes, Tuple[bytes, int]] = {}
         # Where the previous member's data ended, to tell "truncated data" from "truncated padding".
         last_name: Optional[str] = None
         last_data_end = 0
@@ -136,11 +144,23 @@ def read_members(
                     buf = b"".join(parts) if len(parts) > 1 else parts[0]
                 nbuf = len(buf)
                 if pos + 512 > nbuf:
-                    _end_of_stream(buf, pos, base, url, last_name, last_data_end, pending.offset)
+                    ext = pending.offset if pending.offset >= 0 else xoff
+                    _end_of_stream(buf, pos, base, url, last_name, last_data_end, ext)
                     return
 
             hoff = base + pos
             hdr = buf[pos : pos + 512]
+            if hdr[156] == _PAX_MEMBER and not slow:
+                known = pax_known.get(hdr)
+                if known is not None and buf.startswith(known[0], pos + 512):
+                    # A pax header block seen before, harmless (tarfile and webdataset write the
+                    # same few, each of one time record whose length says it is the only one):
+                    # already checked, so skipped without a checksum or a parse.
+                    if xoff < 0:
+                        xoff = hoff
+                    last_name, last_data_end = None, hoff + 512 + known[1]
+                    pos += 1024
+                    continue
 
             # Checksum: adler32's low half is (1 + sum) mod 65521, computed in C. Replace the stored
             # checksum bytes by 8 spaces and compare modulo 65521; exact sums only on a mismatch.
@@ -157,12 +177,12 @@ def read_members(
                 or ((adler32(hdr) & 0xFFFF) - (adler32(chk) & 0xFFFF) + 256 - stored) % 65521
             ) and not _checksum_ok(hdr):
                 if hdr == _ZERO_BLOCK:
-                    if pending.offset >= 0:
+                    if pending.offset >= 0 or xoff >= 0:
                         raise ShardReadError(
                             "an extended header is not followed by its member (end-of-archive "
                             "marker instead); re-create the shard",
                             url=url,
-                            offset=pending.offset,
+                            offset=pending.offset if pending.offset >= 0 else xoff,
                         )
                     _check_end(nextchunk, buf, pos, base, url)
                     return
@@ -200,9 +220,34 @@ def read_members(
                     member = name_b.decode("utf-8", _SURROGATE)
                     size = _number(hdr[124:136], "size", url, hoff, member)
                 name = name_b.decode("utf-8", _SURROGATE)
-                moff = hoff
+                if xoff < 0:
+                    moff = hoff
+                else:
+                    moff, xoff = xoff, -1
             elif typ in _EXTENDED_TYPES:
+                if typ == _PAX_MEMBER and not slow:
+                    # A pax header whose records change nothing we read (tarfile and webdataset
+                    # write one with the mtime before every member, GNU tar --format=posix one
+                    # with atime and ctime): skipped, its member stays on the fast path.
+                    try:
+                        size = int(hdr[124:136].rstrip(b" \0"), 8)
+                    except ValueError:
+                        size = -1
+                    dstart = pos + 512
+                    dend = dstart + size
+                    if 0 < size <= 512 and dend <= nbuf and _harmless_pax(buf, dstart, dend):
+                        if xoff < 0:
+                            xoff = hoff
+                        if len(pax_known) < 64:
+                            record = _only_record_start(buf[dstart:dend], size)
+                            if record:
+                                pax_known[hdr] = (record, size)
+                        last_name, last_data_end = None, hoff + 512 + size
+                        pos = dstart + 512
+                        continue
                 # An extended header: read its data whole (capped), then go on to the next.
+                if xoff >= 0:
+                    pending.offset, xoff = xoff, -1
                 size = _number(hdr[124:136], "size", url, hoff, None)
                 if size < 0 or size > _MAX_EXTENDED_SIZE:
                     raise ShardReadError(
@@ -222,6 +267,8 @@ def read_members(
             else:
                 # A member header after extended headers, or with global pax values in force,
                 # or not a regular file.
+                if xoff >= 0:
+                    pending.offset, xoff = xoff, -1
                 name, size, moff = pending.resolve(hdr, url, hoff)
                 slow = pending.active()
                 if typ == _AREG and name.endswith("/"):
@@ -378,6 +425,25 @@ def _end_of_stream(
             member=last_name,
             offset=base + pos,
         )
+
+
+# A pax header's records ("<length> <key>=<value>\n") when none changes how its member is read:
+# not its name, size or link, nor a sparse layout. A value holding a newline only makes this
+# fail (the general path then parses by lengths), since every record starts a line. Record
+# lengths are not checked here: a wrong one in such records changes nothing that is read.
+_harmless_pax = re.compile(
+    rb"(?:[0-9]+ (?!path=|size=|linkpath=|GNU\.sparse\.)[^=\n]+=[^\n]*\n)+"
+).fullmatch
+
+
+def _only_record_start(data: bytes, size: int) -> bytes:
+    """``b"27 mtime="`` if ``data`` (harmless pax records) is one record, whose length field
+    then equals ``size``; else b"" (several records can't be recognised by their start)."""
+    space = data.find(b" ")
+    equals = data.find(b"=")
+    if 0 < space < equals and data[:space] == b"%d" % size:
+        return data[: equals + 1]
+    return b""
 
 
 def _too_large(
