@@ -131,6 +131,7 @@ def test_every_cut_at_a_block_boundary_raises(tmp_path: Path, writer: str, mode:
             assert err is None and len(got) == N, (cut, err)
 
 
+@pytest.mark.filterwarnings("ignore:webds. skipping after")  # warn_and_continue, by design
 @pytest.mark.parametrize("writer", ["webds", "pax"])
 @pytest.mark.parametrize("mode", ["fluent", "steps"])
 def test_every_cut_skipped_keeps_the_next_shard_whole(
