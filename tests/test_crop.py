@@ -1,10 +1,11 @@
 """The fused crop decoders: torchvision's crops, drawn from the header, decoded only as needed.
 
 Pixel tolerances (mean absolute difference, 0-255 levels, against decode("pil") + torchvision's
-own crop and resize of the full image): 0 when the crop is under twice the output size (no DCT
-scaling: the same pixels), under 3 levels when the decoder scales by 1/2-1/8 in the DCT domain
-(measured 0.3-1.1 on photos, 2.1 at worst on skimage's grainy ``camera`` scaled by 1/2), under
-1.5 levels for CenterCropDecoder against Resize(256) + CenterCrop(224).
+own crop and resize of the full image): none when the crop is under twice the output size (no DCT
+scaling: the same pixels as torchvision's PIL path with resizer="pil", as its tensor path with
+resizer="torch", 0.11 from the PIL path), under 4 levels when the decoder scales by 1/2-1/8 in
+the DCT domain (measured 0.3-1.1 on photos, 2.1 on skimage's grainy ``camera`` scaled by 1/2),
+under 2 levels for CenterCropDecoder against Resize(256) + CenterCrop(224).
 """
 
 import io
@@ -85,6 +86,13 @@ def jpeg_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["pil", "torch"])
+def resizer(request):
+    """Resize with Pillow (torchvision's PIL path) and with torch's uint8 kernel (its tensor
+    path)."""
+    return request.param
+
+
 # -- the crop parameters -------------------------------------------------------------------
 
 
@@ -154,18 +162,51 @@ def test_center_crop_box_is_resize_then_center_crop():
 # -- pixels --------------------------------------------------------------------------------
 
 
-def test_small_crops_are_pixel_identical_to_torchvision(jpeg_path):
-    # No crop of a 600x400 image reaches 448x448, so nothing is DCT-scaled: the same pixels.
+def test_small_crops_are_pixel_identical_to_torchvision(jpeg_path, resizer):
+    # No crop of a 600x400 image reaches 448x448, so nothing is DCT-scaled: the same pixels as
+    # torchvision's resized_crop of the decoded image, on its PIL path or on its tensor path.
+    from torchvision.transforms.v2 import functional as F2
+
     data = encode(coffee(), quality=90)
-    decoder = webds.RandomResizedCropDecoder(224, seed=5).bind_pass(None, 0)
+    decoder = webds.RandomResizedCropDecoder(224, seed=5, resizer=resizer).bind_pass(None, 0)
+    tensor = torch.from_numpy(webds.Decoder([webds.imagehandler("rgb8")]).decode1("jpg", data))
     for k in range(10):
         sample = sample_of(data, f"k{k}")
         got = decoder(".jpg", data, sample)
         assert got.shape == (224, 224, 3) and got.dtype == np.uint8
-        assert np.array_equal(got, reference(data, drawn_box(decoder, data, sample, 600, 400)))
+        box = drawn_box(decoder, data, sample, 600, 400)
+        if resizer == "pil":
+            assert np.array_equal(got, reference(data, box))
+        else:
+            left, top, right, bottom = box
+            want = F2.resized_crop(
+                tensor.permute(2, 0, 1), top, left, bottom - top, right - left, [224, 224]
+            )
+            assert np.array_equal(got, want.permute(1, 2, 0).numpy())
+            assert np.abs(got - reference(data, box)).mean() < 0.25  # and near the PIL path
 
 
-def test_large_crops_are_dct_scaled_within_tolerance(jpeg_path, monkeypatch):
+def test_auto_resizes_with_torch_only_where_torch_runs_one_thread():
+    data = encode(coffee(), quality=90)
+    sample = sample_of(data, "k")
+    out = {
+        r: webds.RandomResizedCropDecoder(224, seed=5, resizer=r).bind_pass(None, 0)(
+            ".jpg", data, sample
+        )
+        for r in ("pil", "torch", "auto")
+    }
+    assert not np.array_equal(out["pil"], out["torch"])  # the two kernels round differently
+    threads = torch.get_num_threads()
+    try:
+        for n, want in ((1, "torch"), (2, "pil")):
+            torch.set_num_threads(n)
+            auto = webds.RandomResizedCropDecoder(224, seed=5).bind_pass(None, 0)
+            assert np.array_equal(auto(".jpg", data, sample), out[want]), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_large_crops_are_dct_scaled_within_tolerance(jpeg_path, resizer, monkeypatch):
     data = encode(large(), quality=90)
     scaled = []
     if jpeg_path == "simplejpeg":
@@ -189,32 +230,34 @@ def test_large_crops_are_dct_scaled_within_tolerance(jpeg_path, monkeypatch):
             return result
 
         monkeypatch.setattr(JpegImageFile, "draft", spy_draft)
-    decoder = webds.RandomResizedCropDecoder(224, seed=5).bind_pass(None, 0)
+    decoder = webds.RandomResizedCropDecoder(224, seed=5, resizer=resizer).bind_pass(None, 0)
     diffs = []
     for k in range(12):
         sample = sample_of(data, f"k{k}")
         box = drawn_box(decoder, data, sample, 2000, 1500)
         got = decoder(".jpg", data, sample)
         diffs.append(np.abs(got - reference(data, box)).mean())
-    assert max(diffs) < 3.0, diffs
+    print(jpeg_path, resizer, "DCT-scaled crops, mean abs diff:", max(diffs))
+    assert max(diffs) < 4.0, diffs
     assert scaled and min(scaled) <= 1000, scaled  # at least one decode at 1/2 or less
 
 
-def test_center_crop_matches_resize_and_center_crop(jpeg_path):
+def test_center_crop_matches_resize_and_center_crop(jpeg_path, resizer):
     for image in (coffee(), large(), coffee().transpose(Image.Transpose.ROTATE_90)):
         data = encode(image, quality=90)
-        got = webds.CenterCropDecoder(224)(".jpg", data)
+        got = webds.CenterCropDecoder(224, resizer=resizer)(".jpg", data)
         pil = webds.Decoder([webds.imagehandler("pil")]).decode1("jpg", data)
         want = np.asarray(CenterCrop(224)(Resize(256)(pil))).astype(np.int16)
         assert got.shape == (224, 224, 3)
-        assert np.abs(got - want).mean() < 1.5
+        assert np.abs(got - want).mean() < 2.0
 
 
-def test_outputs_numpy_torch_pil():
+def test_outputs_numpy_torch_pil(resizer):
     data = encode(coffee(), quality=90)
-    a = webds.CenterCropDecoder((160, 200), resize=240)(".jpg", data)
-    t = webds.CenterCropDecoder((160, 200), resize=240, output="torch")(".jpg", data)
-    p = webds.CenterCropDecoder((160, 200), resize=240, output="pil")(".jpg", data)
+    kw = dict(resize=240, resizer=resizer)
+    a = webds.CenterCropDecoder((160, 200), **kw)(".jpg", data)
+    t = webds.CenterCropDecoder((160, 200), output="torch", **kw)(".jpg", data)
+    p = webds.CenterCropDecoder((160, 200), output="pil", **kw)(".jpg", data)
     assert a.shape == (160, 200, 3) and a.flags.writeable
     assert isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == (3, 160, 200)
     assert p.size == (200, 160) and p.mode == "RGB"
@@ -224,7 +267,7 @@ def test_outputs_numpy_torch_pil():
 # -- kinds of images -----------------------------------------------------------------------
 
 
-def test_grayscale_progressive_cmyk_and_tiny_jpegs(jpeg_path):
+def test_grayscale_progressive_cmyk_and_tiny_jpegs(jpeg_path, resizer):
     photo = coffee()
     cases = {
         "grayscale": encode(Image.fromarray(skdata.camera()), quality=90),
@@ -232,7 +275,7 @@ def test_grayscale_progressive_cmyk_and_tiny_jpegs(jpeg_path):
         "cmyk": encode(photo.convert("CMYK"), quality=95),
         "tiny": encode(photo.resize((9, 6)), quality=95),
     }
-    decoder = webds.RandomResizedCropDecoder(96, seed=1).bind_pass(None, 0)
+    decoder = webds.RandomResizedCropDecoder(96, seed=1, resizer=resizer).bind_pass(None, 0)
     for name, data in cases.items():
         width, height = Image.open(io.BytesIO(data)).size
         for k in range(4):
@@ -241,14 +284,14 @@ def test_grayscale_progressive_cmyk_and_tiny_jpegs(jpeg_path):
             got = decoder(".jpg", data, sample)
             assert got.shape == (96, 96, 3), name
             err = np.abs(got - reference(data, box, (96, 96))).mean()
-            assert err < 3.0, (name, err)
-    gray = webds.CenterCropDecoder(64)(".jpg", cases["grayscale"])
+            assert err < 4.0, (name, err)
+    gray = webds.CenterCropDecoder(64, resizer=resizer)(".jpg", cases["grayscale"])
     assert np.array_equal(gray[..., 0], gray[..., 2])  # grey stays grey, as three channels
 
 
 def test_png_and_webp_take_the_plain_path():
     photo = coffee()
-    decoder = webds.RandomResizedCropDecoder(128, seed=2).bind_pass(None, 0)
+    decoder = webds.RandomResizedCropDecoder(128, seed=2, resizer="pil").bind_pass(None, 0)
     for ext, data in (("png", encode(photo, "PNG")), ("webp", encode(photo, "WEBP"))):
         for k in range(4):
             sample = sample_of(data, f"k{k}", ext)
@@ -314,6 +357,7 @@ def test_arguments_are_checked():
         lambda: webds.RandomResizedCropDecoder(224, output="cv2"),
         lambda: webds.RandomResizedCropDecoder(224, seed="x"),
         lambda: webds.CenterCropDecoder(224, resize=200),
+        lambda: webds.CenterCropDecoder(224, resizer="cv2"),
     ):
         with pytest.raises(webds.ArgumentError):
             bad()

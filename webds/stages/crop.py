@@ -13,13 +13,22 @@
 3. a JPEG is decoded scaled by 1/2, 1/4 or 1/8 in the DCT domain when the crop is still at least
    that many times the output size (most ImageNet crops: the decode is 2-10x cheaper), through
    simplejpeg, or Pillow's ``draft`` when simplejpeg is not installed; only the crop's region is
-   copied out, and it is resized once to ``size`` with Pillow's antialiased BILINEAR filter,
-   torchvision's default for PIL images. PNG, WebP and other formats take the plain path: open,
-   convert to RGB, crop, resize.
+   copied out, and it is resized once to ``size`` with an antialiased bilinear filter. PNG, WebP
+   and other formats take the plain path: open, convert to RGB, crop, resize.
 
-Pixels: without DCT scaling the result equals ``pil.crop(box).resize(size, BILINEAR)``; with it the
-mean absolute difference from that is a few levels (the tests bound it; see docs/api/decoding.md).
-EXIF orientation is not applied, as ``decode("pil")`` does not apply it: pixels are as stored.
+The resize (``resizer=``): ``"pil"`` is Pillow's BILINEAR, what torchvision does to PIL images;
+``"torch"`` is torch's uint8 kernel (torch >= 2.1), what torchvision does to uint8 tensors, 3x
+faster than this Pillow on a 224 crop; ``"auto"`` (the default) takes torch where torch runs one
+thread per process (DataLoader workers, ``torch.set_num_threads(1)``) and Pillow elsewhere, since
+a small image spread over intra-op threads costs more than it saves. Boxes that do not fall on
+whole decoded pixels (DCT-scaled crops, centre crops) always go to Pillow, which takes
+fractional boxes.
+
+Pixels: without DCT scaling the result equals torchvision's ``resized_crop`` of the decoded image
+on the path the resizer follows (PIL or tensor; the two differ by about 0.1 level); with it the
+mean absolute difference is about one level of 255 on photos (the tests bound it at 4; see
+docs/api/decoding.md). EXIF orientation is not applied, as ``decode("pil")`` does not apply it:
+pixels are as stored.
 
 Randomness: in a ``decode`` stage the crop of each field depends only on (seed, epoch, rank,
 DataLoader worker, shard url, sample key, field name), so a run repeats exactly and every epoch
@@ -31,11 +40,12 @@ the data's CRC-32).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import random
 import zlib
-from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError
 from . import fastjpeg
@@ -50,6 +60,7 @@ __all__ = [
 ]
 
 OUTPUTS = ("numpy", "torch", "pil")
+RESIZERS = ("auto", "torch", "pil")
 Size = Union[int, Tuple[int, int], Sequence[int]]
 Box = Tuple[float, float, float, float]  # left, top, right, bottom in source pixels
 
@@ -154,77 +165,128 @@ def _header(data: bytes, max_pixels: Optional[int]) -> Tuple[int, int, Any]:
     return image.size[0], image.size[1], image
 
 
-def _render(
-    data: bytes,
-    width: int,
-    height: int,
-    lazy: Any,
-    box: Box,
-    out_size: Tuple[int, int],
-    exact: bool,
-) -> Any:
-    """Decode ``data`` scaled as far as ``box`` allows and resize ``box`` to ``out_size``
-    (height, width); a PIL RGB image. ``exact``: nothing outside the box reaches the output
-    (crop, then resize, as RandomResizedCrop does); otherwise the filter reads past the box edge
-    as resize-then-crop does."""
-    from PIL import Image
-
-    out_h, out_w = out_size
-    f = _scale_factor(box, out_w, out_h)
+def _decode_scaled(
+    data: bytes, width: int, height: int, lazy: Any, f: int, colorspace: str
+) -> Tuple[Any, float]:
+    """Decode ``data`` scaled by 1/``f`` where the decoder can; (pixels, the scale it used).
+    Pixels are an HxWxC uint8 array (simplejpeg: ``colorspace``) or an RGB PIL image."""
     if lazy is None:  # simplejpeg: an RGB-family JPEG (see _header)
-        sj = fastjpeg._simplejpeg()
-        # RGBX: Pillow takes 4-byte pixels with a memcpy per row (see fastjpeg.pil_rgb)
-        pixels = sj.decode_jpeg(
+        pixels = fastjpeg._simplejpeg().decode_jpeg(
             data,
-            colorspace="RGBX",
+            colorspace=colorspace,
             fastdct=False,
             fastupsample=False,
             min_height=-(-height // f),
             min_width=-(-width // f),
         )
-        scale = float(f)  # libjpeg's output pixel k covers source pixels [k*f, (k+1)*f)
-        image = None
-    else:
-        image = lazy
-        scale = 1.0
-        if f > 1 and image.format == "JPEG":
-            # Pillow picks the largest scale s with size // s >= the request: ask for size // f.
-            drafted = image.draft(None, (max(1, width // f), max(1, height // f)))
-            if drafted is not None:
-                scale = width / drafted[1][2]
-        image.load()
-        if image.mode != "RGB":
-            image = image.convert("RGB")  # as decode("pil") does (CMYK, L, P, RGBA ...)
-    sbox = [c / scale for c in box]
+        return pixels, float(f)  # libjpeg's output pixel k covers source pixels [k*f, (k+1)*f)
+    image, scale = lazy, 1.0
+    if f > 1 and image.format == "JPEG":
+        # Pillow picks the largest scale s with size // s >= the request: ask for size // f.
+        drafted = image.draft(None, (max(1, width // f), max(1, height // f)))
+        if drafted is not None:
+            scale = width / drafted[1][2]
+    image.load()
+    if image.mode != "RGB":
+        image = image.convert("RGB")  # as decode("pil") does (CMYK, L, P, RGBA ...)
+    return image, scale
+
+
+def _resize_pil(pixels: Any, sbox: List[float], out_w: int, out_h: int, exact: bool) -> Any:
+    """Resize the box ``sbox`` of ``pixels`` with Pillow (torchvision's PIL path)."""
+    from PIL import Image
+
     if exact:
         # The region holding the box, whole pixels of the decoded image; copied out alone.
         x0, y0 = int(math.floor(sbox[0])), int(math.floor(sbox[1]))
         x1, y1 = int(math.ceil(sbox[2])), int(math.ceil(sbox[3]))
     else:
         x0 = y0 = 0
-        x1, y1 = (pixels.shape[1], pixels.shape[0]) if image is None else image.size
-    if image is None:
+        x1, y1 = pixels.size if isinstance(pixels, Image.Image) else pixels.shape[1::-1]
+    if isinstance(pixels, Image.Image):
+        image = (
+            pixels if (x0, y0, x1, y1) == (0, 0, *pixels.size) else pixels.crop((x0, y0, x1, y1))
+        )
+    else:
         region = pixels[y0:y1, x0:x1]
         if not region.flags.c_contiguous:
             region = region.copy()  # the crop's rows only
-        image = Image.frombytes("RGB", (region.shape[1], region.shape[0]), region, "raw", "RGBX")
-    elif (x0, y0, x1, y1) != (0, 0, *image.size):
-        image = image.crop((x0, y0, x1, y1))
+        # RGBX: Pillow takes 4-byte pixels with a memcpy per row (see fastjpeg.pil_rgb)
+        raw = "RGBX" if region.shape[2] == 4 else "RGB"
+        image = Image.frombytes("RGB", (region.shape[1], region.shape[0]), region, "raw", raw)
     rel = (sbox[0] - x0, sbox[1] - y0, sbox[2] - x0, sbox[3] - y0)
     return image.resize((out_w, out_h), Image.Resampling.BILINEAR, box=rel)
 
 
+def _resize_torch(pixels: Any, sbox: List[float], out_w: int, out_h: int) -> Any:
+    """Resize the box ``sbox`` (whole pixels) of ``pixels`` with torch's antialiased bilinear
+    uint8 kernel (torchvision's tensor path); an HxWx3 uint8 tensor."""
+    import numpy as np
+    import torch
+
+    if not isinstance(pixels, np.ndarray):
+        pixels = np.asarray(pixels)
+    x0, y0, x1, y1 = (int(round(c)) for c in sbox)
+    x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)  # a box under one decoded pixel keeps one
+    region = pixels[y0:y1, x0:x1, :3]  # RGBX decodes keep RGB
+    if not region.flags.writeable:  # a Pillow image's array view: torch wants its own
+        region = region.copy()
+    region = torch.from_numpy(region).permute(2, 0, 1).unsqueeze(0)
+    # channels_last (HxWxC in memory) is the layout torch's fast uint8 kernel reads
+    region = region.contiguous(memory_format=torch.channels_last)
+    out = torch.nn.functional.interpolate(
+        region, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False
+    )
+    return out[0].permute(1, 2, 0)  # HxWxC view of channels_last memory: contiguous
+
+
 def _convert(image: Any, output: str) -> Any:
-    if output == "pil":
-        return image
+    """A PIL image or an HxWx3 uint8 tensor as ``output`` asks."""
     import numpy as np
 
+    if not hasattr(image, "getbands"):  # a tensor from _resize_torch
+        if output == "torch":
+            return image.permute(2, 0, 1).contiguous()
+        a = image.numpy()
+        if output == "numpy":
+            return a
+        from PIL import Image
+
+        return Image.fromarray(a)
+    if output == "pil":
+        return image
     a = np.array(image)  # HxWx3 uint8, writable
     if output == "numpy":
         return a
     import torch
 
     return torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1)))
+
+
+def _torch_single_thread() -> bool:
+    """``resizer="auto"``: torch's kernel where torch runs one thread per process (DataLoader
+    workers; ``torch.set_num_threads(1)``), Pillow elsewhere: spread over intra-op threads, one
+    small image costs more CPU in waiting than it saves (2x slower on a busy 2-core machine),
+    and a loader's other workers or threads want those cores."""
+    if not _torch_resizes_uint8():
+        return False
+    import torch
+
+    return torch.get_num_threads() == 1
+
+
+@functools.cache
+def _torch_resizes_uint8() -> bool:
+    """Whether this torch resizes uint8 images with antialiasing (torch >= 2.1: a fast kernel;
+    older versions refuse uint8)."""
+    try:
+        import torch
+
+        x = torch.zeros((1, 3, 4, 4), dtype=torch.uint8)
+        torch.nn.functional.interpolate(x, size=(2, 2), mode="bilinear", antialias=True)
+    except Exception:  # ImportError, or RuntimeError "not implemented for 'Byte'"
+        return False
+    return True
 
 
 class _CropDecoder:
@@ -239,11 +301,20 @@ class _CropDecoder:
         output: str,
         extensions: Union[str, Iterable[str]],
         max_pixels: Optional[int],
+        resizer: str,
     ) -> None:
         self.size = _pair(size)
         if output not in OUTPUTS:
             raise ArgumentError(f"output must be one of {', '.join(OUTPUTS)}; got {output!r}")
         self.output = output
+        if resizer not in RESIZERS:
+            raise ArgumentError(f"resizer must be one of {', '.join(RESIZERS)}; got {resizer!r}")
+        if resizer == "torch" and not _torch_resizes_uint8():
+            raise ArgumentError(
+                "resizer='torch' needs torch >= 2.1 (antialiased uint8 resizing); "
+                "use resizer='pil' or 'auto'"
+            )
+        self.resizer = resizer
         if isinstance(extensions, str):
             extensions = extensions.split()
         self.extensions = frozenset(e.lower().lstrip(".") for e in extensions)
@@ -259,7 +330,19 @@ class _CropDecoder:
             return None
         width, height, lazy = _header(data, self.max_pixels)
         box = self._box(width, height, key, data, sample)
-        image = _render(data, width, height, lazy, box, self.size, self.exact)
+        out_h, out_w = self.size
+        f = _scale_factor(box, out_w, out_h)
+        fast = self.resizer == "torch" or (self.resizer == "auto" and _torch_single_thread())
+        # torch's kernel resizes whole pixels only: a box between pixels (DCT scaling, centre
+        # crops) goes to Pillow, which takes fractional boxes (rounding would shift the crop by
+        # up to half a decoded pixel, a visible shift in detailed images)
+        fast = fast and all(c % f == 0 for c in box)
+        pixels, scale = _decode_scaled(data, width, height, lazy, f, "RGB" if fast else "RGBX")
+        sbox = [c / scale for c in box]
+        if fast and all(c == int(c) for c in sbox):
+            image = _resize_torch(pixels, sbox, out_w, out_h)
+        else:
+            image = _resize_pil(pixels, sbox, out_w, out_h, self.exact)
         return _convert(image, self.output)
 
 
@@ -272,6 +355,7 @@ class RandomResizedCropDecoder(_CropDecoder):
     ``output``: ``"numpy"`` (uint8 HxWx3, the default), ``"torch"`` (uint8 3xHxW) or ``"pil"``.
     ``seed`` (default: the pipeline's), with the epoch, rank, worker, url, key and field, fixes
     every crop. Images over ``max_pixels`` are a DecodeError raised from the header.
+    ``resizer``: ``"auto"``, ``"torch"`` or ``"pil"`` (see :mod:`webds.stages.crop`).
     """
 
     def __init__(
@@ -284,8 +368,9 @@ class RandomResizedCropDecoder(_CropDecoder):
         output: str = "numpy",
         extensions: Union[str, Iterable[str]] = IMAGE_EXTENSIONS,
         max_pixels: Optional[int] = MAX_PIXELS,
+        resizer: str = "auto",
     ) -> None:
-        super().__init__(size, output, extensions, max_pixels)
+        super().__init__(size, output, extensions, max_pixels, resizer)
         self.scale = _range("scale", scale)
         self.ratio = _range("ratio", ratio)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -338,8 +423,8 @@ class CenterCropDecoder(_CropDecoder):
         ds = webds.WebDataset(url).decode(webds.CenterCropDecoder(224))   # resize=256
 
     ``resize`` (the short side before cropping) defaults to ``size / 0.875`` rounded (256 for
-    224) and must be at least the crop's larger side. ``output`` as for
-    :class:`RandomResizedCropDecoder`.
+    224) and must be at least the crop's larger side. ``output``, ``max_pixels`` and ``resizer``
+    as for :class:`RandomResizedCropDecoder`.
     """
 
     exact = False  # resize-then-crop: the filter reads past the crop's edge
@@ -352,8 +437,9 @@ class CenterCropDecoder(_CropDecoder):
         output: str = "numpy",
         extensions: Union[str, Iterable[str]] = IMAGE_EXTENSIONS,
         max_pixels: Optional[int] = MAX_PIXELS,
+        resizer: str = "auto",
     ) -> None:
-        super().__init__(size, output, extensions, max_pixels)
+        super().__init__(size, output, extensions, max_pixels, resizer)
         if resize is None:
             resize = int(round(max(self.size) / 0.875))
         if isinstance(resize, bool) or not isinstance(resize, int) or resize < max(self.size):
