@@ -330,6 +330,21 @@ def test_truncated_jpeg_is_a_decode_error_naming_the_member(tmp_path, jpeg_path)
     assert "truncated" in str(info.value)
 
 
+def test_what_libjpeg_only_warns_about_decodes_as_decode_pil_decodes_it(resizer):
+    # simplejpeg (strict) refuses stray bytes before a marker, which Pillow decodes: the crop
+    # decoder then decodes with Pillow, as decode("pil") does.
+    data = encode(coffee(), quality=90)
+    sos = data.index(b"\xff\xda")
+    stray = data[:sos] + b"\x00\x00" + data[sos:]
+    sj = fastjpeg._simplejpeg()
+    if sj is not None:
+        with pytest.raises(ValueError, match="extraneous bytes"):
+            sj.decode_jpeg(stray)
+    decoder = webds.RandomResizedCropDecoder(96, seed=3, resizer=resizer).bind_pass(None, 0)
+    sample = sample_of(stray, "k")
+    assert np.array_equal(decoder(".jpg", stray, sample), decoder(".jpg", data, sample))
+
+
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
 def test_max_pixels_refuses_from_the_header(monkeypatch, fmt):
     data = encode(coffee(), fmt)

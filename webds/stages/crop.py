@@ -171,15 +171,21 @@ def _decode_scaled(
     """Decode ``data`` scaled by 1/``f`` where the decoder can; (pixels, the scale it used).
     Pixels are an HxWxC uint8 array (simplejpeg: ``colorspace``) or an RGB PIL image."""
     if lazy is None:  # simplejpeg: an RGB-family JPEG (see _header)
-        pixels = fastjpeg._simplejpeg().decode_jpeg(
-            data,
-            colorspace=colorspace,
-            fastdct=False,
-            fastupsample=False,
-            min_height=-(-height // f),
-            min_width=-(-width // f),
-        )
-        return pixels, float(f)  # libjpeg's output pixel k covers source pixels [k*f, (k+1)*f)
+        try:
+            pixels = fastjpeg._simplejpeg().decode_jpeg(
+                data,
+                colorspace=colorspace,
+                fastdct=False,
+                fastupsample=False,
+                min_height=-(-height // f),
+                min_width=-(-width // f),
+            )
+        except (ValueError, RuntimeError):
+            # strict: it refuses what libjpeg only warns about (a truncated image, stray
+            # bytes); Pillow decodes or reports those, as decode("pil") does
+            lazy = open_image(data, None)  # the size was checked from the header already
+        else:
+            return pixels, float(f)  # libjpeg's pixel k covers source pixels [k*f, (k+1)*f)
     image, scale = lazy, 1.0
     if f > 1 and image.format == "JPEG":
         # Pillow picks the largest scale s with size // s >= the request: ask for size // f.
@@ -294,6 +300,8 @@ class _CropDecoder:
 
     #: Decoder passes the sample as a third argument to handlers that say so (for its key).
     wants_sample = True
+    #: Crop, then resize (RandomResizedCrop): nothing outside the box reaches the output.
+    exact = True
 
     def __init__(
         self,
@@ -322,8 +330,6 @@ class _CropDecoder:
 
     def _box(self, width: int, height: int, key: str, data: bytes, sample: Any) -> Box:
         raise NotImplementedError
-
-    exact = True
 
     def __call__(self, key: str, data: bytes, sample: Optional[Mapping[str, Any]] = None) -> Any:
         if key.rsplit(".", 1)[-1].lower() not in self.extensions:
