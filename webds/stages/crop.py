@@ -11,7 +11,8 @@
    centre-crop fallback), or placed as
    ``Resize(resize)`` + ``CenterCrop(size)`` place it (:func:`center_crop_box`);
 3. a JPEG is decoded scaled by 1/2, 1/4 or 1/8 in the DCT domain when the crop is still at least
-   that many times the output size (most ImageNet crops: the decode is 2-10x cheaper), through
+   that many times the output size (large photos: a 2000x1500 JPEG costs 5x less; crops of a
+   500x375 ImageNet image are rarely 448 pixels wide, so it is decoded whole), through
    simplejpeg, or Pillow's ``draft`` when simplejpeg is not installed; only the crop's region is
    copied out, and it is resized once to ``size`` with an antialiased bilinear filter. PNG, WebP
    and other formats take the plain path: open, convert to RGB, crop, resize.
