@@ -37,6 +37,7 @@ BASELINES = {
     "read-images": ["files Dataset", "webdataset WebDataset"],
     "read-images-cold": ["files Dataset", "webdataset WebDataset"],
     "pipeline": ["decode+augment alone", "webdataset WebDataset"],
+    "crop": ["webdataset WebDataset", "webds WebDataset"],
     "loader-0": ["webdataset WebLoader", "files DataLoader"],
     "loader-1": ["webdataset WebLoader", "files DataLoader"],
     "loader-2": ["webdataset WebLoader", "files DataLoader"],

@@ -257,6 +257,30 @@ def image_dataset(
     )
 
 
+def flip_to_tensor(image: Any, rng: random.Random = _rng) -> Any:
+    """The rest of the recipe after a fused crop decoder: a random horizontal flip of an HxWx3
+    uint8 array, then a float tensor CHW in [0, 1] (as :func:`augment` ends)."""
+    import torch
+
+    if rng.random() < 0.5:
+        image = image[:, ::-1]
+    return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float().div_(255)
+
+
+def crop_dataset(urls: Sequence[str], batch_size: int = BATCH, **kw: Any) -> Any:
+    """webds's RandomResizedCrop recipe with the fused decoder:
+    ``decode(RandomResizedCropDecoder(224))`` + flip + float tensor + ``batched(B)``."""
+    import webds
+
+    return (
+        raw_dataset("webds", urls)
+        .decode(webds.RandomResizedCropDecoder(SIZE, **kw))
+        .to_tuple("jpg", "cls")
+        .map_tuple(flip_to_tensor, identity)
+        .batched(batch_size)
+    )
+
+
 def web_loader(lib: str, urls: Sequence[str], workers: int, batch_size: int = BATCH) -> Any:
     """The library's ``WebLoader`` over :func:`image_dataset` (batched in the workers)."""
     import torch

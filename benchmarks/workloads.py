@@ -40,6 +40,7 @@ WORKLOADS: Dict[str, str] = {
     "read-images": "raw samples, ~100 KB JPEGs (no decode), warm page cache",
     "read-images-cold": "raw samples, ~100 KB JPEGs (no decode), files evicted from the cache",
     "pipeline": "decode + augment + batch in one process (no workers)",
+    "crop": "the RandomResizedCrop recipe in one thread: webds's fused crop decoder",
     "loader-0": "WebLoader / DataLoader, decode + augment + batch, 0 workers",
     "loader-1": "WebLoader / DataLoader, decode + augment + batch, 1 worker",
     "loader-2": "WebLoader / DataLoader, decode + augment + batch, 2 workers",
@@ -51,6 +52,8 @@ WORKLOADS: Dict[str, str] = {
 
 
 WEBDS = "webds WebDataset"
+#: crop: decode(RandomResizedCropDecoder(224)) + flip + float tensor + batched(32)
+FUSED = "webds fused crop decoder"
 #: The image pipeline with decode(imagehandler("pil", fast_jpeg=False)), when simplejpeg is
 #: installed (without it, "webds WebDataset" decodes with Pillow alone already).
 PILLOW_ONLY = "webds WebDataset, Pillow decode"
@@ -72,6 +75,9 @@ RATIO_TARGETS = [
     ("image pipeline 1 process, webds/webdataset", 1.2, "pipeline",
      WEBDS, "webdataset WebDataset", "decode+augment+batch, no loader",
      ("no loader", "decode+augment alone")),
+    ("RandomResizedCrop recipe 1 thread, webds fused/webdataset", 1.5, "crop",
+     FUSED, "webdataset WebDataset", "crop+flip+float tensor+batch, no loader",
+     None),
     ("WebLoader 2 workers, webds/webdataset", 1.2, "loader-2",
      "webds WebLoader", "webdataset WebLoader", "decode+augment+batch in 2 workers",
      ("no I/O", IN_MEMORY)),
@@ -101,6 +107,9 @@ OTHER_RATIOS = [
     ("pipeline: webds / files DataLoader", "pipeline", WEBDS, "files DataLoader"),
     ("pipeline: webds Pillow decode / webdataset", "pipeline", PILLOW_ONLY,
      "webdataset WebDataset"),
+    ("crop: webds fused, Pillow resize / webdataset", "crop", FUSED + ", Pillow resize",
+     "webdataset WebDataset"),
+    ("crop: webds fused / webds decode('pil') + crop in PIL", "crop", FUSED, WEBDS),
     ("loader-0: webds / webdataset", "loader-0", "webds WebLoader", "webdataset WebLoader"),
     ("loader-1: webds / webdataset", "loader-1", "webds WebLoader", "webdataset WebLoader"),
     ("loader-2: webds / files DataLoader", "loader-2", "webds WebLoader", "files DataLoader"),
@@ -193,6 +202,7 @@ class Suite:
             "read-images": lambda: self.read_images(cold=False),
             "read-images-cold": lambda: self.read_images(cold=True),
             "pipeline": self.pipeline,
+            "crop": self.crop,
             "loader-0": lambda: self.loader(0),
             "loader-1": lambda: self.loader(1),
             "loader-2": lambda: self.loader(2),
@@ -290,6 +300,40 @@ class Suite:
                 lambda: L.count_batches(wds_ds), first_batches(wds_ds)
             )
         self._measure("pipeline", v)
+
+    def crop(self) -> None:
+        """The pipeline workload's recipe (crop, flip, float tensor, batches of 32) with webds's
+        fused decoder against decode("pil") + the same crop drawn and applied in PIL. Every
+        contestant runs with torch on one thread, as in a DataLoader worker, so the fused
+        decoder resizes with torch's kernel (its default where torch has one thread)."""
+        import torch
+
+        urls = self.data.image_shards(self.config.decode)
+
+        def first_batches(loader: Any) -> Callable[[], int]:
+            return lambda: L.count_batches(loader, limit=2)
+
+        fused = L.crop_dataset(urls)
+        fused_pil = L.crop_dataset(urls, resizer="pil")
+        plain = L.image_dataset("webds", urls)
+        v: Dict[str, Any] = {
+            FUSED: Variant(lambda: L.count_batches(fused), first_batches(fused)),
+            FUSED + ", Pillow resize": Variant(
+                lambda: L.count_batches(fused_pil), first_batches(fused_pil)
+            ),
+            WEBDS: Variant(lambda: L.count_batches(plain), first_batches(plain)),
+        }
+        if self.wds:
+            wds_ds = L.image_dataset("webdataset", urls)
+            v["webdataset WebDataset"] = Variant(
+                lambda: L.count_batches(wds_ds), first_batches(wds_ds)
+            )
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            self._measure("crop", v)
+        finally:
+            torch.set_num_threads(threads)
 
     def _labelled(self, n: int) -> List[Any]:
         labels = L.FileDataset(self.data.files, n).labels

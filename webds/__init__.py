@@ -81,6 +81,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         torch_video,
     )
     from .stages.core import BATCH, REORDER, SAME, UNBATCH, Count, Stage, pipelinefilter, stage
+    from .stages.crop import CenterCropDecoder, RandomResizedCropDecoder
     from .stages.decode import (
         Continue,
         Decoder,
@@ -139,6 +140,7 @@ _EXPORTS: Dict[str, List[str]] = {
         "torch_loads",
         "torch_video",
     ],
+    "stages.crop": ["CenterCropDecoder", "RandomResizedCropDecoder"],
     "stages.decode": [
         "Continue",
         "Decoder",
@@ -359,6 +361,8 @@ __all__ = [
     "torch_video",
     "torch_audio",
     "xdecode",
+    "RandomResizedCropDecoder",
+    "CenterCropDecoder",
     "pytorch_weights_only",
     "tenbin",
     # faces

@@ -8,7 +8,7 @@
 - :mod:`~webds.stages.batching`: batched, unbatched, collation.
 - :mod:`~webds.stages.decode` (with :mod:`~webds.stages.codecs`, :mod:`~webds.stages.fastjpeg`,
   :mod:`~webds.stages.tenbin` and :mod:`~webds.stages.xdecode`) and :mod:`~webds.stages.encode`:
-  field codecs.
+  field codecs; :mod:`~webds.stages.crop`: the fused crop decoders.
 - :mod:`~webds.stages.mix`: mixing several datasets; :mod:`~webds.stages.replay`: record a pass
   and replay it.
 

@@ -22,6 +22,7 @@ Pickles (``.pyd .pickle .pkl``) run arbitrary code when loaded, so they are only
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 from ..errors import ArgumentError, DecodeError
@@ -162,11 +163,18 @@ class Decoder:
         self.only = None if only is None else frozenset(only)
         self.partial = bool(partial)
 
-    def decode1(self, key: str, data: bytes) -> Any:
-        """Decode one field's bytes; ``key`` is the field name without the leading dot."""
+    def decode1(self, key: str, data: bytes, sample: Optional[Mapping[str, Any]] = None) -> Any:
+        """Decode one field's bytes; ``key`` is the field name without the leading dot.
+
+        Handlers with a true ``wants_sample`` attribute (the crop decoders, which draw each crop
+        from the sample's key) are called as ``f(key, data, sample)``.
+        """
         key = "." + key
         for f in self.handlers:
-            result = f(key, data)
+            if sample is not None and getattr(f, "wants_sample", False):
+                result = f(key, data, sample)
+            else:
+                result = f(key, data)
             if isinstance(result, Continue):
                 key, data = result.key, result.data
                 continue
@@ -201,13 +209,26 @@ class Decoder:
                         "from the tar reader. Decode only once, or pass partial=True to leave "
                         "non-bytes fields as they are"
                     )
-                result[k] = self.decode1(k, bytes(v) if not isinstance(v, bytes) else v)
+                result[k] = self.decode1(k, bytes(v) if not isinstance(v, bytes) else v, sample)
             except Exception as exn:
                 raise _decode_error(exn, url, skey, k) from exn
         return result
 
     def __call__(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
         return self.decode(sample)
+
+    def bind_pass(self, pipeline_seed: Optional[int], epoch: int) -> "Decoder":
+        """The decoder one pass of a decode stage uses: handlers with a ``bind_pass`` method
+        (the random crop decoder) are replaced by their copy for this seed and epoch, so their
+        draws follow the pipeline's seed and epoch. ``self`` when no handler has one."""
+        if not any(hasattr(h, "bind_pass") for h in self.handlers):
+            return self
+        bound = copy.copy(self)
+        bound.handlers = [
+            h.bind_pass(pipeline_seed, epoch) if hasattr(h, "bind_pass") else h
+            for h in self.handlers
+        ]
+        return bound
 
     def __repr__(self) -> str:
         return f"Decoder({self.handlers!r}, only={self.only!r}, partial={self.partial})"
@@ -310,6 +331,8 @@ def decode(
     weights_only: bool = True,
     max_field_bytes: Optional[int] = MAX_FIELD_BYTES,
     max_pixels: Optional[int] = MAX_PIXELS,
+    epoch: int = 0,
+    pipeline_seed: Optional[int] = None,
 ) -> Iterator[Dict[str, Any]]:
     """Decode the fields of each sample by extension; strings are image specs.
 
@@ -318,7 +341,8 @@ def decode(
     hold arbitrary objects. ``.gz``, ``.bz2`` and ``.xz`` fields are decompressed to at most
     ``max_field_bytes`` (1 GiB), and images decoded up to ``max_pixels`` (89,478,485): a field
     past either is a DecodeError (None: no limit). Failures raise DecodeError unless
-    ``handler`` says otherwise.
+    ``handler`` says otherwise. Random decoders (``RandomResizedCropDecoder``) draw from the
+    pipeline's seed and epoch.
     """
     decoder = make_decoder(
         *args,
@@ -330,5 +354,5 @@ def decode(
         weights_only=weights_only,
         max_field_bytes=max_field_bytes,
         max_pixels=max_pixels,
-    )
+    ).bind_pass(pipeline_seed, epoch)
     return apply_each(src, decoder, handler, "decode")
