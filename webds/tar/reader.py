@@ -101,6 +101,7 @@ def read_members(
         # Harmless pax header blocks seen before -> (the start of their only record, b"27
         # mtime=", and their data size): the same block followed by that start is skipped at once.
         pax_known: Dict[bytes, Tuple[bytes, int]] = {}
+        pax_tries = 64
         # Where the previous member's data ended, to tell "truncated data" from "truncated padding".
         last_name: Optional[str] = None
         last_data_end = 0
@@ -238,7 +239,10 @@ def read_members(
                     if 0 < size <= 512 and dend <= nbuf and _harmless_pax(buf, dstart, dend):
                         if xoff < 0:
                             xoff = hoff
-                        if len(pax_known) < 64:
+                        if pax_tries:
+                            # Bounded: GNU tar's blocks (a name per member, two records) never
+                            # repeat, so after a few tries it stops looking.
+                            pax_tries -= 1
                             record = _only_record_start(buf[dstart:dend], size)
                             if record:
                                 pax_known[hdr] = (record, size)
