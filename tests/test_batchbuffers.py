@@ -1,7 +1,7 @@
-"""WebLoader's reused shared-memory batch buffers (webds.batchbuffers): batches from DataLoader
-workers arrive with every tensor of a batch in one reused buffer, values, dtypes and shapes
-intact, batches the training loop keeps are never overwritten, fresh workers every epoch start
-fresh buffers, and ``batch_buffers=False`` restores torch's own transfer."""
+"""WebLoader's reused shared-memory batch buffers (webds.stages.batchbuffers): batches from
+DataLoader workers arrive with every tensor of a batch in one reused buffer, values, dtypes and
+shapes intact, batches the training loop keeps are never overwritten, fresh workers every epoch
+start fresh buffers, and ``batch_buffers=False`` restores torch's own transfer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from conftest import sample_members, write_tar
 
 import webds
-from webds.batchbuffers import MAX_SLOTS
+from webds.stages.batchbuffers import MAX_SLOTS
 
 
 @pytest.fixture

@@ -17,13 +17,13 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from torch.utils.data import DataLoader
 
-from .batchbuffers import Packed, SlotPool, Unpacker
 from .counting import check_state, restore_entropy, source_counts, with_topology
 from .errors import LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
 from .shards.elastic import every_rank, plan_elsewhere, topology_changed
 from .shards.shardlists import worker_info
+from .stages.batchbuffers import Packed, SlotPool, Unpacker
 from .stages.core import Length
 from .stages.ledger import Envelope, Ledger, qualify, unqualify
 
@@ -52,8 +52,8 @@ class WebLoader(DataPipeline, FluentMixin):
         self.seed = getattr(dataset, "seed", None)
         if isinstance(dataset, DataPipeline):
             single = self.loader.batch_size is None and self.loader.batch_sampler is None
-            # Reused shared buffers (webds.batchbuffers) save the main process most of its work
-            # per batch; a pinned copy is made from torch's own transfer instead.
+            # Reused shared buffers (webds.stages.batchbuffers) save the main process most of its
+            # work per batch; a pinned copy is made from torch's own transfer instead.
             pack = batch_buffers and self.loader.num_workers > 0 and not self.loader.pin_memory
             self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn, dataset, single, pack)
         self._unpacker: Optional[Unpacker] = None

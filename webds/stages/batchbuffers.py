@@ -16,7 +16,10 @@ sends batches the usual way.
 
 Only plain containers (tuple, list, dict) of CPU tensors are packed; anything else in a batch
 travels as before. Not used with ``pin_memory=True`` (the pinned copy is made in the main process
-from the tensors as torch sends them).
+from the tensors as torch sends them). A batch the main process never takes out of the
+DataLoader's queues keeps its slot busy; the worker makes another, or sends as before.
+
+This module imports torch: :mod:`webds.loader` uses it, and the workers it starts.
 """
 
 from __future__ import annotations
