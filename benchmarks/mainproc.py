@@ -19,7 +19,9 @@ persistent workers started beforehand:
   process. Its process CPU per sample is all the work (decode included), so the figure that bounds
   it is the consuming thread's own CPU time (``time.thread_time``): the reading, the stages and
   the batching done by one thread. The pool threads' Python parts also hold the GIL, so the
-  real ceiling of the thread mode is below ``1e6 / us`` of that thread.
+  real ceiling of the thread mode is below ``1e6 / us`` of that thread. ``stack in a thread``:
+  the same with the batches stacked in a pool thread too (``batched(32, collation_fn=None)
+  .map(collate, threads=1)``), which takes the biggest part of that thread's work off it.
 
 CPU time of the main process is ``resource.getrusage(RUSAGE_SELF)`` (user + system, every thread
 of this process, not the workers). Each figure is the best (lowest) of ``reps`` epochs; the rates
@@ -65,15 +67,19 @@ class DecodeAugment:
         return L.augment(d["jpg"]), d["cls"]
 
 
-def thread_dataset(urls: Sequence[str], threads: int = THREADS) -> Any:
-    """The image pipeline with decode and augment in ``threads`` threads of this process."""
+def thread_dataset(
+    urls: Sequence[str], threads: int = THREADS, collate_in_pool: bool = False
+) -> Any:
+    """The image pipeline with decode and augment in ``threads`` threads of this process; with
+    ``collate_in_pool``, batches are also stacked in a thread (``batched(collation_fn=None)``
+    then ``map(collate, threads=1)``), not by the iterating thread."""
     import webds
+    from webds.stages.batching import default_collation_fn
 
-    return (
-        webds.WebDataset(list(urls), shardshuffle=False)
-        .map(DecodeAugment(), threads=threads)
-        .batched(L.BATCH)
-    )
+    ds = webds.WebDataset(list(urls), shardshuffle=False).map(DecodeAugment(), threads=threads)
+    if not collate_in_pool:
+        return ds.batched(L.BATCH)
+    return ds.batched(L.BATCH, collation_fn=None).map(default_collation_fn, threads=1)
 
 
 def contestants(urls: Sequence[str], wds: bool) -> Dict[str, Callable[[], Any]]:
@@ -98,6 +104,9 @@ def contestants(urls: Sequence[str], wds: bool) -> Dict[str, Callable[[], Any]]:
             "webdataset", urls, WORKERS
         )
     made[f"webds threads={THREADS}, no workers"] = lambda: thread_dataset(urls)
+    made[f"webds threads={THREADS}, stack in a thread"] = lambda: thread_dataset(
+        urls, collate_in_pool=True
+    )
     return made
 
 

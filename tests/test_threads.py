@@ -130,7 +130,7 @@ def test_closing_early_stops_the_threads(spec):
 
 
 def test_bad_thread_counts_are_refused(spec):
-    for bad in (-1, "2", 1.5):
+    for bad in (-1, "2", 1.5, True):
         with pytest.raises(ArgumentError, match="threads"):
             list(webds.WebDataset(spec).map(jittered, threads=bad))
 

@@ -40,6 +40,8 @@ __all__ = ["apply_threaded", "apply_maybe_threaded", "check_threads"]
 def check_threads(stage: str, threads: Any) -> int:
     """``threads`` as an int >= 0 (0: run in the consuming thread), or an ArgumentError."""
     try:
+        if isinstance(threads, bool):  # threads=True would mean one thread: say what you mean
+            raise TypeError
         n = int(threads.__index__())
     except (AttributeError, TypeError):
         raise ArgumentError(f"{stage}: threads must be an integer, got {threads!r}") from None
