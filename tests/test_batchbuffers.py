@@ -142,3 +142,23 @@ def test_resume_is_exact_with_buffers(spec):
     for k in (1, 7):
         assert_exact(make, k)
     assert len(packed) > 40 and all(packed)
+
+
+def test_batches_that_grow_get_bigger_buffers(tmp_path):
+    # Each batch is larger than the one before: the worker grows a free buffer (or makes one)
+    # and the main process must read the new memory, not the old.
+    url = str(write_tar(tmp_path / "grow.tar", sample_members(60)))
+
+    def grow(batch):
+        n = int(batch[0]["cls"])
+        return (torch.full((n + 1, 1000), float(n)), torch.tensor([n]))
+
+    ds = webds.WebDataset(url).batched(3, collation_fn=None).map(grow)
+    for workers in (1, 2):
+        seen = []
+        for x, y in webds.WebLoader(ds, batch_size=None, num_workers=workers):
+            n = int(y)
+            assert one_buffer((x, {"y": y}, []))  # dropped as it goes: buffers are reused
+            assert x.shape == (n + 1, 1000) and bool((x == n).all())
+            seen.append(n)
+        assert sorted(seen) == list(range(0, 60, 3))

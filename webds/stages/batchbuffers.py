@@ -30,6 +30,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..errors import WebdsError
+
 __all__ = ["SlotPool", "Packed", "Unpacker", "MAX_SLOTS"]
 
 #: Slots per worker: the DataLoader's prefetched batches, the one being pinned or trained on,
@@ -171,8 +173,12 @@ class Unpacker:
             self.tokens[worker] = packed.token
         pool = self.pools.get(packed.token)
         if pool is None:
-            if packed.flags is None:
-                raise RuntimeError("webds: a packed batch arrived before its worker's flags")
+            if packed.flags is None:  # another process acknowledged them: not ours to read
+                raise WebdsError(
+                    f"a batch from DataLoader worker {worker} came in a shared buffer this "
+                    "WebLoader was never given; iterate each WebLoader from one process, or "
+                    "pass WebLoader(..., batch_buffers=False)"
+                )
             shared = packed.flags.numpy()
             pool = self.pools[packed.token] = (shared, {})
             shared[-1] = 1
