@@ -137,6 +137,11 @@ def report(suite: Suite, meta: Dict[str, Any], machine: Dict[str, Any]) -> str:
                 + (f", PSS {pss:+.1%}" if pss is not None else "")
                 + f"); {m['processes']} processes, same workers every epoch: {m['workers_kept']}"
             )
+    if suite.info.get("mainproc"):
+        from .mainproc import format_report
+
+        parts.append(f"\n== mainproc: {WORKLOADS['mainproc']} (best of {suite.config.reps} epochs)")
+        parts.append(format_report(suite.info["mainproc"], machine["cpus"]))
     parts.append("\n== targets (issue 8), ratios of medians measured in this run")
     parts.append(format_targets(suite.targets()))
     others = {k: v for k, v in suite.other_ratios().items() if v is not None}

@@ -281,8 +281,11 @@ def crop_dataset(urls: Sequence[str], batch_size: int = BATCH, **kw: Any) -> Any
     )
 
 
-def web_loader(lib: str, urls: Sequence[str], workers: int, batch_size: int = BATCH) -> Any:
-    """The library's ``WebLoader`` over :func:`image_dataset` (batched in the workers)."""
+def web_loader(
+    lib: str, urls: Sequence[str], workers: int, batch_size: int = BATCH, **kw: Any
+) -> Any:
+    """The library's ``WebLoader`` over :func:`image_dataset` (batched in the workers); ``kw``
+    goes to the WebLoader."""
     import torch
 
     return library(lib).WebLoader(
@@ -291,6 +294,7 @@ def web_loader(lib: str, urls: Sequence[str], workers: int, batch_size: int = BA
         num_workers=workers,
         persistent_workers=workers > 0,
         pin_memory=torch.cuda.is_available(),
+        **kw,
     )
 
 

@@ -48,6 +48,7 @@ WORKLOADS: Dict[str, str] = {
     "write-images": "writing shards, ~100 KB JPEGs (already encoded)",
     "s3": "raw samples streamed from S3 (moto on loopback, no decode)",
     "memory": "resident memory over 10 epochs, 2 persistent workers",
+    "mainproc": "main-process CPU per sample: 2 workers, and threads in one process",
 }
 
 
@@ -210,6 +211,7 @@ class Suite:
             "write-images": self.write_images,
             "s3": self.s3,
             "memory": self.memory,
+            "mainproc": self.mainproc,
         }
         for name, step in steps.items():
             if self.selected(name):
@@ -529,6 +531,12 @@ class Suite:
         }
         proc = subprocess.run(cmd + urls, stdout=subprocess.PIPE, env=env, cwd=ROOT, check=True)
         return json.loads(proc.stdout.decode().strip().splitlines()[-1])
+
+    def mainproc(self) -> None:
+        from . import mainproc
+
+        urls = self.data.image_shards(self.config.decode)
+        self.info["mainproc"] = mainproc.run(urls, self.config.reps, self.wds, log=stderr)
 
     # -- targets --------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from .fluent import FluentMixin
 from .pipeline import DataPipeline
 from .shards.elastic import every_rank, plan_elsewhere, topology_changed
 from .shards.shardlists import worker_info
+from .stages.batchbuffers import Packed, SlotPool, Unpacker
 from .stages.core import Length
 from .stages.ledger import Envelope, Ledger, qualify, unqualify
 
@@ -42,7 +43,7 @@ class WebLoader(DataPipeline, FluentMixin):
     the training loop has received, whatever sits in the DataLoader's queues.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, batch_buffers: bool = True, **kwargs: Any) -> None:
         super().__init__(DataLoader(*args, **kwargs))
         dataset = self.loader.dataset
         if hasattr(dataset, "loader_hint"):
@@ -51,7 +52,11 @@ class WebLoader(DataPipeline, FluentMixin):
         self.seed = getattr(dataset, "seed", None)
         if isinstance(dataset, DataPipeline):
             single = self.loader.batch_size is None and self.loader.batch_sampler is None
-            self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn, dataset, single)
+            # Reused shared buffers (webds.stages.batchbuffers) save the main process most of its
+            # work per batch; a pinned copy is made from torch's own transfer instead.
+            pack = batch_buffers and self.loader.num_workers > 0 and not self.loader.pin_memory
+            self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn, dataset, single, pack)
+        self._unpacker: Optional[Unpacker] = None
         self._worker_resume: Optional[Dict[str, Any]] = None
         # Per DataLoader worker: the copy of its ledger, its pass and the items it has yielded.
         self._mirrors: Dict[int, Dict[str, Any]] = {}
@@ -60,6 +65,7 @@ class WebLoader(DataPipeline, FluentMixin):
         super().__setstate__(state)  # a WebLoader pickled by webds 0.1 lacks these
         self.__dict__.setdefault("_worker_resume", None)
         self.__dict__.setdefault("_mirrors", {})
+        self.__dict__.setdefault("_unpacker", None)
 
     @property
     def loader(self) -> DataLoader:
@@ -242,7 +248,12 @@ class WebLoader(DataPipeline, FluentMixin):
                 m["problem"] = x.problem
             if keeps:  # a stage here holds or batches items: it needs their ids
                 ledger.current = qualify(x.worker, x.ids)
-            yield x.item
+            item = x.item
+            if type(item) is Packed:
+                if self._unpacker is None:
+                    self._unpacker = Unpacker()
+                item = self._unpacker.unpack(x.worker, item)
+            yield item
 
 
 class _EnvelopeCollate:
@@ -250,10 +261,22 @@ class _EnvelopeCollate:
     batch in an :class:`~webds.stages.ledger.Envelope` with what the dataset's ledger recorded
     since the last batch (it runs where the dataset does: in the worker, or in this process)."""
 
-    def __init__(self, collate: Any, dataset: DataPipeline, single: bool) -> None:
+    def __init__(
+        self, collate: Any, dataset: DataPipeline, single: bool, pack: bool = False
+    ) -> None:
         self.collate = collate
         self.dataset = dataset
         self.single = single
+        self.pack = pack
+        self.pool: Optional[SlotPool] = None  # made in the worker, by its first batch
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("pack", False)
+        self.__dict__.setdefault("pool", None)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "pool": None}  # each worker makes its own
 
     def __call__(self, data: Any) -> Any:
         from torch.utils.data import get_worker_info
@@ -274,6 +297,10 @@ class _EnvelopeCollate:
         ledger = stream["ledger"]
         worker = info.id if info is not None else 0
         delta = ledger.take_delta()
+        if self.pack and info is not None:
+            if self.pool is None:
+                self.pool = SlotPool()
+            batch = self.pool.pack(batch)
         return Envelope(batch, worker, ids, delta, items, stream["pass"], ledger.problem)
 
 

@@ -28,8 +28,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 from ..errors import ArgumentError, DecodeError
 from .codecs import BasicHandlers, imagehandler, imagespecs
 from .core import SAME, stage
-from .handlers import Handler, apply_each, reraise_exception
+from .handlers import Handler, reraise_exception
 from .limits import FIELD_CODECS, MAX_FIELD_BYTES, MAX_PIXELS, check_max, decompress_field
+from .threads import apply_maybe_threaded, check_threads
 
 __all__ = [
     "Continue",
@@ -331,8 +332,10 @@ def decode(
     weights_only: bool = True,
     max_field_bytes: Optional[int] = MAX_FIELD_BYTES,
     max_pixels: Optional[int] = MAX_PIXELS,
+    threads: int = 0,
     epoch: int = 0,
     pipeline_seed: Optional[int] = None,
+    ledger: Any = None,
 ) -> Iterator[Dict[str, Any]]:
     """Decode the fields of each sample by extension; strings are image specs.
 
@@ -342,8 +345,10 @@ def decode(
     ``max_field_bytes`` (1 GiB), and images decoded up to ``max_pixels`` (89,478,485): a field
     past either is a DecodeError (None: no limit). Failures raise DecodeError unless
     ``handler`` says otherwise. Random decoders (``RandomResizedCropDecoder``) draw from the
-    pipeline's seed and epoch.
+    pipeline's seed and epoch. ``threads=N`` decodes in N threads, samples in input order (see
+    :mod:`webds.stages.threads`).
     """
+    threads = check_threads("decode", threads)
     decoder = make_decoder(
         *args,
         pre=pre,
@@ -355,4 +360,4 @@ def decode(
         max_field_bytes=max_field_bytes,
         max_pixels=max_pixels,
     ).bind_pass(pipeline_seed, epoch)
-    return apply_each(src, decoder, handler, "decode")
+    return apply_maybe_threaded(src, decoder, handler, "decode", threads, ledger=ledger)

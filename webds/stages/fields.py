@@ -28,6 +28,7 @@ from ..errors import ArgumentError, SampleError
 from .core import SAME, stage
 from .filters import _annotate, _check_callable, _where, identity
 from .handlers import Handler, apply_each, reraise_exception
+from .threads import apply_maybe_threaded, check_threads
 
 __all__ = [
     "map_dict",
@@ -148,13 +149,19 @@ def map_dict(
 
 @stage(count=SAME)
 def map_tuple(
-    src: Iterable[Any], *args: Optional[Callable[[Any], Any]], handler: Handler = reraise_exception
+    src: Iterable[Any],
+    *args: Optional[Callable[[Any], Any]],
+    handler: Handler = reraise_exception,
+    threads: int = 0,
+    ledger: Any = None,
 ) -> Iterator[Any]:
     """Apply the i-th function to the i-th element of tuple samples: ``map_tuple(augment, None)``.
 
     ``None`` leaves that element unchanged; elements beyond the functions pass through. Yields
-    tuples.
+    tuples. ``threads=N`` runs the functions in N threads, results in input order (see
+    :mod:`webds.stages.threads`).
     """
+    threads = check_threads("map_tuple", threads)
     fns = [identity if f is None else f for f in args]
     for i, f in enumerate(fns):
         _check_callable("map_tuple", f"argument {i}", f)
@@ -171,7 +178,7 @@ def map_tuple(
             result[i] = f(result[i])
         return tuple(result)
 
-    return apply_each(src, apply, handler, "map_tuple")
+    return apply_maybe_threaded(src, apply, handler, "map_tuple", threads, ledger=ledger)
 
 
 def _check_dict_sample(stage_name: str, sample: Any) -> None:

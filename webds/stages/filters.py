@@ -30,8 +30,9 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 from ..errors import ArgumentError, WebdsError
 from ..shards.shardlists import derive_seed, worker_info
 from .core import REORDER, SAME, Stage, StageFactory, stage
-from .handlers import Handler, apply_each, reraise_exception
+from .handlers import Handler, reraise_exception
 from .ledger import ids_of
+from .threads import apply_maybe_threaded, check_threads
 
 __all__ = [
     "derive_seed",
@@ -365,14 +366,23 @@ def slice(src: Iterable[Any], *args: Optional[int], ledger: Any = None) -> Itera
 
 @stage(count=SAME)
 def map(
-    src: Iterable[Any], f: Callable[[Any], Any], handler: Handler = reraise_exception
+    src: Iterable[Any],
+    f: Callable[[Any], Any],
+    handler: Handler = reraise_exception,
+    threads: int = 0,
+    *,
+    ledger: Any = None,
 ) -> Iterator[Any]:
     """Replace each item by ``f(item)``; an item for which ``f`` returns ``None`` is dropped.
 
     When both the item and the result are dicts and the result has no ``__key__``, the item's
     ``__key__`` and ``__url__`` are copied over. Exceptions from ``f`` go to ``handler``.
+    ``threads=N`` runs ``f`` in N threads, results in input order (see
+    :mod:`webds.stages.threads`): for work that releases the GIL, such as decoding and
+    augmenting images.
     """
     _check_callable("map", "f", f)
+    threads = check_threads("map", threads)
     name = f"map({getattr(f, '__qualname__', f)!s})"
 
     def apply(sample: Any) -> Any:
@@ -383,7 +393,9 @@ def map(
                     result[k] = sample[k]
         return result
 
-    return apply_each(src, apply, handler, name, annotate=_annotate, drop_none=True)
+    return apply_maybe_threaded(
+        src, apply, handler, name, threads, ledger=ledger, annotate=_annotate, drop_none=True
+    )
 
 
 @stage(count=SAME)

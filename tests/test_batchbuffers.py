@@ -1,0 +1,164 @@
+"""WebLoader's reused shared-memory batch buffers (webds.stages.batchbuffers): batches from
+DataLoader workers arrive with every tensor of a batch in one reused buffer, values, dtypes and
+shapes intact, batches the training loop keeps are never overwritten, fresh workers every epoch
+start fresh buffers, and ``batch_buffers=False`` restores torch's own transfer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import sample_members, write_tar
+
+import webds
+from webds.stages.batchbuffers import MAX_SLOTS
+
+
+@pytest.fixture
+def spec(tmp_path):
+    for i in range(4):
+        write_tar(tmp_path / f"b-{i}.tar", sample_members(40, prefix=f"b{i}-"))
+    return str(tmp_path / "b-{0..3}.tar")
+
+
+def to_tensors(sample):
+    """A sample as tensors of several dtypes and shapes (0-dim and empty ones too), a str and
+    an int, all derived from its class number."""
+    c = int(sample["cls"])
+    return {
+        "x": torch.arange(c, c + 12, dtype=torch.float32).reshape(3, 4),
+        "y": torch.tensor(c, dtype=torch.int64),
+        "m": torch.tensor([c % 2 == 0, c % 3 == 0]),
+        "b": torch.full((5,), c % 256, dtype=torch.uint8),
+        "e": torch.zeros(0, 2, dtype=torch.float64),
+        "key": sample["__key__"],
+    }
+
+
+def collate(samples):
+    return (
+        torch.stack([s["x"] for s in samples]),
+        {
+            "y": torch.stack([s["y"] for s in samples]),
+            "m": torch.stack([s["m"] for s in samples]),
+            "b": torch.stack([s["b"] for s in samples]),
+            "e": torch.stack([s["e"] for s in samples]),
+        },
+        [s["key"] for s in samples],
+    )
+
+
+def loader(spec, workers=2, **kw):
+    ds = webds.WebDataset(spec).map(to_tensors).batched(8, collation_fn=collate)
+    return webds.WebLoader(ds, batch_size=None, num_workers=workers, **kw)
+
+
+def one_buffer(batch) -> bool:
+    """Whether the batch's tensors are views of one buffer (torch sends one segment each)."""
+    x, d, _ = batch
+    return x.untyped_storage().data_ptr() == d["y"].untyped_storage().data_ptr()
+
+
+def check(batch):
+    """The batch's values are what its keys say."""
+    x, d, keys = batch
+    assert x.dtype == torch.float32 and x.shape == (len(keys), 3, 4)
+    for i, key in enumerate(keys):
+        c = int(key[-6:])
+        assert torch.equal(x[i], torch.arange(c, c + 12, dtype=torch.float32).reshape(3, 4))
+        assert d["y"][i].item() == c and d["y"].dtype == torch.int64
+        assert d["m"][i].tolist() == [c % 2 == 0, c % 3 == 0] and d["m"].dtype == torch.bool
+        assert d["b"][i].tolist() == [c % 256] * 5
+    assert d["e"].shape == (len(keys), 0, 2) and d["e"].dtype == torch.float64
+
+
+def test_a_batch_arrives_in_one_reused_buffer(spec):
+    batches = 0
+    buffers = set()
+    keys = []
+    for batch in loader(spec):
+        check(batch)
+        x, d, k = batch
+        keys += k
+        # every tensor of the batch is a view of one buffer
+        ptr = x.untyped_storage().data_ptr()
+        assert d["y"].untyped_storage().data_ptr() == ptr
+        assert d["b"].untyped_storage().data_ptr() == ptr
+        buffers.add(ptr)
+        batches += 1
+        del batch, x, d
+    assert sorted(keys) == sorted(f"b{i}-{j:06d}" for i in range(4) for j in range(40))
+    assert batches == 20
+    assert len(buffers) <= 2 * MAX_SLOTS  # reused, not one per batch
+
+
+def test_batches_kept_by_the_loop_are_never_overwritten(spec):
+    kept = list(loader(spec))  # more batches than a worker has buffers: the rest go as before
+    assert len(kept) == 20 > MAX_SLOTS
+    for batch in kept:
+        check(batch)
+    # Each of the 2 workers made 10 batches: 8 in its buffers, all kept busy, then 2 as before.
+    assert sum(one_buffer(b) for b in kept) == 2 * MAX_SLOTS
+    views = [b[0][1] for b in kept]  # only a view of each batch survives
+    del kept
+    again = list(loader(spec))
+    for batch in again:
+        check(batch)
+    assert len(views) == 20 and all(v.shape == (3, 4) for v in views)
+
+
+def test_fresh_workers_every_epoch_and_persistent_ones(spec):
+    for persistent in (False, True):
+        ld = loader(spec, persistent_workers=persistent)
+        for _ in range(3):
+            n = 0
+            for batch in ld:
+                check(batch)
+                assert one_buffer(batch)
+                n += len(batch[2])
+            assert n == 160
+
+
+def test_batch_buffers_false_keeps_torchs_transfer(spec):
+    for batch in loader(spec, batch_buffers=False):
+        check(batch)
+        assert not one_buffer(batch)
+
+
+def test_resume_is_exact_with_buffers(spec):
+    from test_resume import assert_exact
+
+    packed = []
+
+    def keys(batch):
+        check(batch)
+        packed.append(one_buffer(batch))
+        return (batch[2],)
+
+    def make():
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=2).map(to_tensors)
+        ds = ds.batched(8, collation_fn=collate)
+        return webds.WebLoader(ds, batch_size=None, num_workers=2).map(keys)
+
+    for k in (1, 7):
+        assert_exact(make, k)
+    assert len(packed) > 40 and all(packed)
+
+
+def test_batches_that_grow_get_bigger_buffers(tmp_path):
+    # Each batch is larger than the one before: the worker grows a free buffer (or makes one)
+    # and the main process must read the new memory, not the old.
+    url = str(write_tar(tmp_path / "grow.tar", sample_members(60)))
+
+    def grow(batch):
+        n = int(batch[0]["cls"])
+        return (torch.full((n + 1, 1000), float(n)), torch.tensor([n]))
+
+    ds = webds.WebDataset(url).batched(3, collation_fn=None).map(grow)
+    for workers in (1, 2):
+        seen = []
+        for x, y in webds.WebLoader(ds, batch_size=None, num_workers=workers):
+            n = int(y)
+            assert one_buffer((x, {"y": y}, []))  # dropped as it goes: buffers are reused
+            assert x.shape == (n + 1, 1000) and bool((x == n).all())
+            seen.append(n)
+        assert sorted(seen) == list(range(0, 60, 3))

@@ -1,0 +1,160 @@
+"""Per-sample work in a pool of threads: ``.map(f, threads=N)``, ``.decode("pil", threads=N)``.
+
+Decoding (Pillow, simplejpeg) and most augmentation (Pillow's resize, torch and numpy ops)
+release the GIL, so N threads of one process can run them on N cores, and the results need no
+trip between processes (no pickling, no shared-memory segment per batch) as DataLoader workers'
+do. The stages that turn each item into one result (map, map_tuple, decode) take ``threads=N``
+and run :func:`apply_threaded` instead of :func:`~webds.stages.handlers.apply_each`.
+
+What stays as in the serial loop:
+
+- order: results come out in input order, whichever thread finishes first;
+- errors: an exception from ``f`` goes to the stage's handler in the consuming thread, when its
+  item's turn comes, through the same :class:`~webds.stages.handlers.ErrorPolicy` (skip, stop,
+  raise, warn, counted and logged once); ``None`` drops the item where the serial stage does;
+- the source is read by the consuming thread only, so the stages upstream and the ledger
+  (:mod:`webds.stages.ledger`) see one thread, as always;
+- memory: at most ``2 * threads`` items are read and not yet yielded;
+- resume: those items are held in the ledger, so a checkpoint counts them as not consumed and a
+  resumed pass reads them again.
+
+``f`` runs in several threads at once: it must not keep unguarded state of its own (a
+``random.Random`` shared by the threads is safe, but the order of its draws then follows the
+threads' timing, so seed per sample where runs must repeat).
+
+This module imports nothing of webds but the handlers and the errors.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Deque, Iterable, Iterator, Optional, Tuple
+
+from ..errors import ArgumentError
+from .handlers import ErrorPolicy, Handler, apply_each, log
+
+__all__ = ["apply_threaded", "apply_maybe_threaded", "check_threads"]
+
+
+def check_threads(stage: str, threads: Any) -> int:
+    """``threads`` as an int >= 0 (0: run in the consuming thread), or an ArgumentError."""
+    try:
+        if isinstance(threads, bool):  # threads=True would mean one thread: say what you mean
+            raise TypeError
+        n = int(threads.__index__())
+    except (AttributeError, TypeError):
+        raise ArgumentError(f"{stage}: threads must be an integer, got {threads!r}") from None
+    if n < 0:
+        raise ArgumentError(f"{stage}: threads must be 0 (no pool) or more, got {n}")
+    return n
+
+
+def apply_maybe_threaded(
+    src: Iterable[Any],
+    fn: Callable[[Any], Any],
+    handler: Optional[Handler],
+    stage: str,
+    threads: int,
+    *,
+    ledger: Any = None,
+    annotate: Optional[Callable[[BaseException, str, Any], None]] = None,
+    drop_none: bool = False,
+) -> Iterator[Any]:
+    """:func:`apply_threaded` with ``threads`` > 0, else the serial
+    :func:`~webds.stages.handlers.apply_each`."""
+    if threads == 0:
+        return apply_each(src, fn, handler, stage, annotate=annotate, drop_none=drop_none)
+    return apply_threaded(
+        src, fn, handler, stage, threads, ledger=ledger, annotate=annotate, drop_none=drop_none
+    )
+
+
+def apply_threaded(
+    src: Iterable[Any],
+    fn: Callable[[Any], Any],
+    handler: Optional[Handler],
+    stage: str,
+    threads: int,
+    *,
+    ledger: Any = None,
+    annotate: Optional[Callable[[BaseException, str, Any], None]] = None,
+    drop_none: bool = False,
+) -> Iterator[Any]:
+    """Yield ``fn(item)`` for each item of ``src``, in order, computed by ``threads`` threads.
+
+    The same contract as :func:`~webds.stages.handlers.apply_each` (handler, ``annotate``,
+    ``drop_none``), with at most ``2 * threads`` items read ahead; with a ``ledger`` they are
+    recorded as held (see the module doc).
+    """
+    policy = ErrorPolicy(handler, stage)
+    window = 2 * threads
+    # The ids of the items in flight, in order, in a list the ledger reads at a checkpoint; a
+    # tracking ledger (a DataLoader worker's) must also hear of each hold and release.
+    ids: Any = ledger.holder() if ledger is not None else None
+    tlog = ledger.log if ledger is not None and ledger.tracking else None
+    pending: Deque[Tuple[Future, Any]] = collections.deque()
+    it = iter(src)
+    end = object()
+    exhausted = False
+    dropped = 0
+    # Made here, when the first item is asked for: in a DataLoader worker, not before the fork.
+    pool = ThreadPoolExecutor(threads, thread_name_prefix=f"webds-{stage}")
+    try:
+        while True:
+            while not exhausted and len(pending) < window:
+                item = next(it, end)
+                if item is end:
+                    exhausted = True
+                    break
+                pending.append((pool.submit(fn, item), item))
+                if ids is not None:
+                    i = ledger.current
+                    ids.append(i)
+                    if tlog is not None:
+                        tlog.append(i) if type(i) is int else ledger.hold(i)
+            if not pending:
+                break
+            future, item = pending.popleft()
+            try:
+                result = future.result()
+            except Exception as exn:
+                if annotate is not None:
+                    annotate(exn, stage, item)
+                if not policy(exn):
+                    # Stopped: this item is consumed, as in the serial loop; the ones read
+                    # ahead stay held, as if never read (the serial loop would not have).
+                    _release(ledger, ids, tlog)
+                    break
+                _release(ledger, ids, tlog)
+                continue
+            _release(ledger, ids, tlog)
+            if drop_none and result is None:
+                dropped += 1
+                continue
+            del item, future
+            yield result
+    finally:
+        # Closed early, stopped or failed: the items read ahead are not computed for nothing,
+        # and no thread outlives the stage.
+        for future, _ in pending:
+            future.cancel()
+        pending.clear()
+        pool.shutdown(wait=True)
+        policy.report()
+        if dropped:
+            log.debug("webds: %s returned None for %d item(s), which were dropped", stage, dropped)
+
+
+def _release(ledger: Any, ids: Any, tlog: Any) -> None:
+    """The oldest item in flight leaves the stage: its id becomes the ledger's current one."""
+    if ids is None:
+        return
+    i = ids.pop(0)
+    if tlog is not None and type(i) is int:
+        tlog.append(~i)
+        ledger.current = i
+    elif tlog is not None:
+        ledger.release(i)
+    else:
+        ledger.current = i
