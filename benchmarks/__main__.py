@@ -34,6 +34,7 @@ from .workloads import WORKLOADS, Config, Suite, quiet_warnings  # noqa: E402
 #: The ratio columns of each workload's table.
 BASELINES = {
     "read-small": ["webdataset WebDataset", "bare reader loop"],
+    "read-small-wds": ["webdataset WebDataset", "webds WebDataset, webds-written shards"],
     "read-images": ["files Dataset", "webdataset WebDataset"],
     "read-images-cold": ["files Dataset", "webdataset WebDataset"],
     "pipeline": ["decode+augment alone", "webdataset WebDataset"],

@@ -62,7 +62,7 @@ PHOTOS = (
 IMAGES_PER_SHARD = 100
 SMALL_PER_SHARD = 10_000
 #: Bump when the way data is made changes, so a kept --data folder is rebuilt.
-DATA_VERSION = 1
+DATA_VERSION = 2  # 2: the small records also as webdataset writes them
 
 
 # -- Fashion-MNIST (also used by bench_pack.py and bench_imagenet.py) ----------------------------
@@ -205,6 +205,13 @@ class Data:
         k = -(-self.n_small // SMALL_PER_SHARD)
         return [str(self.small / f"small-{s:06d}.tar") for s in range(k)]
 
+    def small_shards_wds(self) -> List[str]:
+        """The same small records written by webdataset's TarWriter (a pax header per member,
+        as most users' shards have), or [] when webdataset was not installed at build time."""
+        k = -(-self.n_small // SMALL_PER_SHARD)
+        paths = [self.small / f"wds-small-{s:06d}.tar" for s in range(k)]
+        return [str(p) for p in paths] if all(p.exists() for p in paths) else []
+
     def image_files(self, n: Optional[int] = None) -> List[Path]:
         n = self.n_images if n is None else n
         return [self.files / f"{i:06d}.jpg" for i in range(n)]
@@ -257,10 +264,20 @@ def build(root: Path, n_images: int, n_small: int, seed: int = 0) -> Data:
     rng = random.Random(seed)
     blob = os.urandom(1 << 16)
     small_bytes = 0
+    records = small_records(n_small, rng, blob)
     with webds.ShardWriter(str(data.small / "small-%06d.tar"), maxcount=SMALL_PER_SHARD) as sink:
-        for rec in small_records(n_small, rng, blob):
+        for rec in records:
             small_bytes += len(rec["bin"])
             sink.write(rec)
+    try:
+        import webdataset
+    except ImportError:
+        webdataset = None
+    if webdataset is not None:
+        pattern = str(data.small / "wds-small-%06d.tar")
+        with webdataset.ShardWriter(pattern, maxcount=SMALL_PER_SHARD, verbose=0) as sink:
+            for rec in records:
+                sink.write(rec)
     meta = {
         "wanted": wanted,
         "source": source,

@@ -37,6 +37,7 @@ from .harness import (
 #: name -> what it measures. ``--only`` takes these names (or their prefixes).
 WORKLOADS: Dict[str, str] = {
     "read-small": "tar -> samples, small records (1-2 KB, no decode)",
+    "read-small-wds": "the same small records in shards written by webdataset's TarWriter",
     "read-images": "raw samples, ~100 KB JPEGs (no decode), warm page cache",
     "read-images-cold": "raw samples, ~100 KB JPEGs (no decode), files evicted from the cache",
     "pipeline": "decode + augment + batch in one process (no workers)",
@@ -53,6 +54,8 @@ WORKLOADS: Dict[str, str] = {
 
 
 WEBDS = "webds WebDataset"
+#: read-small-wds: webds on the same records in shards webds wrote.
+WEBDS_OWN = "webds WebDataset, webds-written shards"
 #: crop: decode(RandomResizedCropDecoder(224)) + flip + float tensor + batched(32)
 FUSED = "webds fused crop decoder"
 #: The image pipeline with decode(imagehandler("pil", fast_jpeg=False)), when simplejpeg is
@@ -73,6 +76,12 @@ RATIO_TARGETS = [
     ("tar->samples small, webds/webdataset", 10, "read-small",
      WEBDS, "webdataset WebDataset", "WebDataset(urls), no decode",
      ("bare loop", "bare reader loop")),
+    ("tar->samples small, webdataset-written, webds/webdataset", 10, "read-small-wds",
+     WEBDS, "webdataset WebDataset", "shards with a pax header per member",
+     None),
+    ("webdataset-written/webds-written shards, webds", 0.9, "read-small-wds",
+     WEBDS, WEBDS_OWN, "the same records, each writer's shards",
+     None),
     ("image pipeline 1 process, webds/webdataset", 1.2, "pipeline",
      WEBDS, "webdataset WebDataset", "decode+augment+batch, no loader",
      ("no loader", "decode+augment alone")),
@@ -200,6 +209,7 @@ class Suite:
     def run(self) -> None:
         steps: Dict[str, Callable[[], None]] = {
             "read-small": self.read_small,
+            "read-small-wds": self.read_small_wds,
             "read-images": lambda: self.read_images(cold=False),
             "read-images-cold": lambda: self.read_images(cold=True),
             "pipeline": self.pipeline,
@@ -239,6 +249,19 @@ class Suite:
             wds_ds = L.raw_dataset("webdataset", urls)
             v["webdataset WebDataset"] = lambda: L.count(wds_ds)
         self._measure("read-small", v)
+
+    def read_small_wds(self) -> None:
+        urls = self.data.small_shards_wds()
+        if not urls:
+            self.notes.append("read-small-wds skipped: webdataset was not installed")
+            return
+        # No bare reader loop here: it knows no pax headers, so it would count each as a sample.
+        ds, own_ds = L.raw_dataset("webds", urls), L.raw_dataset("webds", self.data.small_shards())
+        v: Dict[str, Any] = {WEBDS: lambda: L.count(ds), WEBDS_OWN: lambda: L.count(own_ds)}
+        if self.wds:
+            wds_ds = L.raw_dataset("webdataset", urls)
+            v["webdataset WebDataset"] = lambda: L.count(wds_ds)
+        self._measure("read-small-wds", v)
 
     def read_images(self, cold: bool) -> None:
         if cold and not hasattr(os, "posix_fadvise"):
