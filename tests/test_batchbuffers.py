@@ -162,3 +162,21 @@ def test_batches_that_grow_get_bigger_buffers(tmp_path):
             assert x.shape == (n + 1, 1000) and bool((x == n).all())
             seen.append(n)
         assert sorted(seen) == list(range(0, 60, 3))
+
+
+def test_short_shared_memory_sends_batches_the_usual_way(monkeypatch):
+    """When a slot can't be made (a container's small /dev/shm), the batch goes torch's way and
+    the pool makes no more slots; nothing is lost."""
+    from webds.stages import batchbuffers
+
+    pool = batchbuffers.SlotPool()
+    first = pool.pack((torch.arange(6),))
+    assert isinstance(first, batchbuffers.Packed)
+
+    def no_space(self):
+        raise RuntimeError("unable to write to file </torch_1>: No space left on device (28)")
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", no_space)
+    batch = (torch.ones(1000),)
+    assert pool.pack(batch) is batch  # slot 0 is busy and no other can be made
+    assert not pool.can_grow

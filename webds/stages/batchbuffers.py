@@ -99,6 +99,7 @@ class SlotPool:
         self.max_slots = max_slots
         self.slots: List[torch.Tensor] = []
         self.generation: List[int] = []
+        self.can_grow = True  # False once shared memory ran short
 
     def pack(self, batch: Any) -> Any:
         """The batch as a :class:`Packed`, or as it is if it cannot be (nothing to pack, a
@@ -144,9 +145,15 @@ class SlotPool:
                 if memory.numel() >= nbytes:
                     return s
                 spare = s
-        if spare < 0 and len(self.slots) == self.max_slots:
+        if spare < 0 and (len(self.slots) == self.max_slots or not self.can_grow):
             return -1
-        memory = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()
+        try:
+            memory = torch.empty(max(nbytes, 1), dtype=torch.uint8).share_memory_()
+        except (RuntimeError, OSError):
+            # Shared memory is short (a container's small /dev/shm): make no more slots, and
+            # send this batch torch's way, which frees its memory once the batch is used.
+            self.can_grow = False
+            return -1
         if spare >= 0:  # a free slot too small for this batch: grow it
             self.slots[spare] = memory
             self.generation[spare] += 1
