@@ -124,7 +124,7 @@ def run_example(args: list, torchrun: bool = False) -> subprocess.CompletedProce
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-12000:]}"
     return proc
 
 
