@@ -88,3 +88,12 @@ class Tracked:
             raise StopIteration
         self.pulled += 1
         return self.pulled - 1
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group ``pgid`` is still running (``pipe:`` tests)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -7,10 +7,10 @@ before the command has exited: closing the stream must still wait (bounded) for 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import pytest
+from conftest import group_alive
 
 from webds import DataPipeline, SimpleShardList, TarWriter, tarfile_to_samples
 from webds import errors as webds_errors
@@ -40,19 +40,11 @@ def _keys(url_or_stream) -> list:
     return [s["__key__"] for s in _samples(url_or_stream)]
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _gone(pgid: int) -> bool:
     deadline = time.monotonic() + 10
-    while _group_alive(pgid) and time.monotonic() < deadline:
+    while group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return not _group_alive(pgid)
+    return not group_alive(pgid)
 
 
 @pytest.mark.parametrize(

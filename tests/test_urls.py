@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from conftest import group_alive
 
 from webds.errors import ArgumentError, OpenError, WebdsError
 from webds.io.pipes import PipeStream
@@ -144,25 +145,17 @@ def test_pipe_failure_detected_at_close():
     assert f.closed
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_pipe_early_close_kills_whole_group():
     f = open_url("pipe:yes | cat | cat")
     assert isinstance(f, PipeStream)
     assert f.read(10) == b"y\ny\ny\ny\ny\n"
     pgid = f.proc.pid
-    assert _group_alive(pgid)
+    assert group_alive(pgid)
     f.close()  # stopping early is not an error
     deadline = time.time() + 10
-    while _group_alive(pgid) and time.time() < deadline:
+    while group_alive(pgid) and time.time() < deadline:
         time.sleep(0.05)
-    assert not _group_alive(pgid), "processes of the pipe outlived the stream"
+    assert not group_alive(pgid), "processes of the pipe outlived the stream"
 
 
 def test_pipe_write(tmp_path):
@@ -189,9 +182,9 @@ def test_pipe_stream_does_not_leak_on_gc():
     pgid = f.proc.pid
     del f
     deadline = time.time() + 10
-    while _group_alive(pgid) and time.time() < deadline:
+    while group_alive(pgid) and time.time() < deadline:
         time.sleep(0.05)
-    assert not _group_alive(pgid)
+    assert not group_alive(pgid)
 
 
 def test_fsspec_memory_roundtrip():
