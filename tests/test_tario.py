@@ -878,3 +878,28 @@ def test_random_pax_archives_read_as_tarfile_reads_them(tmp_path: Path, seed: in
     with open(path, "rb") as f:
         got = list(read_members(f, str(path)))
     assert got == want
+
+
+@pytest.mark.parametrize("step", [None, 1000, 1536, 4099])
+def test_repeated_pax_blocks_across_read_chunks(tmp_path: Path, step) -> None:
+    """tarfile's PAX members with float mtimes (27- and 28-byte records, so two alternating pax
+    blocks, as webdataset writes them), now and then a pax path or size among them, read through
+    reads of odd sizes: the blocks recognised in place never hide a path and offsets stay exact."""
+    import random
+
+    rng = random.Random(step or 1)
+    path = tmp_path / "w.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for i in range(400):
+            data = rng.randbytes(rng.choice([0, 1, 511, 512, 513, 1500]))
+            info = tarfile.TarInfo(f"{i // 2:05d}.{'bin' if i % 2 else 'cls'}")
+            info.size = len(data)
+            info.mtime = 1795639586 + rng.choice([0.25, 0.299383, 0.2995424])
+            if rng.random() < 0.05:
+                info.pax_headers = {"path": f"renamed/{i}.bin"}
+            tf.addfile(info, io.BytesIO(data))
+    raw = path.read_bytes()
+    with tarfile.open(path) as tf:
+        want = [(m.name, tf.extractfile(m).read(), m.offset) for m in tf.getmembers()]  # type: ignore[union-attr]
+    stream = io.BytesIO(raw) if step is None else Dribble(raw, step)
+    assert list(read_members(stream, "w.tar")) == want

@@ -102,6 +102,10 @@ def read_members(
         # mtime=", and their data size): the same block followed by that start is skipped at once.
         pax_known: Dict[bytes, Tuple[bytes, int]] = {}
         pax_tries = 64
+        # The last two of them and their records' starts, compared in place first, once a
+        # block has been seen twice (paxed).
+        paxed = False
+        pax1 = pax2 = rec1 = rec2 = b""
         # Where the previous member's data ended, to tell "truncated data" from "truncated padding".
         last_name: Optional[str] = None
         last_data_end = 0
@@ -150,6 +154,21 @@ def read_members(
                     return
 
             hoff = base + pos
+            if (
+                paxed
+                and pos + 1536 <= nbuf
+                and not slow
+                and (
+                    (buf.startswith(pax1, pos) and buf.startswith(rec1, pos + 512))
+                    or (buf.startswith(pax2, pos) and buf.startswith(rec2, pos + 512))
+                )
+            ):
+                # One of the last two pax header blocks seen (below), compared in place: no
+                # slice, no hash. Skipped, and its member read in the same turn.
+                if xoff < 0:
+                    xoff = hoff
+                pos += 1024
+                hoff += 1024
             hdr = buf[pos : pos + 512]
             if hdr[156] == _PAX_MEMBER and not slow:
                 known = pax_known.get(hdr)
@@ -159,9 +178,19 @@ def read_members(
                     # already checked, so skipped without a checksum or a parse.
                     if xoff < 0:
                         xoff = hoff
-                    last_name, last_data_end = None, hoff + 512 + known[1]
+                    if paxed:
+                        pax2, rec2, pax1, rec1 = pax1, rec1, hdr, known[0]
+                    else:
+                        pax2 = pax1 = hdr
+                        rec2 = rec1 = known[0]
+                        paxed = True
+                    if pos + 1536 > nbuf:
+                        last_name, last_data_end = None, hoff + 512 + known[1]
+                        pos += 1024
+                        continue
                     pos += 1024
-                    continue
+                    hoff += 1024
+                    hdr = buf[pos : pos + 512]
 
             # Checksum: adler32's low half is (1 + sum) mod 65521, computed in C. Replace the stored
             # checksum bytes by 8 spaces and compare modulo 65521; exact sums only on a mismatch.
