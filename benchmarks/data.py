@@ -15,7 +15,9 @@ The same images are stored three ways::
     DIR/images/shards/img-000000.tar ...            webds.ShardWriter, 100 samples per shard
 
 and a small-record set (1-2 KB samples: ``bin`` random bytes + ``cls``) as
-``DIR/small/small-000000.tar ...`` (10,000 samples per shard).
+``DIR/small/small-000000.tar ...`` (10,000 samples per shard), as webdataset's ShardWriter writes
+them (``wds-small-000000.tar ...``, when webdataset is installed), and one file per sample
+(``DIR/small/files/00000000.bin ...`` + labels.csv).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ PHOTOS = (
 IMAGES_PER_SHARD = 100
 SMALL_PER_SHARD = 10_000
 #: Bump when the way data is made changes, so a kept --data folder is rebuilt.
-DATA_VERSION = 2  # 2: the small records also as webdataset writes them
+DATA_VERSION = 3  # 2: the small records also as webdataset writes them; 3: and as files
 
 
 # -- Fashion-MNIST (also used by bench_pack.py and bench_imagenet.py) ----------------------------
@@ -186,6 +188,7 @@ class Data:
         self.zip = root / "images" / "images.zip"
         self.shards = root / "images" / "shards"
         self.small = root / "small"
+        self.small_files = root / "small" / "files"
 
     @property
     def n_images(self) -> int:
@@ -269,6 +272,11 @@ def build(root: Path, n_images: int, n_small: int, seed: int = 0) -> Data:
         for rec in records:
             small_bytes += len(rec["bin"])
             sink.write(rec)
+    data.small_files.mkdir()
+    for rec in records:
+        (data.small_files / f"{rec['__key__']}.bin").write_bytes(rec["bin"])
+    small_csv = "".join(f"{rec['__key__']}.bin,{rec['cls']}\n" for rec in records)
+    (data.small_files / "labels.csv").write_text(small_csv)
     try:
         import webdataset
     except ImportError:

@@ -97,6 +97,9 @@ RATIO_TARGETS = [
     ("ShardWriter small, webds/webdataset", 5, "write-small",
      "webds ShardWriter", "webdataset ShardWriter", "webds also writes its index + sha256",
      None),
+    ("shards/file-per-sample, small records, warm", 3, "read-small",
+     WEBDS, "files Dataset", "1-2 KB records, one process",
+     ("bare loop", "bare reader loop")),
     ("shards/file-per-sample, warm cache", 3, "read-images",
      WEBDS, "files Dataset", "raw samples, one process",
      ("bytes only", SHARD_BYTES)),
@@ -240,7 +243,11 @@ class Suite:
         import webds
 
         urls = self.data.small_shards()
-        v: Dict[str, Any] = {"bare reader loop": lambda: L.bare_read_samples(urls)}
+        files = L.FileDataset(self.data.small_files)
+        v: Dict[str, Any] = {
+            "bare reader loop": lambda: L.bare_read_samples(urls),
+            "files Dataset": lambda: L.iterate_map_style(files),
+        }
         ds = L.raw_dataset("webds", urls)
         v[WEBDS] = lambda: L.count(ds)
         pipe = webds.DataPipeline(webds.SimpleShardList(urls), webds.tarfile_to_samples())
