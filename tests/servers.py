@@ -484,6 +484,9 @@ class RangeHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True
     block_on_close = False
+    # socketserver's default backlog is 5: readers with several connections in flight (read-ahead
+    # in two workers) overflow it, and a dropped connect is retried by TCP after 1, 3, 7... s.
+    request_queue_size = 128
 
     def __init__(self, root: Path) -> None:
         super().__init__((LOOPBACK, 0), _Handler)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 from .counting import check_state, restore_entropy, with_topology
 from .errors import ArgumentError, WebdsError
+from .io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead
 from .io.urls import url_identity
 from .keywords import legacy_keywords
 from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, stage
@@ -233,6 +234,12 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``max_member_size``: the largest member read out of a compressed shard (``.tar.gz``,
       ``.tar.bz2``, ``.tar.xz``); default 1 GiB (:data:`webds.tar.reader.DEFAULT_MAX_MEMBER_SIZE`).
       A larger one raises :class:`~webds.errors.ShardReadError` before it is read.
+    - ``readahead`` / ``readahead_shards``: while a shard is read, the next ``readahead_shards``
+      (default 4) remote shards of this process's list are fetched, each on its own connection,
+      holding at most ``readahead`` bytes not yet read (default 128 MiB per process; see
+      :mod:`webds.io.readahead`). ``readahead=False`` turns it off; ``True`` reads local files
+      and ``pipe:`` commands ahead too. Order, splitting, errors, caching and resume are as
+      without it.
 
     Older keywords still work (see :func:`webds.keywords.legacy_keywords`): webdataset 1.x's
     ``mode="resampled"``, ``detshuffle``, ``verbose`` and ``url_to_name``, and the 0.1 style
@@ -260,6 +267,8 @@ class WebDataset(DataPipeline, FluentMixin):
         index: Union[str, "os.PathLike[str]", ShardIndex, bool, None] = None,
         balance: Optional[str] = None,
         max_member_size: Optional[int] = None,
+        readahead: Union[bool, int, None] = None,
+        readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
         **legacy: Any,
     ) -> None:
         super().__init__()
@@ -272,6 +281,7 @@ class WebDataset(DataPipeline, FluentMixin):
             seed = default_seed()
         self.seed = seed
         check_balance(balance)
+        check_readahead(readahead, readahead_shards)
         shard_index = _shard_index(urls, index, storage_options)
         if balance is not None and shard_index is None:
             raise ArgumentError(
@@ -334,6 +344,8 @@ class WebDataset(DataPipeline, FluentMixin):
                 select_files=select_files,
                 rename_files=rename_files,
                 max_member_size=max_member_size,
+                readahead=readahead,
+                readahead_shards=readahead_shards,
                 **(storage_options or {}),
             )
         )

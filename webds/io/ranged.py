@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 from typing import Any, Awaitable, Callable, Optional, Tuple
 
@@ -220,6 +221,14 @@ def _sync(loop: Any, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         raise
 
 
+def _forked(pid: int) -> bool:
+    """Whether this is a forked child of the process that opened the stream (``pid``): a
+    stream inherited as garbage (a pipeline abandoned before a DataLoader forked its workers)
+    is collected there, and its connection belongs to the parent's event loop, whose thread
+    does not exist in the child. Closing it would wait on that loop forever; it is dropped."""
+    return os.getpid() != pid
+
+
 async def _call(fn: Callable[[], Any]) -> None:
     fn()  # in the event loop's thread: aiohttp and aiobotocore objects belong to it
 
@@ -237,6 +246,7 @@ class RangedStream(ReadStream):
             self._loop, _bounded, get(fs, path, offset), read_timeout, "waiting for the response"
         )
         self._eof = False
+        self._pid = os.getpid()
 
     def read(self, n: int = -1) -> bytes:
         if self._read is None:
@@ -253,6 +263,9 @@ class RangedStream(ReadStream):
         from fsspec.asyn import sync
 
         self._read = None
+        if _forked(self._pid):
+            super().close()
+            return
         try:
             sync(self._loop, _call, self._close)
         except Exception as exn:  # closing a broken response must not mask the real outcome
@@ -270,6 +283,7 @@ class StreamedFile(ReadStream):
         self._afile = afile
         self._limit = read_timeout
         self.size = size  # known up front, so an early end of the body is caught and resumed
+        self._pid = os.getpid()
 
     def read(self, n: int = -1) -> bytes:
         what = "waiting for the next bytes of the body"
@@ -280,6 +294,9 @@ class StreamedFile(ReadStream):
             return
         from fsspec.asyn import sync
 
+        if _forked(self._pid):
+            super().close()
+            return
         try:
             close = getattr(self._afile, "close", None)
             if close is not None:

@@ -8,9 +8,12 @@ fix (credentials, endpoint, bucket, extra to install). fsspec is imported only w
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
-from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
+import os
+import sys
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 from urllib.parse import urlparse
 
 from ..errors import OpenError, ShardReadError, WebdsError
@@ -27,6 +30,7 @@ log = logging.getLogger("webds")
 
 __all__ = [
     "filesystem_options",
+    "fsspec_opener",
     "REMOTE_BLOCK_SIZE",
     "seek_opener",
     "resumable_fsspec",
@@ -42,6 +46,32 @@ REMOTE_BLOCK_SIZE = 8 << 20
 _OPEN_OPTIONS = ("block_size", "cache_type", "cache_options")
 # storage_options that say how to read a stream (open and retry), not how to build a filesystem.
 _STREAM_OPTIONS = _OPEN_OPTIONS + ("retries", "retry_backoff", "read_timeout")
+
+
+def _mark_inherited_fsspec_loop_stopped() -> None:
+    """In a forked child (a DataLoader worker), mark fsspec's IO loop inherited from the parent
+    as not running: its thread did not survive the fork, but the loop object says it runs, so
+    closing each http session inherited from the parent (when its filesystem is collected, or
+    at exit) waits a second on it for nothing. Marked stopped, fsspec closes their connections
+    at once. fsspec itself starts a new loop in the child."""
+    held: List[Any] = []
+
+    def before() -> None:
+        asyn = sys.modules.get("fsspec.asyn")
+        loop = getattr(asyn, "loop", [None])[0] if asyn is not None else None
+        held[:] = [loop] if loop is not None else []
+
+    def after_in_child() -> None:
+        for loop in held:
+            if hasattr(loop, "_thread_id"):
+                loop._thread_id = None  # what BaseEventLoop.is_running() reads
+        held.clear()
+
+    os.register_at_fork(before=before, after_in_child=after_in_child, after_in_parent=held.clear)
+
+
+if hasattr(os, "register_at_fork"):
+    _mark_inherited_fsspec_loop_stopped()
 
 
 def filesystem_options(storage_options: Dict[str, Any]) -> Dict[str, Any]:
@@ -99,7 +129,18 @@ _NO_CREDENTIALS = {
 
 
 def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
-    """Open a remote URL through fsspec, streaming-friendly, with errors as OpenError.
+    """Open a remote URL through fsspec, streaming-friendly, with errors as OpenError (see
+    :func:`fsspec_opener`)."""
+    return fsspec_opener(url, mode, storage_options)()
+
+
+def fsspec_opener(url: str, mode: str, storage_options: dict) -> Callable[[], BinaryIO]:
+    """Resolve a remote URL's fsspec filesystem now; the function returned opens the URL.
+
+    The filesystem is looked up (or made) in the calling thread, so that threads which open
+    for it (:mod:`webds.io.readahead`) share its session and connections: fsspec keeps one
+    instance per thread, each with its own session, which a forked DataLoader worker then
+    spends a second closing.
 
     ``block_size``, ``cache_type`` and ``cache_options`` in ``storage_options`` go to
     ``fs.open()``; ``retries``, ``retry_backoff`` and ``read_timeout`` set how reads recover from
@@ -138,6 +179,25 @@ def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
     except Exception as exn:
         raise _remote_error(exn, url, scheme) from exn
     defaults = _read_defaults(fs, options, open_kw) if mode == "rb" else {}
+    return functools.partial(
+        _open_resolved, fs, path, url, scheme, mode, options, open_kw, defaults, read_timeout,
+        retries, backoff,
+    )  # fmt: skip
+
+
+def _open_resolved(
+    fs: Any,
+    path: str,
+    url: str,
+    scheme: str,
+    mode: str,
+    options: Dict[str, Any],
+    open_kw: Dict[str, Any],
+    defaults: Dict[str, Any],
+    read_timeout: Optional[float],
+    retries: int,
+    backoff: BackoffLike,
+) -> BinaryIO:
 
     def open_file() -> BinaryIO:
         try:

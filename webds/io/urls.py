@@ -18,6 +18,7 @@ One entry point, :func:`open_url`, for every kind of location a shard can live i
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import sys
@@ -28,11 +29,12 @@ from urllib.request import url2pathname
 from ..errors import ArgumentError, OpenError, WebdsError
 from .pipes import PIPE_IDLE_SECONDS, PipeStream
 from .ranged import check_read_timeout
-from .remote import _open_fsspec, filesystem_options
+from .remote import _open_fsspec, filesystem_options, fsspec_opener
 from .streams import AtomicFile, _Unclosable
 
 __all__ = [
     "open_url",
+    "deferred_open",
     "local_path",
     "url_identity",
     "url_scheme",
@@ -192,6 +194,29 @@ def open_url(
     if path is not None:
         return _open_local(url, path, mode)
     return _open_fsspec(url, mode, storage_options)
+
+
+def deferred_open(
+    url: PathOrURL, mode: str = "rb", **storage_options: Any
+) -> Callable[[], BinaryIO]:
+    """``open_url(url, mode, **storage_options)`` in two steps: what needs no I/O now, in this
+    thread (an fsspec URL's filesystem, shared with this thread's other opens), the rest when
+    the function returned is called, maybe in another thread. An error of the first step is
+    raised by that call too, so that it comes in the shard's turn."""
+    name = os.fspath(url)
+    plain = functools.partial(open_url, url, mode, **storage_options)
+    if (
+        not isinstance(name, str)
+        or name in ("", "-")
+        or name.startswith("pipe:")
+        or local_path(name) is not None
+        or _registered_opener(name) is not None
+    ):
+        return plain
+    try:
+        return fsspec_opener(name, mode, storage_options)
+    except Exception:  # raised again, in its turn, by the same call
+        return plain
 
 
 def _registered_opener(url: str) -> Optional[SchemeOpener]:

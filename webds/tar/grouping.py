@@ -28,6 +28,7 @@ the incomplete sample in flight is dropped, and reading goes on with the next sh
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -35,7 +36,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from ..errors import ArgumentError, OpenError, SampleError, WebdsError
 from ..io.streams import abandon_stream
-from ..io.urls import local_path, open_url
+from ..io.urls import deferred_open, local_path
 from ..stages.core import stage
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
 from .reader import read_members
@@ -106,12 +107,34 @@ def _shard_url(shard: Any) -> str:
 
 def _open_shard(shard: Any, storage_options: Dict[str, Any]) -> Tuple[str, Any, Optional[str]]:
     """Return ``(url, stream, local_path)`` for a shard descriptor, opening it if needed."""
+    return _shard_opener(shard, storage_options)()
+
+
+def _shard_opener(
+    shard: Any, storage_options: Dict[str, Any]
+) -> Callable[[], Tuple[str, Any, Optional[str]]]:
+    """:func:`_open_shard` in two steps (see :func:`~webds.io.urls.deferred_open`): what needs
+    no I/O now, the open when the function returned is called (maybe in another thread)."""
+    try:
+        url = _shard_url(shard)
+    except Exception:
+        return functools.partial(_open_shard_now, shard, None)
+    given = shard if isinstance(shard, dict) else {}
+    if given.get("stream") is not None:
+        return functools.partial(_open_shard_now, shard, None)
+    return functools.partial(_open_shard_now, shard, deferred_open(url, "rb", **storage_options))
+
+
+def _open_shard_now(
+    shard: Any, open_stream: Optional[Callable[[], Any]]
+) -> Tuple[str, Any, Optional[str]]:
     url = _shard_url(shard)
     given = shard if isinstance(shard, dict) else {}
     stream = given.get("stream")
     if stream is None:
+        assert open_stream is not None
         try:
-            stream = open_url(url, "rb", **storage_options)
+            stream = open_stream()
         except WebdsError:
             raise
         except Exception as exn:

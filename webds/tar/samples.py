@@ -13,10 +13,13 @@ the incomplete sample in flight is dropped, and reading goes on with the next sh
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
 
 from ..errors import ShardReadError
+from ..io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead, fetch_ahead
+from ..io.urls import url_scheme
 from ..stages.core import stage
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
 from ..stages.ledger import LEAF
@@ -27,6 +30,7 @@ from .grouping import (  # noqa: F401  (the one-step stages: importable from her
     _kept_name,
     _member_key,
     _open_shard,
+    _shard_opener,
     _warn_dotless,
     base_plus_ext,
     group_by_keys,
@@ -57,6 +61,8 @@ def tarfile_to_samples(
     lcase: bool = True,
     *,
     max_member_size: Optional[int] = None,
+    readahead: Union[bool, int, None] = None,
+    readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
     ledger: Any = None,
     **storage_options: Any,
 ) -> Iterator[Dict[str, Any]]:
@@ -69,7 +75,10 @@ def tarfile_to_samples(
     ``max_member_size`` bounds the members of compressed shards (see
     :func:`~webds.tar.reader.read_members`). A shard must end with its end-of-archive marker; one
     cut at a member boundary is an error (its sample in flight is never yielded) unless an index
-    planned it and its sample count is complete. In a pipeline,
+    planned it and its sample count is complete. While a shard is read, the next
+    ``readahead_shards`` remote shards are fetched within a ``readahead`` budget of bytes
+    (:mod:`webds.io.readahead`; True reads local shards ahead too, False turns it off). In a
+    pipeline,
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
     :mod:`webds.stages.ledger`); when resuming, the samples consumed before are skipped.
     """
@@ -80,17 +89,32 @@ def tarfile_to_samples(
     # Not resuming, a sample read is recorded in the ledger's ``reading`` [shard, sample], two
     # stores, rather than through produce(): this runs once per sample.
     reading = ledger.reading if ledger is not None else None
-    try:
+    budget, depth, every_shard = check_readahead(readahead, readahead_shards)
+
+    def numbered() -> Iterator[Tuple[Any, int]]:
+        # Each shard with its ledger id, taken as it is pulled: shards read ahead are pulled
+        # before the samples of the one being read are all yielded.
         for shard in src:
-            if ledger is not None:
-                item = ledger.current
-                base = item & ~LEAF if isinstance(item, int) else -1
-                if resuming and base >= 0 and ledger.skips_item(base >> 32):
-                    continue  # all its samples were consumed before the resume: not opened
-                if base >= 0:
-                    ledger.start_reading(base >> 32)
+            item = ledger.current if ledger is not None else None
+            k = item & ~LEAF if isinstance(item, int) else -1
+            if resuming and k >= 0 and ledger.skips_item(k >> 32):
+                continue  # all its samples were consumed before the resume: not opened
+            yield shard, k
+
+    shards = fetch_ahead(
+        numbered(),
+        name=lambda entry: _shard_name(entry[0]),
+        opener=lambda entry: _shard_opener(entry[0], storage_options),
+        ahead=lambda entry: _reads_ahead(entry[0], every_shard),
+        shards=depth,
+        budget=budget,
+    )
+    try:
+        for (shard, base), opened in shards:
+            if base >= 0:
+                ledger.start_reading(base >> 32)
             try:
-                url, stream, lpath = _open_shard(shard, storage_options)
+                url, stream, lpath = opened()
             except Exception as exn:
                 if policy(exn):
                     continue
@@ -232,10 +256,33 @@ def tarfile_to_samples(
             if base >= 0:
                 ledger.finish(base >> 32)
     finally:
+        shards.close()  # cancels the shards fetched ahead and not read
         policy.report()
 
 
 _NO_RANGE = sys.maxsize
+
+
+def _shard_name(shard: Any) -> str:
+    url = shard.get("url") if isinstance(shard, dict) else shard
+    return str(url)
+
+
+def _reads_ahead(shard: Any, every_shard: bool) -> bool:
+    """Whether ``shard`` is fetched ahead: remote shards (fsspec URLs, not yet in a local cache)
+    by default, every shard with ``readahead=True``."""
+    if every_shard:
+        return True
+    if isinstance(shard, dict):
+        if shard.get("local_path") is not None:
+            return False  # opened from a local copy (the shard cache)
+        url = shard.get("url")
+    else:
+        url = shard
+    if not isinstance(url, (str, os.PathLike)):
+        return False  # opened in its turn, where a bad descriptor raises
+    url = os.fspath(url)
+    return url != "-" and url_scheme(url) not in (None, "file", "pipe")
 
 
 def _sample_range(shard: Any) -> Tuple[int, int, int]:

@@ -1,0 +1,394 @@
+"""Read-ahead of remote shards (webds.io.readahead): shards are fetched while another is read,
+and nothing else changes: the same samples in the same order, errors at their own shard's place,
+exact mid-epoch resume, one request per http shard, the shard cache; stopping early leaves no
+thread and no connection behind; the bytes held stay within the budget.
+
+Real HTTP servers on loopback (tests/servers.py), real DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import random
+import threading
+import time
+from collections import Counter
+from typing import Any, List
+
+import pytest
+from conftest import sample_members, write_tar
+from test_resume import flat, random_pipeline, resume
+
+import webds
+from webds.errors import ArgumentError, OpenError, ShardReadError
+from webds.io import readahead as ra
+from webds.shards.index import ShardIndex
+from webds.stages.handlers import warn_and_continue
+
+
+def serve_shards(server: Any, sizes: List[int], member_bytes: int = 10) -> List[str]:
+    """Shards of the given sample counts on ``server``; their URLs (keys s{i}-{j:06d})."""
+    urls = []
+    for i, n in enumerate(sizes):
+        members = sample_members(n, prefix=f"s{i}-")
+        if member_bytes > 10:
+            members = [(name, os.urandom(member_bytes)) for name, _ in members]
+        path = server.root / f"shard-{i}.tar"
+        write_tar(path, members)
+        urls.append(server.url(path.name))
+    return urls
+
+
+def keys(ds: Any) -> List[str]:
+    return [s["__key__"] for s in ds]
+
+
+def readahead_threads() -> List[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("webds-readahead")]
+
+
+def wait_for(condition: Any, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def connections_to(port: int) -> int:
+    """Established TCP connections of this process to 127.0.0.1:``port`` (from /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    n = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            remote, state, inode = fields[2], fields[3], fields[9]
+            if state == "01" and int(remote.split(":")[1], 16) == port and inode in inodes:
+                n += 1
+    return n
+
+
+# -- the same samples in the same order ----------------------------------------------------------
+
+
+def test_one_request_per_http_shard_and_the_same_samples(http_server):
+    urls = serve_shards(http_server, [7, 0, 5, 9, 3, 4])
+    before = http_server.requests
+    got = keys(webds.WebDataset(urls, shardshuffle=False, empty_check=False))
+    assert http_server.requests - before == len(urls)  # one GET each, no HEAD
+    assert all(method == "GET" for method, _, _ in http_server.log)
+    off = keys(webds.WebDataset(urls, shardshuffle=False, readahead=False, empty_check=False))
+    assert (
+        got == off == [f"s{i}-{j:06d}" for i, n in enumerate([7, 0, 5, 9, 3, 4]) for j in range(n)]
+    )
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_random_configurations_read_the_same_samples(http_server, case):
+    """Shard counts and sizes, read-ahead depth and budget (down to 1 byte), shard shuffling,
+    0 or 2 DataLoader workers: the same keys in the same order as without read-ahead."""
+    rng = random.Random(case)
+    sizes = [rng.randint(0, 30) for _ in range(rng.randint(1, 9))]
+    sizes[0] = max(1, sizes[0])
+    urls = serve_shards(http_server, sizes, member_bytes=rng.choice([10, 3000, 70000]))
+    depth = rng.randint(1, 6)
+    budget = rng.choice([1, 4096, 1 << 20, ra.DEFAULT_READAHEAD_BYTES])
+    shuffle = rng.random() < 0.5
+    workers = rng.choice([0, 2])
+
+    def run(**kw: Any) -> List[str]:
+        ds = webds.WebDataset(urls, shardshuffle=shuffle, seed=case, empty_check=False, **kw)
+        if workers == 0:
+            return keys(ds)
+        loader = webds.WebLoader(ds, batch_size=None, num_workers=workers)
+        return keys(loader)
+
+    want = run(readahead=False)
+    assert run(readahead=budget, readahead_shards=depth) == want
+    assert sorted(want) == sorted(f"s{i}-{j:06d}" for i, n in enumerate(sizes) for j in range(n))
+
+
+def test_local_shards_are_not_read_ahead_unless_asked(tmp_path, monkeypatch):
+    for i in range(3):
+        write_tar(tmp_path / f"l-{i}.tar", sample_members(4, prefix=f"l{i}-"))
+    spec = str(tmp_path / "l-{0..2}.tar")
+    started: List[str] = []
+    real = ra.Fetch.__init__
+
+    def spy(self: Any, name: str, *args: Any) -> None:
+        started.append(name)
+        real(self, name, *args)
+
+    monkeypatch.setattr(ra.Fetch, "__init__", spy)
+    plain = keys(webds.WebDataset(spec, shardshuffle=False))
+    assert started == []
+    assert keys(webds.WebDataset(spec, shardshuffle=False, readahead=True)) == plain
+    assert len(started) == 3
+
+
+# -- errors at their own place -------------------------------------------------------------------
+
+
+def test_a_shard_that_fails_ahead_raises_in_its_turn(http_server):
+    urls = serve_shards(http_server, [5, 5, 5, 5])
+    urls[2] = http_server.url("missing.tar")
+    ds = webds.WebDataset(urls, shardshuffle=False, readahead_shards=3)
+    got: List[str] = []
+    with pytest.raises(OpenError) as info:
+        for s in ds:
+            got.append(s["__key__"])
+    assert got == [f"s{i}-{j:06d}" for i in (0, 1) for j in range(5)]  # all before it, first
+    assert "missing.tar" in str(info.value)
+    # Skipped by a handler: every other shard, in order.
+    ds = webds.WebDataset(urls, shardshuffle=False, handler=warn_and_continue)
+    assert keys(ds) == [f"s{i}-{j:06d}" for i in (0, 1, 3) for j in range(5)]
+
+
+def test_a_damaged_shard_read_ahead_yields_its_whole_samples_then_raises(http_server):
+    urls = serve_shards(http_server, [4, 6, 4], member_bytes=3000)
+    damaged = http_server.root / "shard-1.tar"
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[: len(data) // 2])  # cut in the middle of a member
+    got: List[str] = []
+    with pytest.raises(ShardReadError) as info:
+        for s in webds.WebDataset(urls, shardshuffle=False):
+            got.append(s["__key__"])
+    assert info.value.url == urls[1]
+    assert got[:4] == [f"s0-{j:06d}" for j in range(4)]
+    assert all(k.startswith("s1-") for k in got[4:]) and len(got) < 10
+
+
+def test_a_shard_list_that_fails_raises_after_the_shards_before_it(http_server):
+    urls = serve_shards(http_server, [3, 3, 3])
+
+    def listing():
+        yield from urls[:2]
+        raise RuntimeError("listing failed")
+
+    pipe = webds.DataPipeline(listing, webds.tarfile_to_samples(readahead_shards=4))
+    got: List[str] = []
+    with pytest.raises(RuntimeError, match="listing failed"):
+        for s in pipe:
+            got.append(s["__key__"])
+    assert got == [f"s{i}-{j:06d}" for i in (0, 1) for j in range(3)]
+
+
+# -- stopping early --------------------------------------------------------------------------------
+
+
+def test_stopping_early_leaves_no_thread_and_no_connection(http_server):
+    urls = serve_shards(http_server, [40] * 8, member_bytes=50_000)  # 2 MB shards
+    for _ in range(3):
+        it = iter(webds.WebDataset(urls, shardshuffle=False, readahead_shards=5))
+        for _ in range(10):
+            next(it)
+        assert readahead_threads()
+        it.close()
+        assert wait_for(lambda: not readahead_threads()), readahead_threads()
+        # Cancelled bodies close their connections; the session may keep finished ones idle.
+        assert wait_for(lambda: connections_to(http_server.port) <= 6)
+    # with_epoch cuts the stream: the same.
+    ds = webds.WebDataset(urls, shardshuffle=False).with_epoch(15)
+    assert len(keys(ds)) == 15
+    assert wait_for(lambda: not readahead_threads())
+
+
+def test_stopping_while_a_server_stalls_ends_within_the_read_timeout(flaky_http_server):
+    urls = serve_shards(flaky_http_server, [3, 3, 3], member_bytes=100_000)
+    flaky_http_server.stall_after(1000, seconds=60, times=3)
+    ds = webds.WebDataset(
+        urls, shardshuffle=False, storage_options={"read_timeout": 1.0, "retries": 0}
+    )
+    it = iter(ds)
+    with pytest.raises(ShardReadError):
+        next(it)  # the first shard stalls: raised after 1 s
+    it.close()
+    start = time.monotonic()
+    assert wait_for(lambda: not readahead_threads(), 10)
+    assert time.monotonic() - start < 5
+
+
+# -- resume, cache, loaders -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", range(16))
+def test_resume_mid_epoch_is_exact_with_read_ahead(http_server, monkeypatch, case):
+    """Random pipelines (tests/test_resume.py's) over http shards read ahead: the samples before
+    the checkpoint plus those after loading the state are one uninterrupted epoch."""
+    monkeypatch.delenv("WDS_SEED", raising=False)
+    rng = random.Random(1000 + case)
+    sizes = [rng.randint(0, 9) for _ in range(rng.randint(2, 6))]
+    sizes[0] = max(sizes[0], 3)
+    urls = serve_shards(http_server, sizes, member_bytes=rng.choice([10, 20_000]))
+    spec: Any = urls
+    index = rng.random() < 0.4
+    if index:
+        path = http_server.root / "index.json"
+        ShardIndex.build(urls).save(str(path))
+        spec = str(path)
+    seed = rng.choice([None, 7])
+    workers = rng.choice([0, 2])
+    stages, _, drops = random_pipeline(rng, "", seed)
+    depth = rng.randint(1, 4)
+    config = dict(sizes=sizes, index=index, seed=seed, workers=workers, depth=depth)
+
+    def make() -> Any:
+        ds = webds.WebDataset(
+            spec, seed=seed, shardshuffle=True, empty_check=False, readahead_shards=depth
+        )
+        for add in stages:
+            ds = add(ds)
+        return webds.WebLoader(ds, batch_size=None, num_workers=workers)
+
+    a = make()
+    k = rng.randint(0, len(list(a)))
+    a.set_epoch(0)
+    it = iter(a)
+    before = list(itertools.islice(it, k))
+    state = json.loads(json.dumps(a.state_dict()))
+    whole = before + list(it)
+    rest, _ = resume(make, state)
+    got, want = flat(before + rest), flat(whole)
+    if index and drops:
+        assert set(got) == set(want), config
+    else:
+        assert Counter(got) == Counter(want), config
+
+
+def test_cache_dir_with_read_ahead(http_server, tmp_path):
+    urls = serve_shards(http_server, [6, 6, 6, 6], member_bytes=5000)
+    cache = tmp_path / "cache"
+    first = keys(webds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache)))
+    assert len(list(cache.rglob("*.tar"))) == 4
+    requests = http_server.requests
+    again = keys(webds.WebDataset(urls, shardshuffle=False, cache_dir=str(cache)))
+    assert again == first and http_server.requests == requests  # all from the cache
+
+
+# -- the budget ------------------------------------------------------------------------------------
+
+
+class SlowBytes(io.RawIOBase):
+    """A stream of ``n`` bytes delivered ``step`` at a time."""
+
+    def __init__(self, n: int, step: int) -> None:
+        self.left, self.step = n, step
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        k = min(self.left, self.step, n if n >= 0 else self.step)
+        self.left -= k
+        return b"x" * k
+
+
+@pytest.mark.parametrize("budget", [1, 300_000, 3 << 20])
+def test_the_bytes_held_stay_within_the_budget(monkeypatch, budget):
+    """A slow reader and fast streams: the bytes fetched and not yet read never pass the budget
+    plus one read per shard in flight, and the shard being read is never held up by it."""
+    peaks: List[int] = []
+    real_read = ra.Fetch.read
+
+    def watched(self: Any, n: int) -> bytes:
+        peaks.append(self._budget.used)
+        return real_read(self, n)
+
+    monkeypatch.setattr(ra.Fetch, "read", watched)
+    depth = 3
+    items = [(f"shard-{i}", 2_500_000) for i in range(8)]
+
+    def opener(item: Any) -> Any:
+        return lambda: (item[0], SlowBytes(item[1], 200_000), None)
+
+    total = 0
+    for _, opened in ra.fetch_ahead(
+        items, name=lambda it: it[0], opener=opener, ahead=lambda it: True,
+        shards=depth, budget=budget,
+    ):  # fmt: skip
+        _, stream, _ = opened()
+        while True:
+            data = stream.read(65536)
+            if not data:
+                break
+            total += len(data)
+            time.sleep(0.0005)
+        stream.close()
+    assert total == 8 * 2_500_000
+    head = min(budget, ra._HEAD_BYTES)
+    assert max(peaks) <= budget + head + (depth + 1) * 200_000
+    assert wait_for(lambda: not readahead_threads())
+
+
+def test_arguments_are_checked():
+    for bad in (-1, 1.5, "big"):
+        with pytest.raises(ArgumentError, match="readahead"):
+            webds.WebDataset("a.tar", readahead=bad)
+    with pytest.raises(ArgumentError, match="readahead_shards"):
+        webds.WebDataset("a.tar", readahead_shards=-1)
+    assert ra.check_readahead(None, 4) == (ra.DEFAULT_READAHEAD_BYTES, 4, False)
+    assert ra.check_readahead(False, 4)[1] == 0
+    assert ra.check_readahead(True, 2) == (ra.DEFAULT_READAHEAD_BYTES, 2, True)
+    assert ra.check_readahead(1000, 2) == (1000, 2, False)
+
+
+def _child_sees_loop(fs: Any, out: Any) -> None:
+    out.put(fs._loop.is_running())  # fs.loop itself refuses to be used after a fork
+
+
+def test_a_forked_worker_does_not_wait_on_the_parents_fsspec_loop(http_server):
+    """fsspec's IO loop thread does not survive fork; the loop inherited must not say it runs,
+    or closing each inherited http session in a DataLoader worker waits a second on it."""
+    import multiprocessing
+
+    import fsspec
+
+    urls = serve_shards(http_server, [2])
+    assert keys(webds.WebDataset(urls)) == ["s0-000000", "s0-000001"]
+    fs = fsspec.filesystem("http")
+    assert fs.loop.is_running()
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_sees_loop, args=(fs, out))
+    child.start()
+    assert out.get(timeout=30) is False
+    child.join(30)
+    assert fs.loop.is_running()  # the parent's is untouched
+
+
+def _close_in_child(stream: Any, out: Any) -> None:
+    start = time.monotonic()
+    stream.close()
+    out.put(time.monotonic() - start)
+
+
+def test_a_stream_inherited_by_a_forked_child_is_dropped_there(http_server):
+    """A remote stream left open when a DataLoader forks (garbage of an abandoned pipeline,
+    collected in the worker) belongs to the parent's event loop, which does not run there:
+    closing it in the child returns at once instead of waiting on that loop for ever."""
+    import multiprocessing
+
+    from webds.io.urls import open_url
+
+    urls = serve_shards(http_server, [3], member_bytes=100_000)
+    stream = open_url(urls[0])
+    assert stream.read(512)
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_close_in_child, args=(stream, out))
+    child.start()
+    assert out.get(timeout=30) < 5
+    child.join(30)
+    assert stream.read(512)  # the parent's stream is untouched
+    stream.close()

@@ -1,0 +1,324 @@
+"""Read-ahead: the next shards of a list are fetched while one is being read.
+
+A remote shard costs a round trip before its first byte and then streams at what one connection
+carries; reading shards one after the other pays both for every shard, however fast the reader.
+:func:`fetch_ahead` keeps up to ``shards`` shards in flight besides the one being read, each
+fetched by a thread of its own into memory, so that the process reads at what that many
+connections carry (see docs/remote.md, "Throughput over slow links").
+
+What stays as it was:
+
+- order: shards are handed over in the order they came, each one's bytes in order;
+- errors: a shard whose open or read failed in the background raises when the reader gets to
+  it (after every byte that came before the failure), in the reader's thread, naming it;
+- closing: the reader closes each shard as before (a ``pipe:`` command's status is checked then);
+  stopping early, or abandoning a shard, cancels what is in flight: each thread closes its
+  connection after its current read (bounded by ``read_timeout``) and ends.
+
+Memory: the bytes fetched and not yet read, over all shards in flight, stay under ``budget``,
+plus at most one read (:data:`CHUNK`) per shard in flight. The shard being read is never held up
+by the budget (its own unread bytes are bounded by ``min(budget, 16 MiB)`` instead), so a full
+budget slows the shards ahead, never the reader.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any, Callable, Deque, Iterable, Iterator, Optional, Tuple, TypeVar
+
+from ..errors import ArgumentError
+from .streams import ReadStream, abandon_stream
+
+log = logging.getLogger("webds")
+
+__all__ = [
+    "DEFAULT_READAHEAD_BYTES",
+    "DEFAULT_READAHEAD_SHARDS",
+    "CHUNK",
+    "Fetch",
+    "check_readahead",
+    "fetch_ahead",
+]
+
+#: Bytes fetched and not yet read, over all the shards in flight in one process (a DataLoader
+#: worker is a process): ``WebDataset(..., readahead=BYTES)``.
+DEFAULT_READAHEAD_BYTES = 128 << 20
+
+#: Shards fetched ahead of the one being read: ``WebDataset(..., readahead_shards=N)``.
+DEFAULT_READAHEAD_SHARDS = 4
+
+#: Bytes asked of a shard's stream per read, in its fetching thread.
+CHUNK = 1 << 20
+
+# The shard being read: at most this many bytes fetched ahead of the reader (or the budget).
+_HEAD_BYTES = 16 << 20
+
+T = TypeVar("T")
+# What opening a shard gives: (url, stream, local path or None), as tar.grouping._open_shard.
+Opened = Tuple[str, Any, Optional[str]]
+
+
+def check_readahead(readahead: Any, shards: Any) -> Tuple[int, int, bool]:
+    """``(budget, shards, every_shard)`` from ``WebDataset``'s ``readahead`` and
+    ``readahead_shards``; ``shards == 0`` means off.
+
+    ``readahead``: None (the default: remote shards, with :data:`DEFAULT_READAHEAD_BYTES`),
+    a budget in bytes > 0 (remote shards), True (every shard, local files and ``pipe:`` commands
+    too, with the default budget), or False or 0 (off).
+    """
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 0:
+        raise ArgumentError(f"readahead_shards must be an int >= 0, got {shards!r}")
+    if readahead is None:
+        return DEFAULT_READAHEAD_BYTES, shards, False
+    if readahead is True:
+        return DEFAULT_READAHEAD_BYTES, shards, True
+    if readahead is False or (isinstance(readahead, int) and readahead == 0):
+        return DEFAULT_READAHEAD_BYTES, 0, False
+    if isinstance(readahead, int) and readahead > 0:
+        return int(readahead), shards, False
+    raise ArgumentError(
+        "readahead must be None (remote shards, the default), a budget in bytes > 0, True "
+        f"(every shard, local ones too) or False (off); got {readahead!r}"
+    )
+
+
+class _Budget:
+    """The bytes fetched and not yet read by all the shards of one :func:`fetch_ahead`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.cond = threading.Condition()
+
+
+class Fetch:
+    """One shard opened and read by a thread of its own, ahead of its reader.
+
+    :meth:`opened` waits for the open's outcome and gives ``(url, stream, local_path)``, with a
+    stream that delivers the bytes fetched (or raises what the open raised).
+    """
+
+    def __init__(self, name: str, open_shard: Callable[[], Opened], budget: _Budget) -> None:
+        self.name = name
+        self._open_shard = open_shard
+        self._budget = budget
+        self._cond = budget.cond
+        self._chunks: Deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._result: Optional[Opened] = None
+        self._open_error: Optional[BaseException] = None
+        self._error: Optional[BaseException] = None
+        self._opened = False  # the open's outcome is known
+        self._eof = False
+        self._done = False  # the thread has finished with the stream (EOF, error or cancel)
+        self._cancelled = False
+        self._head = False  # being read: not held up by the budget
+        self.handed_over = False  # opened() was called: its stream is the reader's to close
+        self._thread = threading.Thread(target=self._run, name=f"webds-readahead {name}")
+        self._thread.daemon = True
+        self._thread.start()
+
+    # -- the fetching thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        cond = self._cond
+        try:
+            result = self._open_shard()
+        except BaseException as exn:  # delivered to the reader, in its thread
+            with cond:
+                self._open_error, self._opened, self._done = exn, True, True
+                cond.notify_all()
+            return
+        stream = result[1]
+        with cond:
+            self._result, self._opened = result, True
+            cond.notify_all()
+        try:
+            while True:
+                with cond:
+                    while not self._cancelled and not self._may_fetch():
+                        cond.wait()
+                    if self._cancelled:
+                        break
+                data = stream.read(CHUNK)
+                with cond:
+                    if data:
+                        self._chunks.append(data)
+                        self._buffered += len(data)
+                        self._budget.used += len(data)
+                    else:
+                        self._eof = True
+                    cond.notify_all()
+                if not data:
+                    break
+        except BaseException as exn:
+            with cond:
+                self._error = exn
+                cond.notify_all()
+        finally:
+            with cond:
+                self._done = True
+                cancelled = self._cancelled
+                cond.notify_all()
+            if cancelled:
+                _abandon_quietly(stream)  # else the reader closes it, and sees how it ended
+
+    def _may_fetch(self) -> bool:
+        if self._head:
+            return self._buffered < min(self._budget.limit, _HEAD_BYTES)
+        return self._budget.used < self._budget.limit
+
+    # -- the reader's side -----------------------------------------------------------------------
+
+    def opened(self) -> Opened:
+        """``(url, stream, local_path)`` once the open has finished; raises what it raised."""
+        with self._cond:
+            self.handed_over = True
+            self._head = True  # its reader has come: fetch it whatever the budget says
+            self._cond.notify_all()
+            while not self._opened:
+                self._cond.wait()
+            if self._open_error is not None:
+                raise self._open_error
+            assert self._result is not None
+            url, _, lpath = self._result
+        return url, _Fetched(self), lpath
+
+    def read(self, n: int) -> bytes:
+        cond = self._cond
+        with cond:
+            while not self._chunks and not self._eof and self._error is None:
+                cond.wait()
+            if not self._chunks:
+                if self._error is not None:
+                    error, self._error = self._error, None
+                    self._eof = True  # raised once; later reads see the end
+                    raise error
+                return b""
+            data = self._chunks.popleft()
+            if 0 <= n < len(data):
+                self._chunks.appendleft(data[n:])
+                data = data[:n]
+            self._buffered -= len(data)
+            self._budget.used -= len(data)
+            cond.notify_all()
+        return data
+
+    def cancel(self) -> None:
+        """Stop fetching and drop what was fetched; the thread closes the stream."""
+        with self._cond:
+            if self._cancelled:
+                return
+            self._cancelled = True
+            self._budget.used -= self._buffered
+            self._buffered = 0
+            self._chunks.clear()
+            done = self._done
+            self._cond.notify_all()
+        if done and self._result is not None:
+            _abandon_quietly(self._result[1])  # the thread ended first: nobody else will
+
+    def finish(self, abandon: bool) -> None:
+        """The reader is done: close the stream (``abandon``: as a reader that stops early)."""
+        with self._cond:
+            if not abandon and (self._eof or self._error is not None) and not self._cancelled:
+                while not self._done:  # the thread has seen the end; it is finishing
+                    self._cond.wait()
+            done = self._done and not self._cancelled
+        if not done or abandon:
+            self.cancel()
+            return
+        assert self._result is not None
+        self._result[1].close()  # in the reader's thread: a pipe: command's status shows here
+
+
+class _Fetched(ReadStream):
+    """The stream a reader gets from :meth:`Fetch.opened`: the fetched bytes, in order."""
+
+    def __init__(self, fetch: Fetch) -> None:
+        self._fetch = fetch
+        self.url = fetch.name
+
+    def read(self, n: int = -1) -> bytes:
+        if self.closed:
+            raise ValueError("read from a closed stream")
+        return self._fetch.read(n)
+
+    def abandon(self) -> None:
+        if not self.closed:
+            super().close()
+            self._fetch.finish(abandon=True)
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            self._fetch.finish(abandon=False)
+
+
+def _abandon_quietly(stream: Any) -> None:
+    try:
+        abandon_stream(stream)
+    except Exception as exn:
+        log.debug("webds: ignoring error closing a shard read ahead: %s", exn)
+
+
+def fetch_ahead(
+    items: Iterable[T],
+    name: Callable[[T], str],
+    opener: Callable[[T], Callable[[], Opened]],
+    ahead: Callable[[T], bool],
+    shards: int,
+    budget: int,
+) -> Iterator[Tuple[T, Callable[[], Opened]]]:
+    """``(item, opened)`` for each item of ``items``, in order, where ``opened()`` opens it.
+
+    ``opener(item)``, called in this thread, does what needs no I/O and returns the function
+    that opens (see :func:`~webds.io.urls.deferred_open`). While an item is being read, up to
+    ``shards`` of the next items are already taken from ``items``, and those for which
+    ``ahead(item)`` is true are being fetched (:class:`Fetch`); the others are opened by
+    ``opened()`` when their turn comes. An error raised by ``items`` itself is raised after the
+    items before it. An item whose ``opened`` was not called by the time the next is asked for,
+    and every fetch not handed over when the iterator is closed, is cancelled.
+    """
+    if shards <= 0:
+        for item in items:
+            yield item, opener(item)
+        return
+    pool = _Budget(budget)
+    queue: Deque[Tuple[T, Callable[[], Opened], Optional[Fetch]]] = collections.deque()
+    it = iter(items)
+    failure: Optional[Exception] = None
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and len(queue) <= shards:
+                try:
+                    item = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                except Exception as exn:  # raised in its turn, after the items before it
+                    failure, exhausted = exn, True
+                    break
+                open_it = opener(item)
+                fetch = Fetch(name(item), open_it, pool) if ahead(item) else None
+                queue.append((item, open_it, fetch))
+            if not queue:
+                if failure is not None:
+                    raise failure
+                return
+            item, open_it, fetch = queue.popleft()
+            if fetch is None:
+                yield item, open_it
+                continue
+            try:
+                yield item, fetch.opened
+            finally:
+                if not fetch.handed_over:
+                    fetch.cancel()  # skipped, or the consumer stopped before opening it
+    finally:
+        for _, _, fetch in queue:
+            if fetch is not None:
+                fetch.cancel()
