@@ -62,9 +62,10 @@ def shards(flaky_http_server: Any) -> Dict[str, Any]:
 
 
 def _samples(urls: List[str]) -> List[Tuple[str, Dict[str, bytes]]]:
-    """(key, {ext: bytes}) of every sample, in order: what a reader must see."""
+    """(key, {ext: bytes}) of every sample, in order: what a reader must see. One shard at a
+    time (no read-ahead): the server's faults are armed for the next request, whichever it is."""
     out = []
-    for sample in WebDataset(urls, shardshuffle=False):
+    for sample in WebDataset(urls, shardshuffle=False, readahead=False):
         fields = {k: v for k, v in sample.items() if not k.startswith("__")}
         out.append((sample["__key__"], fields))
     return out
