@@ -118,7 +118,7 @@ def report(suite: Suite, meta: Dict[str, Any], machine: Dict[str, Any]) -> str:
     for name, res in suite.results.items():
         first = next(iter(res.values()))
         title = (
-            f"\n== {name}: {WORKLOADS[name]} "
+            f"\n== {name}: {_title(name)} "
             f"({first.per_call} samples per pass, {len(first.times_s)} reps)"
         )
         nb = nbytes.get(name)
@@ -156,6 +156,13 @@ def report(suite: Suite, meta: Dict[str, Any], machine: Dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _title(name: str) -> str:
+    """A result table's title: its workload's, or the one it is part of (``link-...``)."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    return WORKLOADS.get(name.partition("-")[0], name)
+
+
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = parse_args(argv)
     if args.list:
@@ -182,7 +189,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             "data": {k: v for k, v in data.meta.items() if k != "wanted"},
             "build_s": build_s,
             "workloads": {
-                name: {"title": WORKLOADS[name], "variants": res}
+                name: {"title": _title(name), "variants": res}
                 for name, res in suite.results.items()
             },
             "info": suite.info,

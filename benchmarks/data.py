@@ -215,6 +215,25 @@ class Data:
         paths = [self.small / f"wds-small-{s:06d}.tar" for s in range(k)]
         return [str(p) for p in paths] if all(p.exists() for p in paths) else []
 
+    def link_shards(self, count: int, samples: int) -> List[str]:
+        """``count`` shards of ``samples`` random 105 KB records (8.4 MB with 80), for the slow
+        link workload; made on first use (and kept with ``--data``)."""
+        import webds
+
+        folder = self.root / "link" / f"{count}x{samples}"
+        paths = [folder / f"link-{i:06d}.tar" for i in range(count)]
+        if not all(p.exists() for p in paths):
+            folder.mkdir(parents=True, exist_ok=True)
+            rng = random.Random(count * 1000 + samples)
+            blob = os.urandom(1 << 20)
+            for i, path in enumerate(paths):
+                with webds.TarWriter(str(path)) as sink:
+                    for j in range(samples):
+                        start = rng.randrange(0, len(blob) - 105_000)
+                        key = f"{i:04d}-{j:04d}"
+                        sink.write({"__key__": key, "bin": blob[start : start + 105_000]})
+        return [str(p) for p in paths]
+
     def image_files(self, n: Optional[int] = None) -> List[Path]:
         n = self.n_images if n is None else n
         return [self.files / f"{i:06d}.jpg" for i in range(n)]

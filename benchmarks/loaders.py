@@ -21,9 +21,10 @@ import io
 import math
 import os
 import random
+import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -241,6 +242,39 @@ def library(name: str) -> Any:
 def raw_dataset(lib: str, urls: Sequence[str], **kw: Any) -> Any:
     """The library's ``WebDataset`` over ``urls``, no decoding: samples as dicts of bytes."""
     return library(lib).WebDataset(list(urls), shardshuffle=False, **kw)
+
+
+def raw_loader(lib: str, urls: Sequence[str], workers: int, **kw: Any) -> Any:
+    """The library's ``WebLoader`` over :func:`raw_dataset`, samples one by one."""
+    return library(lib).WebLoader(
+        raw_dataset(lib, urls, **kw), batch_size=None, num_workers=workers
+    )
+
+
+def peak_rss_growth(run: Callable[[], Any], every: float = 0.005) -> int:
+    """How far this process's resident memory rose above its start while ``run()`` ran."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    start = peak = rss()
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not done.wait(every):
+            peak = max(peak, rss())
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        run()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak, rss()) - start
 
 
 def image_dataset(

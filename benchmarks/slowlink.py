@@ -168,7 +168,11 @@ def main(argv: Optional[list] = None) -> None:
     upstream = None
     moto = None
     if args.s3:
+        import logging
+
         from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line per request otherwise
 
         moto_port = _free_port()
         moto = ThreadedMotoServer(ip_address="127.0.0.1", port=moto_port, verbose=False)

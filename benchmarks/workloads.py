@@ -48,6 +48,7 @@ WORKLOADS: Dict[str, str] = {
     "write-small": "writing shards, small records (1-2 KB)",
     "write-images": "writing shards, ~100 KB JPEGs (already encoded)",
     "s3": "raw samples streamed from S3 (moto on loopback, no decode)",
+    "link": "raw samples over a slow link: 100 ms + 16 MB/s, 20 ms + 100 MB/s per connection",
     "memory": "resident memory over 10 epochs, 2 persistent workers",
     "mainproc": "main-process CPU per sample: 2 workers, and threads in one process",
 }
@@ -97,6 +98,11 @@ RATIO_TARGETS = [
     ("ShardWriter small, webds/webdataset", 5, "write-small",
      "webds ShardWriter", "webdataset ShardWriter", "webds also writes its index + sha256",
      None),
+    ("slow link 100 ms + 16 MB/s, 1 process, webds/webdataset", 3, "link-100ms-16MBps",
+     WEBDS, "webdataset WebDataset", "raw samples over http", None),
+    ("slow link 100 ms + 16 MB/s, WebLoader 2 workers, webds/webdataset", 3,
+     "link-100ms-16MBps", "webds WebLoader 2 workers", "webdataset WebLoader 2 workers",
+     "raw samples over http", None),
     ("shards/file-per-sample, small records, warm", 3, "read-small",
      WEBDS, "files Dataset", "1-2 KB records, one process",
      ("bare loop", "bare reader loop")),
@@ -147,10 +153,30 @@ class Config:
     s3_images: int = 600  # images (whole shards) streamed from S3
     epochs: int = 10  # memory
     workers: int = 2  # memory
+    link_shards: int = 12  # link: shards of link_samples_per_shard x 105 KB (8.4 MB each)
+    link_samples_per_shard: int = 80
 
     @classmethod
     def quick(cls) -> "Config":
-        return cls(reps=3, images=400, small=20_000, decode=200, write_small=5_000, s3_images=400)
+        return cls(
+            reps=3,
+            images=400,
+            small=20_000,
+            decode=200,
+            write_small=5_000,
+            s3_images=400,
+            link_shards=8,
+            link_samples_per_shard=40,
+        )
+
+
+def _webds_default(name: str, default: Any) -> Any:
+    """A default of webds.io.readahead (an older webds has none: ``default``)."""
+    try:
+        from webds.io import readahead
+    except ImportError:
+        return default
+    return getattr(readahead, name, default)
 
 
 def _has(module: str) -> bool:
@@ -223,6 +249,7 @@ class Suite:
             "write-small": self.write_small,
             "write-images": self.write_images,
             "s3": self.s3,
+            "link": self.link,
             "memory": self.memory,
             "mainproc": self.mainproc,
         }
@@ -502,6 +529,132 @@ class Suite:
             "bytes": sum(Path(p).stat().st_size for p in shards),
             "server": "moto ThreadedMotoServer on 127.0.0.1, in this process (shares its GIL)",
         }
+
+    # -- slow links ------------------------------------------------------------------------------
+
+    def link(self) -> None:  # noqa: C901 (one table per link, then S3)
+        """Shards over a loopback server that waits ``latency`` before every answer and paces
+        each connection (benchmarks/slowlink.py, in its own process): webds with read-ahead
+        (its default), without it, and webdataset (curl), in one process and in a WebLoader
+        with 2 workers; then s3:// through the same kind of link in front of moto."""
+        from .slowlink import SlowLink
+
+        shards = self.data.link_shards(self.config.link_shards, self.config.link_samples_per_shard)
+        names = [Path(p).name for p in shards]
+        size = sum(Path(p).stat().st_size for p in shards) / len(shards)
+        info: Dict[str, Any] = {"shards": len(shards), "shard_bytes": size, "links": {}}
+        depth = _webds_default("DEFAULT_READAHEAD_SHARDS", 4)
+        self.notes.append(
+            f"link: {len(shards)} shards of {size / 1e6:.1f} MB; webds reads "
+            f"{depth} shards ahead of the one it reads"
+        )
+        for latency, rate in ((0.1, 16e6), (0.02, 100e6)):
+            tag = f"link-{int(latency * 1000)}ms-{int(rate / 1e6)}MBps"
+            with SlowLink(Path(shards[0]).parent, latency=latency, rate=rate) as link:
+                urls = [f"{link.endpoint}/{n}" for n in names]
+                v: Dict[str, Any] = {
+                    WEBDS: lambda urls=urls: L.count(L.raw_dataset("webds", urls)),
+                    WEBDS + ", readahead=False": lambda urls=urls: L.count(
+                        L.raw_dataset("webds", urls, readahead=False)
+                    ),
+                    "webds WebLoader 2 workers": lambda urls=urls: L.count(
+                        L.raw_loader("webds", urls, 2)
+                    ),
+                    "webds WebLoader 2 workers, readahead=False": lambda urls=urls: L.count(
+                        L.raw_loader("webds", urls, 2, readahead=False)
+                    ),
+                }
+                if self.wds:
+                    v["webdataset WebDataset"] = lambda urls=urls: L.count(
+                        L.raw_dataset("webdataset", urls)
+                    )
+                    v["webdataset WebLoader 2 workers"] = lambda urls=urls: L.count(
+                        L.raw_loader("webdataset", urls, 2)
+                    )
+                self._measure(tag, v)
+                peak = L.peak_rss_growth(lambda urls=urls: L.count(L.raw_dataset("webds", urls)))
+            one_trip = latency + size / rate
+            # What the link allows with that many connections in flight, per process.
+            ideal_1 = -(-len(shards) // (depth + 1)) * one_trip
+            per_worker = -(-len(shards) // 2)
+            ideal_2 = -(-per_worker // (depth + 1)) * one_trip
+            n = self.config.link_samples_per_shard * len(shards)
+            info["links"][tag] = {
+                "latency_s": latency,
+                "rate_Bps": rate,
+                "connections_in_flight": depth + 1,
+                "link_limit_samples_per_s_1_process": n / ideal_1,
+                "link_limit_samples_per_s_2_workers": n / ideal_2,
+                "peak_rss_growth_bytes_webds_1_process": peak,
+            }
+        self._link_s3(names, shards)
+        self.info["link"] = info
+        for tag, facts in info["links"].items():
+            res = self.results.get(tag, {})
+            for label, name, key in (
+                ("1 process", WEBDS, "link_limit_samples_per_s_1_process"),
+                ("2 workers", "webds WebLoader 2 workers", "link_limit_samples_per_s_2_workers"),
+            ):
+                if name in res:
+                    share = res[name].median / facts[key]
+                    facts[f"share_of_link_limit_{label.replace(' ', '_')}"] = share
+                    self.notes.append(
+                        f"{tag}, {label}: webds at {share:.0%} of what the link allows with "
+                        f"{facts['connections_in_flight']} connections in flight per process "
+                        f"({facts[key]:,.0f} samples/s)"
+                    )
+            self.notes.append(
+                f"{tag}: peak RSS growth of a 1-process webds pass "
+                f"{facts['peak_rss_growth_bytes_webds_1_process'] / 2**20:.0f} MiB (budget "
+                f"{_webds_default('DEFAULT_READAHEAD_BYTES', 0) / 2**20:.0f} MiB)"
+            )
+
+    def _link_s3(self, names: List[str], shards: List[str]) -> None:
+        missing = [m for m in ("moto", "boto3", "s3fs") if not _has(m)]
+        if missing:
+            self.notes.append(f"link-s3 skipped: {', '.join(missing)} not installed")
+            return
+        import boto3
+
+        from .slowlink import SlowLink
+
+        with SlowLink(s3=True, latency=0.1, rate=16e6) as link:
+            creds = dict(aws_access_key_id="bench", aws_secret_access_key="bench")
+            direct = boto3.client(
+                "s3", endpoint_url=link.upstream, region_name="us-east-1", **creds
+            )
+            direct.create_bucket(Bucket="link")
+            for name, path in zip(names, shards):
+                direct.upload_file(path, "link", name)
+            options = {
+                "key": "bench",
+                "secret": "bench",
+                "client_kwargs": {"endpoint_url": link.endpoint, "region_name": "us-east-1"},
+            }
+            urls = [f"s3://link/{n}" for n in names]
+            v: Dict[str, Any] = {
+                WEBDS + " s3://": lambda: L.count(
+                    L.raw_dataset("webds", urls, storage_options=options)
+                ),
+                WEBDS + " s3://, readahead=False": lambda: L.count(
+                    L.raw_dataset("webds", urls, storage_options=options, readahead=False)
+                ),
+            }
+            if self.wds and shutil.which("curl"):
+                slow = boto3.client(
+                    "s3", endpoint_url=link.endpoint, region_name="us-east-1", **creds
+                )
+                signed = [
+                    slow.generate_presigned_url(
+                        "get_object", Params={"Bucket": "link", "Key": n}, ExpiresIn=3600
+                    )
+                    for n in names
+                ]
+                pipes = [f"pipe:curl -s -f '{u}'" for u in signed]
+                v["webdataset pipe:curl presigned"] = lambda: L.count(
+                    L.raw_dataset("webdataset", pipes)
+                )
+            self._measure("link-s3-100ms-16MBps", v)
 
     def _webdataset_s3(self, s3: Dict[str, Any], bucket: str, keys: List[str]) -> Dict[str, Any]:
         """webdataset has no s3:// opener; its documented ways are ``pipe:`` URLs to a

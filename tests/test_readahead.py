@@ -392,3 +392,23 @@ def test_a_stream_inherited_by_a_forked_child_is_dropped_there(http_server):
     child.join(30)
     assert stream.read(512)  # the parent's stream is untouched
     stream.close()
+
+
+def test_the_command_line_reads_remote_shards_ahead(http_server, monkeypatch):
+    """`webds ls/cat/...` read through the same stage: remote shards are fetched ahead, one GET
+    each, with the same samples."""
+    from webds.cli.common import read_samples
+
+    urls = serve_shards(http_server, [3, 4, 2])
+    started: List[str] = []
+    real = ra.Fetch.__init__
+
+    def spy(self: Any, name: str, *args: Any) -> None:
+        started.append(name)
+        real(self, name, *args)
+
+    monkeypatch.setattr(ra.Fetch, "__init__", spy)
+    before = http_server.requests
+    got = [s["__key__"] for s in read_samples(urls)]
+    assert got == [f"s{i}-{j:06d}" for i, n in enumerate([3, 4, 2]) for j in range(n)]
+    assert started == urls and http_server.requests - before == 3

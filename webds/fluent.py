@@ -235,7 +235,7 @@ class WebDataset(DataPipeline, FluentMixin):
       ``.tar.bz2``, ``.tar.xz``); default 1 GiB (:data:`webds.tar.reader.DEFAULT_MAX_MEMBER_SIZE`).
       A larger one raises :class:`~webds.errors.ShardReadError` before it is read.
     - ``readahead`` / ``readahead_shards``: while a shard is read, the next ``readahead_shards``
-      (default 4) remote shards of this process's list are fetched, each on its own connection,
+      (default 8) remote shards of this process's list are fetched, each on its own connection,
       holding at most ``readahead`` bytes not yet read (default 128 MiB per process; see
       :mod:`webds.io.readahead`). ``readahead=False`` turns it off; ``True`` reads local files
       and ``pipe:`` commands ahead too. Order, splitting, errors, caching and resume are as

@@ -47,7 +47,7 @@ __all__ = [
 DEFAULT_READAHEAD_BYTES = 128 << 20
 
 #: Shards fetched ahead of the one being read: ``WebDataset(..., readahead_shards=N)``.
-DEFAULT_READAHEAD_SHARDS = 4
+DEFAULT_READAHEAD_SHARDS = 8
 
 #: Bytes asked of a shard's stream per read, in its fetching thread.
 CHUNK = 1 << 20
