@@ -507,6 +507,13 @@ class RangeHTTPServer(ThreadingHTTPServer):
         )
         self._thread.start()
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A reader that stops early (or cancels a shard read ahead) hangs up mid-body: expected.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+            return
+        super().handle_error(request, client_address)
+
     def url(self, name: str) -> str:
         return f"{self.endpoint}/{quote(name)}"
 

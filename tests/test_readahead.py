@@ -412,3 +412,21 @@ def test_the_command_line_reads_remote_shards_ahead(http_server, monkeypatch):
     got = [s["__key__"] for s in read_samples(urls)]
     assert got == [f"s{i}-{j:06d}" for i, n in enumerate([3, 4, 2]) for j in range(n)]
     assert started == urls and http_server.requests - before == 3
+
+
+def test_a_list_of_local_shards_is_taken_one_shard_at_a_time(tmp_path):
+    """Nothing is taken ahead from a list of shards that are not read ahead: a source that acts
+    when its next item is taken (DirectoryShardList releases the shard before) sees the reader
+    finish each shard first, as without read-ahead."""
+    for i in range(4):
+        write_tar(tmp_path / f"l-{i}.tar", sample_members(3, prefix=f"l{i}-"))
+    taken: List[int] = []
+
+    def listing() -> Any:
+        for i in range(4):
+            taken.append(i)
+            yield str(tmp_path / f"l-{i}.tar")
+
+    for sample in webds.DataPipeline(listing, webds.tarfile_to_samples()):
+        assert taken[-1] == int(sample["__key__"][1])  # its own shard is the last taken
+    assert taken == [0, 1, 2, 3]

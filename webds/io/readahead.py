@@ -276,11 +276,12 @@ def fetch_ahead(
 
     ``opener(item)``, called in this thread, does what needs no I/O and returns the function
     that opens (see :func:`~webds.io.urls.deferred_open`). While an item is being read, up to
-    ``shards`` of the next items are already taken from ``items``, and those for which
-    ``ahead(item)`` is true are being fetched (:class:`Fetch`); the others are opened by
-    ``opened()`` when their turn comes. An error raised by ``items`` itself is raised after the
-    items before it. An item whose ``opened`` was not called by the time the next is asked for,
-    and every fetch not handed over when the iterator is closed, is cancelled.
+    ``shards`` of the next items are already taken from ``items`` and fetched
+    (:class:`Fetch`), as long as ``ahead(item)`` is true of each; an item for which it is false
+    is the last taken ahead, and is opened by ``opened()`` in its turn. An error raised by
+    ``items`` itself is raised after the items before it. An item whose ``opened`` was not
+    called by the time the next is asked for, and every fetch not handed over when the iterator
+    is closed, is cancelled.
     """
     if shards <= 0:
         for item in items:
@@ -293,7 +294,10 @@ def fetch_ahead(
     exhausted = False
     try:
         while True:
-            while not exhausted and len(queue) <= shards:
+            # Items are taken ahead only behind items being fetched: a list of local shards is
+            # pulled one at a time, as without read-ahead (a source may act when its next item
+            # is taken: DirectoryShardList releases the shard before).
+            while not exhausted and len(queue) <= shards and (not queue or queue[-1][2]):
                 try:
                     item = next(it)
                 except StopIteration:
