@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
     from .loader import WebLoader
     from .parallel import MapShardsError, ShardResult, map_shards
     from .pipeline import DataPipeline
+    from .shards.access import ShardListDataset
     from .shards.datasets import ResampledShards, SimpleShardList
     from .shards.index import Problem as IndexProblem
     from .shards.index import ShardIndex, ShardInfo
@@ -182,6 +183,7 @@ _EXPORTS: Dict[str, List[str]] = {
         "warn_and_stop",
     ],
     "shards.index": ["IndexProblem=Problem", "ShardIndex", "ShardInfo"],
+    "shards.access": ["ShardListDataset"],
     "compat.legacy": ["MockDataset", "PipelineStage", "repeatedly", "with_epoch", "with_length"],
     "loader": ["WebLoader"],
     "stages.mix": ["mix=.", "RandomMix", "RoundRobin"],
@@ -319,6 +321,7 @@ __all__ = [
     "ShardIndex",
     "ShardInfo",
     "IndexProblem",
+    "ShardListDataset",
     "PlannedShards",
     "url_opener",
     "tar_file_expander",

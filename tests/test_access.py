@@ -1,0 +1,162 @@
+"""Random access: ``ShardListDataset(index)[i]`` is the sample the stream yields at place ``i``,
+whoever wrote the shards (webds, tarfile PAX as webdataset writes, GNU tar format, the peer
+implementation's shards), in threads and DataLoader workers; bad indices, stale indexes,
+compressed and remote shards are refused, saying why."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+import threading
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+from conftest import write_tar
+
+import webds
+from webds.errors import ArgumentError, ShardReadError
+from webds.shards.index import ShardIndex
+from webds.tar.offsets import sample_offsets
+
+
+def streamed(spec: Any) -> List[Dict[str, Any]]:
+    return list(webds.WebDataset(spec, shardshuffle=False, empty_check=False))
+
+
+def indexed(tmp_path: Path, urls: List[str]) -> str:
+    path = tmp_path / "index.json"
+    ShardIndex.build(urls).save(str(path))
+    return str(path)
+
+
+def tarfile_shard(path: Path, members: List[Any], fmt: int, rng: random.Random) -> None:
+    """A shard written by Python's tarfile (PAX with float mtimes is what webdataset writes)."""
+    with tarfile.open(path, "w", format=fmt) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = 1795639586 + rng.random() if fmt == tarfile.PAX_FORMAT else 1795639586
+            tf.addfile(info, io.BytesIO(data))
+
+
+def random_members(rng: random.Random, shard: int, long_names: bool) -> List[Any]:
+    """Samples of 1-3 members, with now and then a meta member, a dotless name, a long name
+    or a folder in the key: every grouping rule the stream applies."""
+    members = []
+    for j in range(rng.randint(0, 25)):
+        key = f"s{shard}-{j:04d}"
+        if rng.random() < 0.2:
+            key = f"dir/sub.d/{key}" + ("x" * rng.choice([0, 120 if long_names else 0]))
+        for ext in rng.sample(["txt", "cls", "seg.png", "json"], rng.randint(1, 3)):
+            members.append((f"{key}.{ext}", rng.randbytes(rng.choice([0, 1, 511, 512, 3000]))))
+        if rng.random() < 0.1:
+            members.append(("__meta__", b"{}"))
+        if rng.random() < 0.1:
+            members.append((f"s{shard}-README", b"no extension"))
+    return members
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_every_sample_by_index_equals_the_streamed_one(tmp_path, case):
+    rng = random.Random(case)
+    fmt = [None, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT][case % 3]
+    urls = []
+    for k in range(rng.randint(1, 5)):
+        path = tmp_path / f"shard-{k}.tar"
+        members = random_members(rng, k, long_names=fmt is not None)
+        if fmt is None:
+            write_tar(path, members)
+        else:
+            tarfile_shard(path, members, fmt, rng)
+        urls.append(str(path))
+    ds = webds.ShardListDataset(indexed(tmp_path, urls), open_files=rng.choice([1, 2, 64]))
+    want = streamed(urls)
+    assert len(ds) == len(want)
+    order = list(range(len(want)))
+    rng.shuffle(order)
+    for i in order:
+        assert ds[i] == want[i]
+    if want:
+        assert ds[-1] == want[-1] and ds[-len(want)] == want[0]
+
+
+def test_the_peer_implementations_shards(peer_dir, tmp_path):
+    urls = [str(peer_dir / name) for name in ("mpdata.tar", "tendata.tar")]
+    ds = webds.ShardListDataset(indexed(tmp_path, urls))
+    want = streamed(urls)
+    assert len(ds) == len(want) > 0
+    assert [ds[i] for i in range(len(ds))] == want
+
+
+def test_offsets_end_with_the_shard_size_and_start_where_samples_start(tmp_path):
+    path = tmp_path / "a.tar"
+    write_tar(path, [("a.txt", b"1"), ("a.cls", b"2"), ("__meta__", b"m"), ("b.txt", b"3")])
+    with open(path, "rb") as f:
+        offsets = sample_offsets(f, str(path))
+    assert offsets == [0, 3 * 1024, path.stat().st_size]  # 512-byte header + 1 block each
+
+
+def test_indices_like_a_sequence(tmp_path):
+    urls = [str(tmp_path / f"s{k}.tar") for k in range(2)]
+    for k, url in enumerate(urls):
+        write_tar(Path(url), [(f"k{k}{j}.txt", b"x") for j in range(3)])
+    ds = webds.ShardListDataset(indexed(tmp_path, urls), transform=lambda s: s["__key__"])
+    assert [ds[i] for i in range(6)] == ["k00", "k01", "k02", "k10", "k11", "k12"]
+    assert ds[-1] == "k12"
+    np = pytest.importorskip("numpy")
+    assert ds[np.int64(4)] == "k11"
+    for bad in (6, -7):
+        with pytest.raises(IndexError, match="6 samples"):
+            ds[bad]
+    with pytest.raises(TypeError, match="integers"):
+        ds["1"]  # type: ignore[index]
+
+
+def test_dataloader_workers_and_threads_read_every_sample_once(tmp_path):
+    import torch
+
+    urls = []
+    for k in range(4):
+        path = tmp_path / f"s{k}.tar"
+        write_tar(path, [(f"s{k}-{j:03d}.txt", bytes([j])) for j in range(25)])
+        urls.append(str(path))
+    ds = webds.ShardListDataset(indexed(tmp_path, urls), open_files=2)
+    ds[0]  # descriptors and offsets in the parent, inherited by the forked workers
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=True, num_workers=2)
+    keys = [s["__key__"] for s in loader]
+    assert sorted(keys) == sorted(f"s{k}-{j:03d}" for k in range(4) for j in range(25))
+    assert keys != sorted(keys)  # the sampler's order, not the shards'
+    got: Dict[int, str] = {}
+
+    def read(start: int) -> None:
+        for i in range(start, 100, 4):
+            got[i] = ds[i]["__key__"]
+
+    threads = [threading.Thread(target=read, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(100)] == [s["__key__"] for s in streamed(urls)]
+
+
+def test_a_stale_index_names_the_shard(tmp_path):
+    path = tmp_path / "s.tar"
+    write_tar(path, [(f"k{j}.txt", b"x") for j in range(5)])
+    index = indexed(tmp_path, [str(path)])
+    write_tar(path, [(f"k{j}.txt", b"x") for j in range(4)])  # rewritten after indexing
+    with pytest.raises(ShardReadError, match="index says 5") as info:
+        webds.ShardListDataset(index)[0]
+    assert info.value.url == str(path)
+
+
+def test_compressed_and_remote_shards_are_refused(tmp_path):
+    gz = tmp_path / "s.tar.gz"
+    write_tar(gz, [("k.txt", b"x")], compress="gz")
+    with pytest.raises(ArgumentError, match="uncompressed"):
+        webds.ShardListDataset(indexed(tmp_path, [str(gz)]))[0]
+    remote = ShardIndex([webds.ShardInfo("https://example.com/a.tar", 3)])
+    with pytest.raises(ArgumentError, match="local shards"):
+        webds.ShardListDataset(remote)
