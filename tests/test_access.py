@@ -147,8 +147,18 @@ def test_a_stale_index_names_the_shard(tmp_path):
     write_tar(path, [(f"k{j}.txt", b"x") for j in range(5)])
     index = indexed(tmp_path, [str(path)])
     write_tar(path, [(f"k{j}.txt", b"x") for j in range(4)])  # rewritten after indexing
-    with pytest.raises(ShardReadError, match="index says 5") as info:
+    # The same size (tarfile pads to 10 KiB): the sample no longer where the offsets say.
+    with pytest.raises(ShardReadError, match="out of date") as info:
+        webds.ShardListDataset(index)[4]
+    assert info.value.url == str(path)
+    write_tar(path, [(f"k{j}.txt", bytes(20000)) for j in range(4)])
+    with pytest.raises(ShardReadError, match="rewritten after indexing") as info:
         webds.ShardListDataset(index)[0]
+    assert info.value.url == str(path)
+    # An index without offsets or sizes: the count found on the first touch tells.
+    bare = ShardIndex([webds.ShardInfo(str(path), 5)])
+    with pytest.raises(ShardReadError, match="index says 5") as info:
+        webds.ShardListDataset(bare)[0]
     assert info.value.url == str(path)
 
 
@@ -160,3 +170,61 @@ def test_compressed_and_remote_shards_are_refused(tmp_path):
     remote = ShardIndex([webds.ShardInfo("https://example.com/a.tar", 3)])
     with pytest.raises(ArgumentError, match="local shards"):
         webds.ShardListDataset(remote)
+
+
+# -- offsets in the index --------------------------------------------------------------------
+
+
+def test_shardwriter_and_webds_index_record_the_offsets(tmp_path, monkeypatch):
+    pattern = str(tmp_path / "w-%06d.tar")
+    with webds.ShardWriter(pattern, maxcount=7) as sink:
+        for i in range(30):
+            sink.write({"__key__": f"{i:04d}", "txt": "x" * (i * 37), "cls": i})
+    saved = ShardIndex.load(str(tmp_path / "w.index.json"))
+    built = ShardIndex.build(str(tmp_path / "w-{000000..000004}.tar"))
+    for a, b in zip(saved.shards, built.shards):
+        with open(a.url, "rb") as f:
+            want = sample_offsets(f, a.url)
+        assert list(a.offsets) == list(b.offsets) == want
+        assert len(want) == a.samples + 1 and want[-1] == a.bytes
+    # Read by the index's offsets: no shard is scanned.
+    import webds.shards.access as access
+
+    monkeypatch.setattr(access, "sample_offsets", lambda *a: pytest.fail("scanned"))
+    ds = webds.ShardListDataset(str(tmp_path / "w.index.json"))
+    assert [ds[i] for i in range(30)] == streamed(str(tmp_path / "w.index.json"))
+
+
+def test_compressed_shards_have_no_offsets(tmp_path):
+    write_tar(tmp_path / "a.tar.gz", [("k.txt", b"x")], compress="gz")
+    assert ShardIndex.build(str(tmp_path / "a.tar.gz")).shards[0].offsets is None
+    with webds.ShardWriter(str(tmp_path / "z-%06d.tar.gz")) as sink:
+        sink.write({"__key__": "a", "txt": "x"})
+    assert ShardIndex.load(str(tmp_path / "z.index.json")).shards[0].offsets is None
+
+
+@pytest.mark.parametrize(
+    "offsets, why",
+    [([0, 1024], "of 2 numbers"), ([0, 2048, 1024, 10240], "not increasing"),
+     ([0, "x", 2048, 10240], "integers"), ([0, 1024, 2048, 9999], "not at its size")],
+)  # fmt: skip
+def test_bad_offsets_in_an_index_file_are_refused(tmp_path, offsets, why):
+    write_tar(tmp_path / "a.tar", [(f"k{j}.txt", b"x") for j in range(3)])
+    path = tmp_path / "index.json"
+    ShardIndex.build(str(tmp_path / "a.tar")).save(str(path))
+    doc = __import__("json").loads(path.read_text())
+    doc["shards"][0]["offsets"] = offsets
+    path.write_text(__import__("json").dumps(doc))
+    with pytest.raises(ArgumentError, match=why):
+        ShardIndex.load(str(path))
+
+
+def test_verify_reports_offsets_that_moved(tmp_path):
+    write_tar(tmp_path / "a.tar", [(f"k{j}.txt", b"x") for j in range(3)])
+    path = tmp_path / "index.json"
+    ShardIndex.build(str(tmp_path / "a.tar")).save(str(path))
+    doc = __import__("json").loads(path.read_text())
+    doc["shards"][0]["offsets"][1] += 512  # still increasing, no longer a sample's start
+    path.write_text(__import__("json").dumps(doc))
+    problems = ShardIndex.load(str(path)).verify()
+    assert [p.kind for p in problems] == ["offsets"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import re
@@ -226,6 +227,10 @@ class ShardWriter(CommitOnExit):
         self.shards.append(self.fname)
         if self.index is not None:
             info = ShardInfo(self.fname, self._samples, tarstream.file_bytes, tarstream.sha256)
+            starts = tarstream.sample_starts
+            if starts is not None and len(starts) == self._samples:
+                info.offsets = array.array("q", starts)
+                info.offsets.append(tarstream.file_bytes or 0)
             place = self._indexed.setdefault(url_identity(self.fname), len(self.index.shards))
             if place == len(self.index.shards):
                 self.index.shards.append(info)

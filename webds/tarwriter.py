@@ -234,6 +234,9 @@ class TarWriter(CommitOnExit):
                 filename="", mode="wb", fileobj=self._raw, compresslevel=6, mtime=0
             )
         self.compress = gz
+        #: With ``checksum`` and no compression: the offset of each sample written (its first
+        #: header), which the shard index records for random access; else None.
+        self.sample_starts: Optional[List[int]] = [] if checksum and not gz else None
         self.count = 0
         self.nbytes = 0
         self.closed = False
@@ -298,6 +301,7 @@ class TarWriter(CommitOnExit):
             )
         if cased:
             _check_case(key, encoded, cased, self.url)
+        start = self._hasher.nbytes if self.sample_starts is not None else 0
         try:
             # One write per sample: a failure can't leave half a member behind unnoticed.
             self._stream.write(b"".join(parts))
@@ -310,6 +314,8 @@ class TarWriter(CommitOnExit):
             ) from exn
         self.count += 1
         self.nbytes += total
+        if self.sample_starts is not None:
+            self.sample_starts.append(start)
         if self._bar is not None:
             self._bar.update(1)
         return total

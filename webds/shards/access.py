@@ -2,8 +2,9 @@
 
 A map-style dataset over the shards an index lists (see :mod:`webds.shards.index`): sample ``i``
 is sample ``j`` of the shard that holds it, counted as the index counts. Its bytes are found by
-the shard's sample offsets (:mod:`webds.tar.offsets`), taken by reading the shard once on its
-first touch and kept in memory (8 bytes a sample), then read with one ``pread`` each, through a
+the shard's sample offsets: the index's (``ShardWriter`` and ``webds index`` record them), or
+taken by reading the shard once on its first touch (:mod:`webds.tar.offsets`) and kept in
+memory (8 bytes a sample); then each sample is one ``pread``, through a
 bounded set of open files that threads and forked DataLoader workers share safely (``pread``
 moves no file position). ``ds[i]`` equals the sample the stream yields (``__key__``,
 ``__url__``, ``__local_path__``, fields as bytes), then goes through ``transform``.
@@ -119,6 +120,9 @@ class ShardListDataset:
         offsets = self._offsets.get(k)
         if offsets is not None:
             return offsets
+        known = self.index.shards[k].offsets
+        if known is not None:
+            return known  # from the index: no scan
         url = self.urls[k]
         try:
             with open(self.paths[k], "rb") as f:
@@ -155,6 +159,15 @@ class ShardListDataset:
                 raise OpenError(
                     f"no such file {self.paths[k]!r}; check the index", url=self.urls[k]
                 ) from None
+            expected = self.index.shards[k].bytes
+            size = os.fstat(fd).st_size
+            if expected is not None and size != expected:
+                os.close(fd)
+                raise ShardReadError(
+                    f"the shard is {size} bytes but the index says {expected}: it was rewritten "
+                    "after indexing; rebuild the index with `webds index`",
+                    url=self.urls[k],
+                )
             self._files[k] = fd
             while len(self._files) > self._open_files:
                 _, old = self._files.popitem(last=False)

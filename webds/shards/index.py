@@ -15,6 +15,9 @@ opening any shard::
   (:func:`webds.tar.samples.tarfile_to_samples`: meta members and dotless names skipped).
 - ``bytes``: the file size; ``sha256``: the hex digest of the file's bytes as stored (gzipped
   shards: of the compressed bytes), or null when unknown.
+- ``offsets`` (optional, uncompressed shards): where each sample starts, ``samples + 1`` numbers:
+  the header offset of each sample's first member, then the shard's size, so that sample ``j`` is
+  the bytes ``[offsets[j], offsets[j + 1])`` (random access: :mod:`webds.shards.access`).
 - Unknown keys, at the top level or in a shard entry, are kept on load and written back on save.
 
 Make one with ``webds index SHARDS -o index.json`` or :meth:`ShardIndex.build`; ``ShardWriter``
@@ -23,6 +26,7 @@ writes one next to its shards. Check shards against it with ``webds verify index
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import os
@@ -30,12 +34,13 @@ import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 from urllib.parse import urlparse
 
 from ..errors import ArgumentError, OpenError, ShardReadError, WebdsError
 from ..io.streams import discard_stream
 from ..io.urls import local_path, open_url, url_scheme
+from ..tar.compression import compression_of
 from ..tar.samples import tarfile_samples
 from .shardlists import expand_urls
 
@@ -45,7 +50,7 @@ __all__ = ["ShardIndex", "ShardInfo", "Problem", "default_index_name", "is_index
 FORMAT = "webds-shard-index"
 VERSION = 1
 
-_SHARD_KEYS = ("url", "samples", "bytes", "sha256")
+_SHARD_KEYS = ("url", "samples", "bytes", "sha256", "offsets")
 _TOP_KEYS = ("format", "version", "samples", "shards")
 _CREATE_HINT = "to create one run: webds index SHARDS -o {name}"
 
@@ -60,14 +65,16 @@ class ShardInfo:
     sha256: Optional[str] = None
     #: Keys of the shard's entry that this webds does not know, kept for forward compatibility.
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: Where each sample starts, then the shard's size (``samples + 1`` numbers), or None.
+    offsets: Optional[Sequence[int]] = None
 
 
 @dataclass
 class Problem:
     """What :meth:`ShardIndex.verify` found wrong with one shard.
 
-    ``kind`` is ``"missing"`` (cannot be opened), ``"size"``, ``"sha256"``, ``"samples"`` (the
-    shard differs from its index entry) or ``"corrupt"`` (reading it failed).
+    ``kind`` is ``"missing"`` (cannot be opened), ``"size"``, ``"sha256"``, ``"samples"``,
+    ``"offsets"`` (the shard differs from its index entry) or ``"corrupt"`` (reading it failed).
     """
 
     url: str
@@ -199,6 +206,8 @@ class ShardIndex:
             entry = {"url": _stored_url(s.url, location), "samples": s.samples}
             entry.update(bytes=s.bytes, sha256=s.sha256)
             entry.update((k, v) for k, v in s.extra.items() if k not in _SHARD_KEYS)
+            if s.offsets is not None:
+                entry["offsets"] = list(s.offsets)
             entries.append("    " + json.dumps(entry, ensure_ascii=False))
         text = "{\n" + "\n".join(lines) + '\n  "shards": [\n' + ",\n".join(entries) + "\n  ]\n}\n"
         stream = open_url(os.fspath(url), "wb", **dict(storage_options or {}))
@@ -363,7 +372,29 @@ def _shard_from_entry(entry: Any, i: int, url: str, location: Optional[str]) -> 
     if sha is not None and not (isinstance(sha, str) and re.fullmatch("[0-9a-fA-F]{64}", sha)):
         raise _bad(url, f"{what} has 'sha256': {sha!r}, not a 64-digit hex digest")
     extra = {k: v for k, v in entry.items() if k not in _SHARD_KEYS}
-    return ShardInfo(_resolve(shard, location), samples, size, sha and sha.lower(), extra)
+    offsets = entry.get("offsets")
+    if offsets is not None:
+        offsets = _offsets_from_entry(offsets, samples, size, url, what)
+    return ShardInfo(_resolve(shard, location), samples, size, sha and sha.lower(), extra, offsets)
+
+
+def _offsets_from_entry(
+    offsets: Any, samples: int, size: Optional[int], url: str, what: str
+) -> "array.array[int]":
+    """A shard entry's ``offsets``, checked: ``samples + 1`` non-decreasing counts, the last
+    the shard's size. Kept as an array of 8-byte ints (a list of a million ints is 36 MB)."""
+    if not isinstance(offsets, list) or len(offsets) != samples + 1:
+        n = len(offsets) if isinstance(offsets, list) else type(offsets).__name__
+        raise _bad(url, f"{what} has 'offsets' of {n} numbers, not samples + 1 = {samples + 1}")
+    try:
+        out = array.array("q", offsets)
+    except (TypeError, OverflowError):
+        raise _bad(url, f"{what} has 'offsets' that are not all integers") from None
+    if any(b < a for a, b in zip(out, out[1:])) or out[0] < 0:
+        raise _bad(url, f"{what} has 'offsets' that are not increasing from 0")
+    if size is not None and out[-1] != size:
+        raise _bad(url, f"{what} has 'offsets' ending at {out[-1]}, not at its size {size}")
+    return out
 
 
 def _is_count(value: Any) -> bool:
@@ -378,11 +409,14 @@ class _HashingReader:
         self.raw = raw
         self.sha = hashlib.sha256()
         self.nbytes = 0
+        self.first = b""  # the first bytes, which say whether the shard is compressed
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n)
         if data:
             self.sha.update(data)
+            if len(self.first) < 16:
+                self.first += data[:16]
             self.nbytes += len(data)
         return data
 
@@ -395,14 +429,16 @@ class _HashingReader:
 
 
 def _read(url: str, opts: Dict[str, Any]) -> tuple:
-    """Read a shard once: ``(samples, bytes, sha256, error)``. Opening errors are raised;
-    reading errors are returned, after reading on to EOF for the size and checksum."""
+    """Read a shard once: ``(samples, bytes, sha256, error, offsets)`` (offsets None for a
+    compressed shard). Opening errors are raised; reading errors are returned, after reading on
+    to EOF for the size and checksum."""
     raw = open_url(url, "rb", **opts)
     reader = _HashingReader(raw)
     count, error = 0, None
+    starts: List[int] = []
     try:
         try:
-            for _ in tarfile_samples([{"url": url, "stream": reader}]):
+            for _ in tarfile_samples([{"url": url, "stream": reader}], sample_starts=starts):
                 count += 1
         except WebdsError as exn:
             error = exn
@@ -416,19 +452,23 @@ def _read(url: str, opts: Dict[str, Any]) -> tuple:
             raw.close()
         except Exception as exn:  # e.g. a pipe: command's exit status
             error = error or ShardReadError(f"closing failed: {exn}", url=url)
-    return count, reader.nbytes, reader.sha.hexdigest(), error
+    offsets = None
+    if compression_of(reader.first) is None and len(starts) == count:
+        offsets = array.array("q", starts)
+        offsets.append(reader.nbytes)
+    return count, reader.nbytes, reader.sha.hexdigest(), error, offsets
 
 
 def _scan(url: str, opts: Dict[str, Any]) -> ShardInfo:
-    count, size, sha, error = _read(url, opts)
+    count, size, sha, error, offsets = _read(url, opts)
     if error is not None:
         raise error
-    return ShardInfo(url, count, size, sha)
+    return ShardInfo(url, count, size, sha, offsets=offsets)
 
 
 def _check(shard: ShardInfo, opts: Dict[str, Any]) -> List[Problem]:
     try:
-        count, size, sha, error = _read(shard.url, opts)
+        count, size, sha, error, offsets = _read(shard.url, opts)
     except (WebdsError, OSError) as exn:
         return [Problem(shard.url, "missing", getattr(exn, "message", None) or str(exn))]
     out = []
@@ -442,6 +482,8 @@ def _check(shard: ShardInfo, opts: Dict[str, Any]) -> List[Problem]:
         out.append(
             Problem(shard.url, "samples", f"{count} samples, the index says {shard.samples}")
         )
+    elif error is None and shard.offsets is not None and list(shard.offsets) != list(offsets or []):
+        out.append(Problem(shard.url, "offsets", "the samples start elsewhere than the index says"))
     return out
 
 

@@ -15,7 +15,7 @@ from typing import BinaryIO, Callable, Iterator, Optional, Tuple
 
 from ..errors import ShardReadError, WebdsError
 
-__all__ = ["uncompressed_chunks", "sniffed_chunks"]
+__all__ = ["uncompressed_chunks", "sniffed_chunks", "compression_of"]
 
 _CHUNK = 1 << 20  # bytes asked of the stream (or produced by a decompressor) per read
 
@@ -64,15 +64,27 @@ def sniffed_chunks(stream: BinaryIO, url: Optional[str]) -> Tuple[Optional[str],
         if not more:
             break
         first += more
-    if first[:2] == b"\x1f\x8b":
+    kind = compression_of(first)
+    if kind == "gzip":
         return "gzip", _inflate(first, raw, url)
-    if first[:3] == b"BZh" and (first[4:10] in (b"1AY&SY", b"\x17rE8P\x90") or len(first) < 10):
+    if kind == "bzip2":
         return "bzip2", _decompress_stream(first, raw, url, "bzip2", bz2.BZ2Decompressor)
-    if first[:6] == b"\xfd7zXZ\x00":
+    if kind == "xz":
         return "xz", _decompress_stream(
             first, raw, url, "xz", lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ)
         )
     return None, _plain(first, raw)
+
+
+def compression_of(first: bytes) -> Optional[str]:
+    """``"gzip"``, ``"bzip2"``, ``"xz"`` or None (plain), from a stream's first bytes."""
+    if first[:2] == b"\x1f\x8b":
+        return "gzip"
+    if first[:3] == b"BZh" and (first[4:10] in (b"1AY&SY", b"\x17rE8P\x90") or len(first) < 10):
+        return "bzip2"
+    if first[:6] == b"\xfd7zXZ\x00":
+        return "xz"
+    return None
 
 
 def _plain(first: bytes, raw: Callable[[int], bytes]) -> Iterator[bytes]:

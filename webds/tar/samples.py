@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ..errors import ShardReadError
 from ..io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead, fetch_ahead
@@ -63,6 +63,7 @@ def tarfile_to_samples(
     max_member_size: Optional[int] = None,
     readahead: Union[bool, int, None] = None,
     readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
+    sample_starts: Optional[List[int]] = None,
     ledger: Any = None,
     **storage_options: Any,
 ) -> Iterator[Dict[str, Any]]:
@@ -77,7 +78,9 @@ def tarfile_to_samples(
     cut at a member boundary is an error (its sample in flight is never yielded) unless an index
     planned it and its sample count is complete. While a shard is read, the next
     ``readahead_shards`` remote shards are fetched within a ``readahead`` budget of bytes
-    (:mod:`webds.io.readahead`; True reads local shards ahead too, False turns it off). In a
+    (:mod:`webds.io.readahead`; True reads local shards ahead too, False turns it off).
+    ``sample_starts``, a list, gets the header offset of each sample's first member (in the
+    uncompressed stream) as the sample is made: the shard index records them. In a
     pipeline,
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
     :mod:`webds.stages.ledger`); when resuming, the samples consumed before are skipped.
@@ -195,6 +198,8 @@ def tarfile_to_samples(
                             if lpath is not None:
                                 cur["__local_path__"] = lpath
                             cur_key = sample_key
+                            if sample_starts is not None:
+                                sample_starts.append(offset)
                         elif cur is None:
                             continue  # the rest of a sample dropped for a duplicate
                         if ext is None:
