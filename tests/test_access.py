@@ -228,3 +228,117 @@ def test_verify_reports_offsets_that_moved(tmp_path):
     path.write_text(__import__("json").dumps(doc))
     problems = ShardIndex.load(str(path)).verify()
     assert [p.kind for p in problems] == ["offsets"]
+
+
+# -- chunked samplers ------------------------------------------------------------------------
+
+
+def chunks_of(ends: List[int], size: int) -> List[range]:
+    out, start = [], 0
+    for end in ends:
+        out += [range(lo, min(lo + size, end)) for lo in range(start, end, size)]
+        start = end
+    return out
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_chunked_orders_cover_each_sample_once_in_whole_chunks(case):
+    rng = random.Random(case)
+    ends, total = [], 0
+    for _ in range(rng.randint(1, 6)):
+        total += rng.randint(0, 40)
+        ends.append(total)
+
+    class Sized:  # a ShardListDataset's shape, without shards
+        def __init__(self) -> None:
+            self.ends = ends
+
+        def __len__(self) -> int:
+            return total
+
+    size = rng.randint(1, 12)
+    sampler = webds.ChunkedSampler(Sized(), chunksize=size, seed=case)
+    orders = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        assert sorted(order) == list(range(total))
+        for chunk in chunks_of(ends, size):  # each chunk comes whole, in one run
+            if len(chunk):
+                places = sorted(order.index(i) for i in chunk)
+                assert places == list(range(places[0], places[0] + len(chunk)))
+        orders.append(order)
+    if total > 2 * size:
+        assert orders[0] != orders[1] != orders[2]
+    again = webds.ChunkedSampler(Sized(), chunksize=size, seed=case)
+    again.set_epoch(1)
+    assert list(again) == orders[1]
+    assert list(webds.ChunkedSampler(Sized(), chunksize=size, shuffle=False)) == list(range(total))
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_three_ranks_two_workers_read_every_sample_once_per_epoch(tmp_path, drop_last):
+    import torch
+
+    urls = []
+    for k, n in enumerate([13, 7, 20, 1]):
+        path = tmp_path / f"s{k}.tar"
+        write_tar(path, [(f"s{k}-{j:03d}.txt", b"x") for j in range(n)])
+        urls.append(str(path))
+    ds = webds.ShardListDataset(indexed(tmp_path, urls))
+    n = len(ds)  # 41: not a multiple of 3
+    epochs = []
+    for epoch in range(2):
+        per_rank = []
+        for rank in range(3):
+            sampler = webds.DistributedChunkedSampler(
+                ds, num_replicas=3, rank=rank, seed=5, drop_last=drop_last, chunksize=4
+            )
+            sampler.set_epoch(epoch)
+            loader = torch.utils.data.DataLoader(
+                ds, sampler=sampler, batch_size=None, num_workers=2
+            )
+            per_rank.append([s["__key__"] for s in loader])
+        counts = {len(keys) for keys in per_rank}
+        assert counts == {n // 3 if drop_last else -(-n // 3)}  # the same count everywhere
+        seen = [k for keys in per_rank for k in keys]
+        everything = {s["__key__"] for s in streamed(urls)}
+        if drop_last:
+            assert len(set(seen)) == len(seen) == n - n % 3
+        else:
+            assert set(seen) == everything and len(seen) - len(set(seen)) == 3 - n % 3
+        epochs.append(per_rank)
+    assert epochs[0] != epochs[1]  # a new order every epoch
+
+
+def test_a_chunked_sampler_resumes_mid_epoch():
+    class Sized:
+        ends = [30, 55]
+
+        def __len__(self) -> int:
+            return 55
+
+    a = webds.DistributedChunkedSampler(Sized(), num_replicas=2, rank=1, seed=3, chunksize=6)
+    a.set_epoch(4)
+    it = iter(a)
+    before = [next(it) for _ in range(11)]
+    state = __import__("json").loads(__import__("json").dumps(a.state_dict()))
+    rest = list(it)
+    b = webds.DistributedChunkedSampler(Sized(), num_replicas=2, rank=1, seed=3, chunksize=6)
+    b.load_state_dict(state)
+    assert before + list(b) == before + rest
+    c = webds.DistributedChunkedSampler(Sized(), num_replicas=2, rank=1, seed=3, chunksize=6)
+    c.load_state_dict(state, given=5)  # the loop had consumed fewer than were fetched
+    assert before[:5] + list(c) == before + rest
+    with pytest.raises(webds.ResumeError, match="seed"):
+        webds.ChunkedSampler(Sized(), seed=9).load_state_dict(state)
+
+
+def test_sampler_arguments_are_checked():
+    with pytest.raises(ArgumentError, match="chunksize"):
+        webds.ChunkedSampler(range(5), chunksize=0)
+    with pytest.raises(ArgumentError, match="rank 3"):
+        webds.DistributedChunkedSampler(range(5), num_replicas=3, rank=3)
+    with pytest.raises(ArgumentError, match="len"):
+        webds.ChunkedSampler(iter([1]))
+    assert webds.DistributedChunkedSampler(range(5)).num_replicas == 1  # no process group

@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
     from .shards.index import Problem as IndexProblem
     from .shards.index import ShardIndex, ShardInfo
     from .shards.plan import PlannedShards
+    from .shards.samplers import ChunkedSampler, DistributedChunkedSampler
     from .shards.shardlists import (
         expand_urls,
         non_empty,
@@ -184,6 +185,7 @@ _EXPORTS: Dict[str, List[str]] = {
     ],
     "shards.index": ["IndexProblem=Problem", "ShardIndex", "ShardInfo"],
     "shards.access": ["ShardListDataset"],
+    "shards.samplers": ["ChunkedSampler", "DistributedChunkedSampler"],
     "compat.legacy": ["MockDataset", "PipelineStage", "repeatedly", "with_epoch", "with_length"],
     "loader": ["WebLoader"],
     "stages.mix": ["mix=.", "RandomMix", "RoundRobin"],
@@ -322,6 +324,8 @@ __all__ = [
     "ShardInfo",
     "IndexProblem",
     "ShardListDataset",
+    "ChunkedSampler",
+    "DistributedChunkedSampler",
     "PlannedShards",
     "url_opener",
     "tar_file_expander",
