@@ -162,14 +162,11 @@ def test_a_stale_index_names_the_shard(tmp_path):
     assert info.value.url == str(path)
 
 
-def test_compressed_and_remote_shards_are_refused(tmp_path):
+def test_compressed_shards_are_refused(tmp_path):
     gz = tmp_path / "s.tar.gz"
     write_tar(gz, [("k.txt", b"x")], compress="gz")
     with pytest.raises(ArgumentError, match="uncompressed"):
         webds.ShardListDataset(indexed(tmp_path, [str(gz)]))[0]
-    remote = ShardIndex([webds.ShardInfo("https://example.com/a.tar", 3)])
-    with pytest.raises(ArgumentError, match="local shards"):
-        webds.ShardListDataset(remote)
 
 
 # -- offsets in the index --------------------------------------------------------------------
@@ -342,3 +339,96 @@ def test_sampler_arguments_are_checked():
     with pytest.raises(ArgumentError, match="len"):
         webds.ChunkedSampler(iter([1]))
     assert webds.DistributedChunkedSampler(range(5)).num_replicas == 1  # no process group
+
+
+# -- remote shards ---------------------------------------------------------------------------
+
+
+def remote_shards(server: Any, sizes: List[int]) -> List[str]:
+    """Shards written by tarfile in PAX format (as webdataset writes them) on ``server``."""
+    urls = []
+    for k, n in enumerate(sizes):
+        name = f"r{k}.tar"
+        members = [(f"r{k}-{j:03d}.bin", bytes([j]) * (j * 300)) for j in range(n)]
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            for member, data in members:
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                info.mtime = 1795639586.25
+                tf.addfile(info, io.BytesIO(data))
+        urls.append(server.put(name, buf.getvalue()))
+    return urls
+
+
+def test_http_shards_one_ranged_request_per_sample(http_server):
+    urls = remote_shards(http_server, [9, 4, 12])
+    index = ShardIndex.build(urls)  # with offsets
+    ds = webds.ShardListDataset(index)
+    want = streamed(urls)
+    order = list(range(len(want)))
+    random.Random(0).shuffle(order)
+    before = http_server.requests
+    for i in order:
+        assert ds[i] == want[i]
+    assert http_server.requests - before == len(want)
+    ranges = [r for _, _, r in http_server.log[-len(want) :]]
+    assert all(r and r.startswith("bytes=") and not r.endswith("-") for r in ranges)
+    # No offsets in the index: the shard is read once on its first touch to find them.
+    bare = webds.ShardListDataset(
+        ShardIndex([webds.ShardInfo(u, n) for u, n in zip(urls, [9, 4, 12])])
+    )
+    assert [bare[i] for i in order] == [want[i] for i in order]
+
+
+def test_http_shards_through_the_cache(http_server, tmp_path):
+    urls = remote_shards(http_server, [9, 4, 12])
+    ds = webds.ShardListDataset(ShardIndex.build(urls), cache_dir=str(tmp_path / "cache"))
+    want = streamed(urls)
+    before = http_server.requests
+    assert [ds[i] for i in range(len(want))] == want
+    assert http_server.requests - before == 3  # each shard downloaded once, whole
+    assert len(list((tmp_path / "cache").iterdir())) == 3
+    again = webds.ShardListDataset(ShardIndex.build(urls), cache_dir=str(tmp_path / "cache"))
+    before = http_server.requests
+    assert again[20] == want[20] and http_server.requests == before  # from the cache
+
+
+def test_s3_shards_by_ranged_requests(s3):
+    urls = remote_shards(s3, [5, 8])
+    ds = webds.ShardListDataset(ShardIndex.build(urls))
+    want = streamed(urls)
+    assert [ds[i] for i in reversed(range(len(want)))] == want[::-1]
+    with pytest.raises(webds.OpenError, match="missing.tar"):
+        webds.ShardListDataset(ShardIndex([webds.ShardInfo(s3.url("missing.tar"), 2)]))[0]
+
+
+def test_threads_never_read_through_a_descriptor_closed_under_them(tmp_path):
+    """One open file for 8 threads over 4 shards: each read evicts another thread's file; a
+    descriptor is closed only once no read uses it, so no read sees another file's bytes."""
+    urls = []
+    for k in range(4):
+        path = tmp_path / f"s{k}.tar"
+        write_tar(path, [(f"s{k}-{j:03d}.bin", bytes([k]) * (1000 + j)) for j in range(30)])
+        urls.append(str(path))
+    ds = webds.ShardListDataset(indexed(tmp_path, urls), open_files=1)
+    want = streamed(urls)
+    errors: List[Any] = []
+
+    def read(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(400):
+                i = rng.randrange(len(want))
+                assert ds[i] == want[i]
+        except BaseException as exn:  # reported below, in the test's thread
+            errors.append(exn)
+
+    threads = [threading.Thread(target=read, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert not ds._users and not ds._retired and len(ds._files) == 1
+    ds.close()

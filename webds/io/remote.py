@@ -31,6 +31,7 @@ log = logging.getLogger("webds")
 __all__ = [
     "filesystem_options",
     "fsspec_opener",
+    "read_range",
     "REMOTE_BLOCK_SIZE",
     "seek_opener",
     "resumable_fsspec",
@@ -443,6 +444,26 @@ def _remote_error(
             url=url,
         )
     return OpenError(f"cannot open: {type(exn).__name__}: {exn}", url=url)
+
+
+def read_range(url: str, start: int, end: int, storage_options: Dict[str, Any]) -> bytes:
+    """Bytes ``[start, end)`` of a remote object in one ranged request (s3 ``get_object`` with
+    a Range, a GET with ``Range: bytes=start-(end-1)``...), failures as webds errors."""
+    import fsspec
+
+    scheme = urlparse(url).scheme.lower()
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **filesystem_options(storage_options))
+    except ImportError as exn:
+        raise _missing_backend(url, scheme, exn) from None
+    except Exception as exn:
+        raise _remote_error(exn, url, scheme) from exn
+    try:
+        return bytes(fs.cat_file(path, start=start, end=end))
+    except WebdsError:
+        raise
+    except Exception as exn:
+        raise _remote_error(exn, url, scheme, fs=fs, path=path) from exn
 
 
 def seek_opener(
