@@ -432,3 +432,37 @@ def test_threads_never_read_through_a_descriptor_closed_under_them(tmp_path):
     assert not errors, errors[0]
     assert not ds._users and not ds._retired and len(ds._files) == 1
     ds.close()
+
+
+def test_a_wids_index_file(tmp_path):
+    """wids's index format: relative URLs against the file's folder (or its "base"), "nsamples",
+    "filesize"; ShardListDataset and WebDataset read it."""
+    import json
+
+    (tmp_path / "shards").mkdir()
+    for k in range(2):
+        write_tar(tmp_path / "shards" / f"w{k}.tar", [(f"w{k}-{j}.txt", b"x") for j in range(4)])
+    doc = {
+        "__kind__": "wids-shard-index-v1",
+        "wids_version": 1,
+        "name": "train",
+        "shardlist": [
+            {"url": "shards/w0.tar", "nsamples": 4,
+             "filesize": (tmp_path / "shards" / "w0.tar").stat().st_size},
+            {"url": str(tmp_path / "shards" / "w1.tar"), "nsamples": 4},
+        ],
+    }  # fmt: skip
+    path = tmp_path / "wids.json"
+    path.write_text(json.dumps(doc))
+    ds = webds.ShardListDataset(str(path))
+    want = streamed([str(tmp_path / "shards" / f"w{k}.tar") for k in range(2)])
+    assert [ds[i] for i in range(8)] == want
+    assert [s["__key__"] for s in streamed(str(path))] == [s["__key__"] for s in want]
+    doc["base"] = "shards"
+    doc["shardlist"][0]["url"] = "w0.tar"
+    path.write_text(json.dumps(doc))
+    assert ShardIndex.load(str(path)).urls[0] == str(tmp_path / "shards" / "w0.tar")
+    doc["shardlist"][1]["nsamples"] = 5  # wrong: found on first touch
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ShardReadError, match="index says 5"):
+        webds.ShardListDataset(str(path))[5]

@@ -20,6 +20,9 @@ opening any shard::
   the bytes ``[offsets[j], offsets[j + 1])`` (random access: :mod:`webds.shards.access`).
 - Unknown keys, at the top level or in a shard entry, are kept on load and written back on save.
 
+webdataset's ``wids`` index files (``"__kind__": "wids-shard-index-v1"``, a ``shardlist`` of
+``{"url", "nsamples", "filesize"}``) load too, as indexes without checksums or offsets.
+
 Make one with ``webds index SHARDS -o index.json`` or :meth:`ShardIndex.build`; ``ShardWriter``
 writes one next to its shards. Check shards against it with ``webds verify index.json``.
 """
@@ -49,6 +52,8 @@ __all__ = ["ShardIndex", "ShardInfo", "Problem", "default_index_name", "is_index
 #: The ``"format"`` value of every index file, and the version this webds reads and writes.
 FORMAT = "webds-shard-index"
 VERSION = 1
+#: The ``"__kind__"`` of webdataset's ``wids`` index files, which webds reads too.
+WIDS_KIND = "wids-shard-index-v1"
 
 _SHARD_KEYS = ("url", "samples", "bytes", "sha256", "offsets")
 _TOP_KEYS = ("format", "version", "samples", "shards")
@@ -167,6 +172,8 @@ class ShardIndex:
 
     @classmethod
     def _from_doc(cls, doc: Any, url: str) -> "ShardIndex":
+        if isinstance(doc, dict) and doc.get("__kind__") == WIDS_KIND:
+            return cls._from_wids(doc, url)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise _bad(url, f"it is not a webds shard index ('format' is {got!r}, not {FORMAT!r})")
@@ -191,6 +198,28 @@ class ShardIndex:
                 f"{index.total}; re-create it with webds index",
             )
         return index
+
+    @classmethod
+    def _from_wids(cls, doc: Dict[str, Any], url: str) -> "ShardIndex":
+        """An index file of webdataset's ``wids`` (``"__kind__": "wids-shard-index-v1"``): its
+        ``shardlist`` of ``{"url", "nsamples", "filesize"?}``, URLs relative to ``base`` if it
+        has one, else to the file's own location."""
+        entries = doc.get("shardlist")
+        if not isinstance(entries, list):
+            raise _bad(url, "it is a wids index without a 'shardlist' list")
+        location = _normal_location(url)
+        base = doc.get("base")
+        if isinstance(base, str) and base:
+            location = _normal_location(posixpath.join(_resolve(base, location), "index.json"))
+        shards = []
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                raise _bad(url, f"shardlist entry {i} is {type(entry).__name__}, not an object")
+            mapped = {"url": entry.get("url"), "samples": entry.get("nsamples")}
+            mapped["bytes"] = entry.get("filesize")
+            shards.append(_shard_from_entry(mapped, i, url, location))
+        extra = {k: v for k, v in doc.items() if k in ("name", "info")}
+        return cls(shards, _normal_location(url), extra)
 
     def save(
         self,
