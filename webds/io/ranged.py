@@ -21,7 +21,8 @@ import contextlib
 import logging
 import os
 import re
-from typing import Any, Awaitable, Callable, Optional, Tuple
+import sys
+from typing import Any, Awaitable, Callable, List, Optional, Tuple
 
 from ..errors import ArgumentError, ShardReadError
 from .retrying import ReadStalled
@@ -219,6 +220,32 @@ def _sync(loop: Any, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         if isinstance(exn.__cause__, ReadStalled):
             raise exn.__cause__ from None
         raise
+
+
+def _mark_inherited_fsspec_loop_stopped() -> None:
+    """In a forked child (a DataLoader worker), mark fsspec's IO loop inherited from the parent
+    as not running: its thread did not survive the fork, but the loop object says it runs, so
+    closing each http session inherited from the parent (when its filesystem is collected, or
+    at exit) waits a second on it for nothing. Marked stopped, fsspec closes their connections
+    at once. fsspec itself starts a new loop in the child."""
+    held: List[Any] = []
+
+    def before() -> None:
+        asyn = sys.modules.get("fsspec.asyn")
+        loop = getattr(asyn, "loop", [None])[0] if asyn is not None else None
+        held[:] = [loop] if loop is not None else []
+
+    def after_in_child() -> None:
+        for loop in held:
+            if hasattr(loop, "_thread_id"):
+                loop._thread_id = None  # what BaseEventLoop.is_running() reads
+        held.clear()
+
+    os.register_at_fork(before=before, after_in_child=after_in_child, after_in_parent=held.clear)
+
+
+if hasattr(os, "register_at_fork"):
+    _mark_inherited_fsspec_loop_stopped()
 
 
 def _forked(pid: int) -> bool:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import logging
-import os
-import sys
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
 from ..errors import OpenError, ShardReadError, WebdsError
@@ -47,32 +45,6 @@ REMOTE_BLOCK_SIZE = 8 << 20
 _OPEN_OPTIONS = ("block_size", "cache_type", "cache_options")
 # storage_options that say how to read a stream (open and retry), not how to build a filesystem.
 _STREAM_OPTIONS = _OPEN_OPTIONS + ("retries", "retry_backoff", "read_timeout")
-
-
-def _mark_inherited_fsspec_loop_stopped() -> None:
-    """In a forked child (a DataLoader worker), mark fsspec's IO loop inherited from the parent
-    as not running: its thread did not survive the fork, but the loop object says it runs, so
-    closing each http session inherited from the parent (when its filesystem is collected, or
-    at exit) waits a second on it for nothing. Marked stopped, fsspec closes their connections
-    at once. fsspec itself starts a new loop in the child."""
-    held: List[Any] = []
-
-    def before() -> None:
-        asyn = sys.modules.get("fsspec.asyn")
-        loop = getattr(asyn, "loop", [None])[0] if asyn is not None else None
-        held[:] = [loop] if loop is not None else []
-
-    def after_in_child() -> None:
-        for loop in held:
-            if hasattr(loop, "_thread_id"):
-                loop._thread_id = None  # what BaseEventLoop.is_running() reads
-        held.clear()
-
-    os.register_at_fork(before=before, after_in_child=after_in_child, after_in_parent=held.clear)
-
-
-if hasattr(os, "register_at_fork"):
-    _mark_inherited_fsspec_loop_stopped()
 
 
 def filesystem_options(storage_options: Dict[str, Any]) -> Dict[str, Any]:
