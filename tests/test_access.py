@@ -466,3 +466,22 @@ def test_a_wids_index_file(tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ShardReadError, match="index says 5"):
         webds.ShardListDataset(str(path))[5]
+
+
+@pytest.mark.slow
+def test_spawned_workers_open_their_own_files(tmp_path):
+    """Spawned (not forked) DataLoader workers get the dataset pickled: no descriptors or lock
+    travel, each worker opens its own files, and every sample comes once."""
+    import torch
+
+    urls = []
+    for k in range(3):
+        path = tmp_path / f"s{k}.tar"
+        write_tar(path, [(f"s{k}-{j:02d}.txt", b"x") for j in range(10)])
+        urls.append(str(path))
+    ds = webds.ShardListDataset(indexed(tmp_path, urls), open_files=1)
+    ds[0]  # a descriptor open in the parent, which must not be pickled
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=1, multiprocessing_context="spawn"
+    )
+    assert sorted(s["__key__"] for s in loader) == sorted(s["__key__"] for s in streamed(urls))

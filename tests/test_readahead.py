@@ -46,6 +46,19 @@ def keys(ds: Any) -> List[str]:
     return [s["__key__"] for s in ds]
 
 
+def fetched(monkeypatch: Any) -> List[str]:
+    """The names of the shards fetched ahead from now on, in the order their fetches start."""
+    started: List[str] = []
+    real = ra.Fetch.__init__
+
+    def spy(self: Any, name: str, *args: Any) -> None:
+        started.append(name)
+        real(self, name, *args)
+
+    monkeypatch.setattr(ra.Fetch, "__init__", spy)
+    return started
+
+
 def readahead_threads() -> List[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("webds-readahead")]
 
@@ -123,14 +136,7 @@ def test_local_shards_are_not_read_ahead_unless_asked(tmp_path, monkeypatch):
     for i in range(3):
         write_tar(tmp_path / f"l-{i}.tar", sample_members(4, prefix=f"l{i}-"))
     spec = str(tmp_path / "l-{0..2}.tar")
-    started: List[str] = []
-    real = ra.Fetch.__init__
-
-    def spy(self: Any, name: str, *args: Any) -> None:
-        started.append(name)
-        real(self, name, *args)
-
-    monkeypatch.setattr(ra.Fetch, "__init__", spy)
+    started = fetched(monkeypatch)
     plain = keys(webds.WebDataset(spec, shardshuffle=False))
     assert started == []
     assert keys(webds.WebDataset(spec, shardshuffle=False, readahead=True)) == plain
@@ -400,14 +406,7 @@ def test_the_command_line_reads_remote_shards_ahead(http_server, monkeypatch):
     from webds.cli.common import read_samples
 
     urls = serve_shards(http_server, [3, 4, 2])
-    started: List[str] = []
-    real = ra.Fetch.__init__
-
-    def spy(self: Any, name: str, *args: Any) -> None:
-        started.append(name)
-        real(self, name, *args)
-
-    monkeypatch.setattr(ra.Fetch, "__init__", spy)
+    started = fetched(monkeypatch)
     before = http_server.requests
     got = [s["__key__"] for s in read_samples(urls)]
     assert got == [f"s{i}-{j:06d}" for i, n in enumerate([3, 4, 2]) for j in range(n)]

@@ -467,7 +467,8 @@ def _read(url: str, opts: Dict[str, Any]) -> tuple:
     starts: List[int] = []
     try:
         try:
-            for _ in tarfile_samples([{"url": url, "stream": reader}], sample_starts=starts):
+            shard = {"url": url, "stream": reader}
+            for _ in tarfile_samples([shard], sample_starts=starts, readahead=False):
                 count += 1
         except WebdsError as exn:
             error = exn

@@ -15,9 +15,7 @@ import io
 from typing import Any, BinaryIO, Dict, List, Optional
 
 from ..errors import ArgumentError, ShardReadError
-from .compression import sniffed_chunks
-from .grouping import _member_key
-from .reader import read_members
+from .compression import compression_of
 from .samples import tarfile_samples
 
 __all__ = ["sample_offsets", "read_sample"]
@@ -25,44 +23,45 @@ __all__ = ["sample_offsets", "read_sample"]
 
 def sample_offsets(stream: BinaryIO, url: Optional[str] = None) -> List[int]:
     """The offset of every sample's first header in ``stream`` (an uncompressed tar), then its
-    size in bytes; raises ArgumentError for a compressed shard, ShardReadError for a damaged one."""
-    compression, chunks = sniffed_chunks(stream, url)
-    if compression:
-        raise ArgumentError(
-            f"{url or 'the shard'} is {compression}-compressed: random access needs "
-            "uncompressed tar shards (decompress it, or stream it)"
-        )
-    counted = _Counted(chunks)
+    size in bytes; raises ArgumentError for a compressed shard, ShardReadError for a damaged one.
+    The samples are the stream's own (:func:`tarfile_samples` records where each starts)."""
+    counted = _Counted(stream)
     starts: List[int] = []
-    key: Optional[str] = None
-    for name, _, offset in read_members(counted, url):
-        k = _member_key(name)
-        if k is not None and k != key:
-            starts.append(offset)
-            key = k
+    shard = {"url": url or "", "stream": counted}
+    for _ in tarfile_samples([shard], sample_starts=starts, readahead=False):
+        if compression_of(counted.first) is not None:
+            break
+    kind = compression_of(counted.first)
+    if kind is not None:
+        raise ArgumentError(
+            f"{url or 'the shard'} is {kind}-compressed: random access needs uncompressed tar "
+            "shards (decompress it, or stream it)"
+        )
     starts.append(counted.total)
     return starts
 
 
 class _Counted(io.RawIOBase):
-    """The sniffed chunks again as a stream, counting the bytes read (the shard's size)."""
+    """``stream``'s reads, counted (the shard's size), with its first bytes kept (whether it is
+    compressed); closing it leaves ``stream`` to its owner."""
 
-    def __init__(self, chunks: Any) -> None:
-        self._chunks = iter(chunks)
-        self._rest = b""
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+        self.first = b""
         self.total = 0
 
     def readable(self) -> bool:
         return True
 
     def read(self, n: int = -1) -> bytes:
-        data = self._rest or next(self._chunks, b"")
-        if 0 <= n < len(data):
-            data, self._rest = data[:n], data[n:]
-        else:
-            self._rest = b""
+        data = self._stream.read(n)
+        if len(self.first) < 16:
+            self.first += data[:16]
         self.total += len(data)
         return data
+
+    def close(self) -> None:
+        pass
 
 
 def read_sample(data: bytes, url: str) -> Dict[str, Any]:

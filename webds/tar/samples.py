@@ -13,11 +13,10 @@ the incomplete sample in flight is dropped, and reading goes on with the next sh
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
-from ..errors import ShardReadError
+from ..errors import ArgumentError, ShardReadError
 from ..io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead, fetch_ahead
 from ..io.urls import url_scheme
 from ..stages.core import stage
@@ -31,6 +30,7 @@ from .grouping import (  # noqa: F401  (the one-step stages: importable from her
     _member_key,
     _open_shard,
     _shard_opener,
+    _shard_url,
     _warn_dotless,
     base_plus_ext,
     group_by_keys,
@@ -278,15 +278,12 @@ def _reads_ahead(shard: Any, every_shard: bool) -> bool:
     by default, every shard with ``readahead=True``."""
     if every_shard:
         return True
-    if isinstance(shard, dict):
-        if shard.get("local_path") is not None:
-            return False  # opened from a local copy (the shard cache)
-        url = shard.get("url")
-    else:
-        url = shard
-    if not isinstance(url, (str, os.PathLike)):
+    if isinstance(shard, dict) and shard.get("local_path") is not None:
+        return False  # opened from a local copy (the shard cache)
+    try:
+        url = _shard_url(shard)
+    except ArgumentError:
         return False  # opened in its turn, where a bad descriptor raises
-    url = os.fspath(url)
     return url != "-" and url_scheme(url) not in (None, "file", "pipe")
 
 
