@@ -143,7 +143,14 @@ def report(suite: Suite, meta: Dict[str, Any], machine: Dict[str, Any]) -> str:
 
         parts.append(f"\n== mainproc: {WORKLOADS['mainproc']} (best of {suite.config.reps} epochs)")
         parts.append(format_report(suite.info["mainproc"], machine["cpus"]))
-    parts.append("\n== targets (issue 8), ratios of medians measured in this run")
+    loaded = suite.info.get("index-load")
+    if loaded:
+        parts.append(
+            f"\n== index-load: {WORKLOADS['index-load']}\n"
+            f"{loaded['seconds']:.3f} s (median of {suite.config.reps}), "
+            f"{loaded['file_bytes'] / 1e6:.1f} MB file"
+        )
+    parts.append("\n== targets, ratios of medians measured in this run")
     parts.append(format_targets(suite.targets()))
     others = {k: v for k, v in suite.other_ratios().items() if v is not None}
     if others:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from . import bench_access as A
 from . import loaders as L
 from .data import Data
 from .harness import (
@@ -51,6 +52,10 @@ WORKLOADS: Dict[str, str] = {
     "link": "raw samples over a slow link: 100 ms + 16 MB/s, 20 ms + 100 MB/s per connection",
     "memory": "resident memory over 10 epochs, 2 persistent workers",
     "mainproc": "main-process CPU per sample: 2 workers, and threads in one process",
+    "random": "random reads, ShardListDataset[i] vs one file per sample, warm and cold",
+    "ranged": "random reads over a 20 ms + 100 MB/s link: range requests vs the shard cache",
+    "seek": "a read of each shard's last tenth, with and without the index's offsets",
+    "index-load": "loading an index of 1,000,000 samples with offsets",
 }
 
 
@@ -112,6 +117,10 @@ RATIO_TARGETS = [
     ("shards/file-per-sample, cold cache", 3, "read-images-cold",
      WEBDS, "files Dataset", "raw samples, files evicted first",
      ("bytes only", SHARD_BYTES)),
+    ("random reads, shards/file-per-sample, images, warm", 0.8, "random-images",
+     A.SHARDS, A.FILES, "ShardListDataset[i] in a random order", None),
+    ("random reads, shards/file-per-sample, small records, warm", 0.8, "random-small",
+     A.SHARDS, A.FILES, "ShardListDataset[i] in a random order", None),
 ]  # fmt: skip
 
 #: (label, workload, numerator, denominator): ratios shown for context, without a target.
@@ -138,6 +147,13 @@ OTHER_RATIOS = [
      "webds WebDataset s3://", "boto3 get_object + bare reader"),
     ("s3: webds / webdataset pipe:curl", "s3",
      "webds WebDataset s3://", "webdataset pipe:curl presigned"),
+    ("random-images cold: shards / files", "random-images", A.SHARDS_COLD, A.FILES_COLD),
+    ("random-small cold: shards / files", "random-small", A.SHARDS_COLD, A.FILES_COLD),
+    ("ranged: empty cache / range requests", A.RANGED_TAG, A.CACHE_FIRST, A.RANGED),
+    ("ranged: filled cache / range requests", A.RANGED_TAG, A.CACHE_WARM, A.RANGED),
+    ("seek-local: with / without offsets", "seek-local", A.WITH_OFFSETS, A.WITHOUT_OFFSETS),
+    ("seek over the link: with / without offsets", A.SEEK_TAG, A.WITH_OFFSETS,
+     A.WITHOUT_OFFSETS),
 ]  # fmt: skip
 
 
@@ -252,6 +268,10 @@ class Suite:
             "link": self.link,
             "memory": self.memory,
             "mainproc": self.mainproc,
+            "random": lambda: A.random_reads(self),
+            "ranged": lambda: A.remote_reads(self),
+            "seek": lambda: A.mid_shard_starts(self),
+            "index-load": lambda: A.index_load(self),
         }
         for name, step in steps.items():
             if self.selected(name):

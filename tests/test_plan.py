@@ -117,5 +117,10 @@ def test_worker_spans_and_errors():
 
 def test_split_warning_names_the_problem():
     assert split_warning([1000] * 64, 2, 4, "pad", 8) is None
-    assert "read twice" in split_warning([1000], 2, 4, "pad", 1)
+    warning = split_warning([1000, 1000, 1000, 1000, 1000, 1000, 1000], 2, 4, "pad", 1)
+    assert "reads about 50% of the data twice" in warning and "no sample offsets" in warning
+    assert "8 readers (2 ranks x 4 workers) start inside shards" in warning
+    # With offsets, reads enter the shards where they start: nothing is read twice.
+    assert split_warning([1000] * 7, 2, 4, "pad", 1, [True] * 7) is None
+    assert "twice" in split_warning([1000] * 7, 2, 4, "pad", 1, [True] + [False] * 6)
     assert "get no samples" in split_warning([10], 1, 4, "pad", 8)

@@ -21,7 +21,7 @@ from .keywords import legacy_keywords
 from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, stage
 from .shards.datasets import ResampledShards, SimpleShardList
 from .shards.elastic import every_rank, plan_elsewhere, topology_changed
-from .shards.index import ShardIndex, is_index_url
+from .shards.index import ShardIndex, ShardInfo, is_index_url
 from .shards.plan import PlannedShards, check_balance
 from .shards.shardlists import (
     URLs,
@@ -173,13 +173,14 @@ def _shard_index(urls: Any, index: Any, storage_options: Optional[dict]) -> Opti
 
 def _indexed_shards(
     urls: Any, index: Any, shard_index: ShardIndex, storage_options: Optional[dict]
-) -> Tuple[List[str], List[int]]:
-    """The shards to read, with their counts: all of the index, or those ``urls`` names."""
+) -> Tuple[List[str], List[ShardInfo]]:
+    """The shards to read, with their index entries: all of the index, or those ``urls``
+    names."""
     if index in (None, False) or isinstance(urls, ShardIndex) or index is True:
-        return shard_index.urls, shard_index.counts
-    counts = {url_identity(s.url): s.samples for s in shard_index.shards}
+        return shard_index.urls, list(shard_index.shards)
+    infos = {url_identity(s.url): s for s in shard_index.shards}
     wanted = expand_urls(urls, storage_options=storage_options)
-    missing = [u for u in wanted if url_identity(u) not in counts]
+    missing = [u for u in wanted if url_identity(u) not in infos]
     if missing:
         raise ArgumentError(
             f"{len(missing)} shard(s) are not in the index {shard_index.location or ''}, e.g. "
@@ -187,7 +188,7 @@ def _indexed_shards(
             "as the URL",
             url=missing[0],
         )
-    return wanted, [counts[url_identity(u)] for u in wanted]
+    return wanted, [infos[url_identity(u)] for u in wanted]
 
 
 # Marks "the caller did not choose": node/worker splitting then depends on resampled=.
@@ -300,13 +301,14 @@ class WebDataset(DataPipeline, FluentMixin):
         self.index = shard_index
         source: Any
         if shard_index is not None:
-            plan_urls, counts = _indexed_shards(urls, index, shard_index, storage_options)
+            plan_urls, infos = _indexed_shards(urls, index, shard_index, storage_options)
             self.plan = source = PlannedShards(
                 plan_urls,
-                counts,
+                [info.samples for info in infos],
                 balance=balance or "pad",
                 seed=0 if seed is None else seed,
                 shuffle=bool(shardshuffle),
+                offsets=[info.offsets for info in infos],
             )
             default_node = default_worker = None
         elif resampled:

@@ -30,7 +30,13 @@ from .streams import ReadStream
 
 log = logging.getLogger("webds")
 
-__all__ = ["DEFAULT_READ_TIMEOUT", "check_read_timeout", "open_ranged", "ranged_get_for"]
+__all__ = [
+    "DEFAULT_READ_TIMEOUT",
+    "RangeUnsupported",
+    "check_read_timeout",
+    "open_ranged",
+    "ranged_get_for",
+]
 
 #: Seconds a network read may wait for its next bytes (or a request for its answer) before the
 #: connection counts as dropped and is retried: ``storage_options={"read_timeout": ...}``; None
@@ -54,12 +60,13 @@ def check_read_timeout(value: Any) -> Optional[float]:
     return float(value)
 
 
-class _CannotResume(ShardReadError):
-    """The server ignored the range asked for: resuming there would duplicate or skip bytes."""
+class RangeUnsupported(ShardReadError):
+    """The server ignored the range asked for: resuming there would duplicate or skip bytes (a
+    reader that wanted to start there can still read from the start instead)."""
 
 
-def _resume_error(offset: int, why: str) -> _CannotResume:
-    return _CannotResume(
+def _resume_error(offset: int, why: str) -> RangeUnsupported:
+    return RangeUnsupported(
         f"the read failed at byte offset {offset} and this server cannot resume there ({why}); "
         "it must answer range requests (HTTP 'Accept-Ranges: bytes', status 206)",
         offset=offset,

@@ -101,14 +101,17 @@ _NO_CREDENTIALS = {
 }
 
 
-def _open_fsspec(url: str, mode: str, storage_options: dict) -> BinaryIO:
+def _open_fsspec(url: str, mode: str, storage_options: dict, offset: int = 0) -> BinaryIO:
     """Open a remote URL through fsspec, streaming-friendly, with errors as OpenError (see
     :func:`fsspec_opener`)."""
-    return fsspec_opener(url, mode, storage_options)()
+    return fsspec_opener(url, mode, storage_options, offset)()
 
 
-def fsspec_opener(url: str, mode: str, storage_options: dict) -> Callable[[], BinaryIO]:
-    """Resolve a remote URL's fsspec filesystem now; the function returned opens the URL.
+def fsspec_opener(
+    url: str, mode: str, storage_options: dict, offset: int = 0
+) -> Callable[[], BinaryIO]:
+    """Resolve a remote URL's fsspec filesystem now; the function returned opens the URL
+    (for reading, from byte ``offset``: one range request, not a read of what comes before).
 
     The filesystem is looked up (or made) in the calling thread, so that threads which open
     for it (:mod:`webds.io.readahead`) share its session and connections: fsspec keeps one
@@ -154,7 +157,7 @@ def fsspec_opener(url: str, mode: str, storage_options: dict) -> Callable[[], Bi
     defaults = _read_defaults(fs, options, open_kw) if mode == "rb" else {}
     return functools.partial(
         _open_resolved, fs, path, url, scheme, mode, options, open_kw, defaults, read_timeout,
-        retries, backoff,
+        retries, backoff, offset,
     )  # fmt: skip
 
 
@@ -170,6 +173,7 @@ def _open_resolved(
     read_timeout: Optional[float],
     retries: int,
     backoff: BackoffLike,
+    offset: int = 0,
 ) -> BinaryIO:
 
     def open_file() -> BinaryIO:
@@ -205,6 +209,7 @@ def _open_resolved(
                 url=url,
                 retries=retries,
                 backoff=backoff,
+                offset=offset,
                 translate=lambda exn: _remote_error(exn, url, scheme, fs=fs, path=path),
                 connect_retries=0 if retried_below else None,
             )

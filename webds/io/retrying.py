@@ -260,7 +260,8 @@ class ResumableStream(ReadStream):
 
     ``size`` (or the ``size`` attribute of the first stream opened, which fsspec files have)
     makes an early end of the body a failure to retry rather than the end of the data.
-    ``stream.retries`` counts the retries made; ``stream.offset`` the bytes delivered.
+    ``stream.retries`` counts the retries made; ``stream.offset`` is the position reached
+    (``offset``, where reading starts, plus the bytes delivered).
     The first open happens here, with the same retries, except that ``connect_retries`` (default:
     ``retries``) bounds them while the server has not been reached yet (refused, unknown host,
     closed without an answer; see the module docstring). ``translate(exn)``, if given, turns an
@@ -292,6 +293,7 @@ class ResumableStream(ReadStream):
         self.url = url
         self.size = size
         self.offset = offset
+        self._start = offset  # where reading began: offset beyond it means bytes were delivered
         self.retries = 0
         self.max_retries = retries
         self.connect_retries = retries if connect_retries is None else connect_retries
@@ -379,7 +381,8 @@ class ResumableStream(ReadStream):
         # client below that retries connections itself has already spent one (module docstring).
         unreachable = not self._reached and _unreachable(exn)
         limit = self.connect_retries if unreachable else self.max_retries
-        if self._failures > limit and not self.offset and not isinstance(exn, ReadStalled):
+        delivered = self.offset != self._start
+        if self._failures > limit and not delivered and not isinstance(exn, ReadStalled):
             if self._translate is not None and not isinstance(exn, WebdsError):
                 # Not a byte delivered yet: say why the URL can't be read (e.g. "HTTP 503"), and
                 # that retrying did not help (unless webds did not retry: then the attempts

@@ -38,6 +38,7 @@ __all__ = [
     "local_path",
     "url_identity",
     "url_scheme",
+    "opens_at_offset",
     "make_parent_folder",
     "existing_size",
     "SCHEMES",
@@ -163,8 +164,23 @@ def url_scheme(url: PathOrURL) -> Optional[str]:
     return scheme.lower() if len(scheme) > 1 else None
 
 
+def opens_at_offset(url: PathOrURL) -> bool:
+    """Whether :func:`open_url` can open ``url`` for reading at a byte offset without reading
+    what comes before (a local file, or a URL fsspec opens): not ``-``, a ``pipe:`` command, or a
+    scheme with a registered opener."""
+    name = os.fspath(url)
+    if not isinstance(name, str) or name in ("", "-") or name.startswith("pipe:"):
+        return False
+    return local_path(name) is not None or _registered_opener(name) is None
+
+
 def open_url(
-    url: PathOrURL, mode: str = "rb", *, bufsize: int = DEFAULT_BUFSIZE, **storage_options: Any
+    url: PathOrURL,
+    mode: str = "rb",
+    *,
+    bufsize: int = DEFAULT_BUFSIZE,
+    offset: int = 0,
+    **storage_options: Any,
 ) -> BinaryIO:
     """Open ``url`` as a binary stream for reading (``"rb"``) or writing (``"wb"``).
 
@@ -173,12 +189,16 @@ def open_url(
     Otherwise ``storage_options`` go to fsspec for remote URLs (credentials, endpoints, block
     sizes). The caller closes the stream; for writes, closing commits the data (renames the
     temporary file into place, or waits for the ``pipe:`` command and checks its exit status).
+    ``offset`` starts a read at that byte, for a URL that :func:`opens_at_offset` (a local seek,
+    one range request for a remote object).
     """
     if mode not in ("rb", "wb"):
         raise ArgumentError(f"open_url: mode must be 'rb' or 'wb', not {mode!r}")
     url = os.fspath(url)
     if not isinstance(url, str) or url == "":
         raise ArgumentError(f"open_url: expected a URL or path string, got {url!r}")
+    if offset:
+        _check_offset(url, mode, offset)
     if url == "-":
         std = sys.stdin if mode == "rb" else sys.stdout
         return _Unclosable(std.buffer)  # type: ignore[return-value]
@@ -192,19 +212,33 @@ def open_url(
         return PipeStream(url[5:], mode, idle_seconds=idle)  # type: ignore[return-value]
     path = local_path(url)
     if path is not None:
-        return _open_local(url, path, mode)
-    return _open_fsspec(url, mode, storage_options)
+        f = _open_local(url, path, mode)
+        if offset:
+            f.seek(offset)
+        return f
+    return _open_fsspec(url, mode, storage_options, offset)
+
+
+def _check_offset(url: str, mode: str, offset: Any) -> None:
+    if mode != "rb" or not isinstance(offset, int) or offset < 0:
+        raise ArgumentError(f"open_url: offset is a byte offset >= 0 to read from, got {offset!r}")
+    if not opens_at_offset(url):
+        raise ArgumentError(
+            "open_url: only local files and fsspec URLs open at an offset (not '-', pipe: "
+            "commands or schemes with a registered opener)",
+            url=url,
+        )
 
 
 def deferred_open(
-    url: PathOrURL, mode: str = "rb", **storage_options: Any
+    url: PathOrURL, mode: str = "rb", *, offset: int = 0, **storage_options: Any
 ) -> Callable[[], BinaryIO]:
-    """``open_url(url, mode, **storage_options)`` in two steps: what needs no I/O now, in this
-    thread (an fsspec URL's filesystem, shared with this thread's other opens), the rest when
-    the function returned is called, maybe in another thread. An error of the first step is
-    raised by that call too, so that it comes in the shard's turn."""
+    """``open_url(url, mode, offset=offset, **storage_options)`` in two steps: what needs no
+    I/O now, in this thread (an fsspec URL's filesystem, shared with this thread's other
+    opens), the rest when the function returned is called, maybe in another thread. An error
+    of the first step is raised by that call too, so that it comes in the shard's turn."""
     name = os.fspath(url)
-    plain = functools.partial(open_url, url, mode, **storage_options)
+    plain = functools.partial(open_url, url, mode, offset=offset, **storage_options)
     if (
         not isinstance(name, str)
         or name in ("", "-")
@@ -214,7 +248,9 @@ def deferred_open(
     ):
         return plain
     try:
-        return fsspec_opener(name, mode, storage_options)
+        if offset:
+            _check_offset(name, mode, offset)
+        return fsspec_opener(name, mode, storage_options, offset)
     except Exception:  # raised again, in its turn, by the same call
         return plain
 

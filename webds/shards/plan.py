@@ -14,9 +14,10 @@ sample positions. Then:
   batch but the rank's last is full), and the chunks into ``K`` near-equal contiguous runs, one
   per DataLoader worker. A rank therefore yields ``ceil(M/granule)`` batches whatever ``K``;
 - each run maps back to *segments* of shards, ``{"url", "start", "stop"}`` in sample numbers:
-  mostly whole shards, part of one at each cut. A worker reads the part it needs; the samples
-  before ``start`` are read and skipped, which is why a split costs extra reading when there are
-  fewer shards than ranks times workers (a warning says how much).
+  mostly whole shards, part of one at each cut. A worker reads the part it needs: with the
+  index's sample offsets it enters the shard at ``start`` (:mod:`webds.tar.windows`); without
+  them the samples before ``start`` are read and skipped, which is why a split then costs extra
+  reading when there are fewer shards than ranks times workers (a warning says how much).
 
 The plan depends only on (counts, seed, epoch, W, r, K, k, balance, granule): every process
 computes its own and they fit together, with no communication.
@@ -57,9 +58,13 @@ class Segment(NamedTuple):
     start: int
     stop: int
 
-    def descriptor(self, samples: int) -> Dict[str, Any]:
-        """The shard descriptor the tar stage reads; ``samples`` is the shard's indexed count."""
-        return {"url": self.url, "start": self.start, "stop": self.stop, "samples": samples}
+    def descriptor(self, samples: int, offsets: Optional[Sequence[int]] = None) -> Dict[str, Any]:
+        """The shard descriptor the tar stage reads; ``samples`` is the shard's indexed count,
+        ``offsets`` where each of its samples starts (the index's, if it has them)."""
+        out = {"url": self.url, "start": self.start, "stop": self.stop, "samples": samples}
+        if offsets is not None:
+            out["offsets"] = offsets
+        return out
 
 
 def check_balance(balance: Optional[str]) -> Optional[str]:
@@ -187,12 +192,18 @@ def plan_worker(
 
 
 def split_warning(
-    counts: Sequence[int], world_size: int, num_workers: int, balance: str, granule: int
+    counts: Sequence[int],
+    world_size: int,
+    num_workers: int,
+    balance: str,
+    granule: int,
+    seeks: Sequence[bool] = (),
 ) -> Optional[str]:
     """A sentence saying why this split is poor, or None if it is fine.
 
     Poor means: workers that get nothing (fewer batches than workers), or more than a quarter
-    of the data read twice because shards are cut among more workers than there are shards.
+    of the data read twice because reads start inside shards that have no sample offsets
+    (``seeks[i]``: shard ``i`` has them, so a read enters it where it starts).
     """
     total = sum(counts)
     if total == 0:
@@ -205,21 +216,25 @@ def split_warning(
             f"{idle} of {num_workers} DataLoader workers per rank get no samples: each rank has "
             f"{size} samples, {-(-size // granule)} batches of {granule}; use fewer workers"
         )
-    # A run that starts inside a shard reads that shard's samples before its start in vain.
+    # A run that starts inside a shard without offsets reads the samples before its start in
+    # vain.
     ends = list(itertools.accumulate(counts))
-    wasted = sum(
-        _locate(ends, counts, (r * size + a) % total)[1]
+    cuts = [
+        _locate(ends, counts, (r * size + a) % total)
         for r in range(world_size)
         for a, b in spans
         if a < b
-    )
+    ]
+    wasted = sum(j for k, j in cuts if not (k < len(seeks) and seeks[k]))
     if wasted > total // 4:
-        shards = len(counts)
+        readers = world_size * num_workers
         return (
-            f"shards are split among {world_size * num_workers} readers ({world_size} ranks x "
-            f"{num_workers} workers) but there are only {shards}: about "
-            f"{100 * wasted // total}% of the data is read twice to reach the cuts; write more, "
-            f"smaller shards (at least {world_size * num_workers})"
+            f"the {readers} readers ({world_size} ranks x {num_workers} workers) start inside "
+            f"shards, and reading up to their starting points reads about "
+            f"{100 * wasted // total}% of the data twice: the index has no sample offsets for "
+            "them, so they can't seek. Rebuild the index with `webds index` (it records the "
+            "offsets of uncompressed shards), or write smaller shards, many more than "
+            f"{readers}"
         )
     return None
 
@@ -274,11 +289,17 @@ class PlannedShards:
         balance: str,
         seed: Optional[int] = None,
         shuffle: bool = False,
+        offsets: Optional[Sequence[Optional[Sequence[int]]]] = None,
     ) -> None:
         self.urls = list(urls)
         self.counts = [int(c) for c in counts]
         if len(self.urls) != len(self.counts):
             raise ArgumentError(f"{len(self.counts)} sample counts for {len(self.urls)} shards")
+        #: Each shard's sample offsets (None for a shard without): a read that starts inside a
+        #: shard seeks to its first sample (see webds.tar.windows).
+        self.offsets = list(offsets) if offsets is not None else [None] * len(self.urls)
+        if len(self.offsets) != len(self.urls):
+            raise ArgumentError(f"{len(self.offsets)} offset arrays for {len(self.urls)} shards")
         self.balance = check_balance(balance) or "pad"
         self.seed = seed
         self.shuffle = bool(shuffle)
@@ -366,7 +387,9 @@ class PlannedShards:
         if self._warned or rank != 0:
             return
         self._warned = True
-        problem = split_warning(self.counts, world, num_workers, self.balance, self.granule)
+        offsets = getattr(self, "offsets", None) or ()
+        seeks = [o is not None for o in offsets]
+        problem = split_warning(self.counts, world, num_workers, self.balance, self.granule, seeks)
         if problem:
             log.warning("webds: %s", problem)
 
@@ -379,8 +402,11 @@ class PlannedShards:
         if worker == 0:
             self.warn_split(workers)
         plan = self.plan()
+        offsets = getattr(self, "offsets", None)  # None: pickled by a webds without offsets
         for seg in plan.segments:
-            yield seg.descriptor(self.counts[seg.shard])
+            yield seg.descriptor(
+                self.counts[seg.shard], offsets[seg.shard] if offsets is not None else None
+            )
 
     def __len__(self) -> int:
         return len(self.urls)

@@ -179,6 +179,20 @@ class Ledger:
         k = i >> _SHIFT
         return k in self._old_complete or (i & LEAF) <= self._old_partial.get(k, -1)
 
+    def first_unconsumed(self, k: int, first: int = 0) -> int:
+        """The first sample number ``>= first`` of source item ``k`` not consumed before the
+        resume, where a reader that can seek starts (:data:`LEAF` if there is none). Samples
+        after it may still be consumed: :meth:`consumed` answers for each."""
+        if not self.resuming:
+            return first
+        after = LEAF if k in self._old_complete else max(first, self._old_partial.get(k, -1) + 1)
+        if k in self._hole_shards:
+            for i in self._holes:
+                j = i & LEAF
+                if i >> _SHIFT == k and first <= j < after:
+                    after = j
+        return after
+
     def skips_item(self, k: int) -> bool:
         """Whether all of source item ``k`` was consumed before the resume: skip it unread."""
         return self.resuming and k in self._old_complete and k not in self._hole_shards

@@ -59,7 +59,10 @@ class EndWithoutMarker(ShardReadError):
 
 
 def read_members(
-    stream: BinaryIO, url: Optional[str] = None, max_member_size: Optional[int] = None
+    stream: BinaryIO,
+    url: Optional[str] = None,
+    max_member_size: Optional[int] = None,
+    start: int = 0,
 ) -> Iterator[Tuple[str, bytes, int]]:
     """Yield ``(name, data, header_offset)`` for each regular file in a tar stream, in order.
 
@@ -91,7 +94,7 @@ def read_members(
         adler32 = zlib.adler32
         buf = b""
         pos = 0  # index in buf of the next header; may lie past the end (padding still to skip)
-        base = 0  # stream offset of buf[0]
+        base = start  # stream offset of buf[0]
         nbuf = 0
         pending = _Pending()
         slow = False  # pending.active(), kept in a local for the fast path
@@ -108,7 +111,7 @@ def read_members(
         pax1 = pax2 = rec1 = rec2 = b""
         # Where the previous member's data ended, to tell "truncated data" from "truncated padding".
         last_name: Optional[str] = None
-        last_data_end = 0
+        last_data_end = start
 
         while True:
             if pos + 512 > nbuf:

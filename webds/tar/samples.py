@@ -40,6 +40,7 @@ from .grouping import (  # noqa: F401  (the one-step stages: importable from her
     url_opener,
 )
 from .reader import EndWithoutMarker, read_members
+from .windows import Window, stale_index, window, window_opener
 
 __all__ = [
     "base_plus_ext",
@@ -94,26 +95,38 @@ def tarfile_to_samples(
     reading = ledger.reading if ledger is not None else None
     budget, depth, every_shard = check_readahead(readahead, readahead_shards)
 
-    def numbered() -> Iterator[Tuple[Any, int]]:
-        # Each shard with its ledger id, taken as it is pulled: shards read ahead are pulled
-        # before the samples of the one being read are all yielded.
+    def numbered() -> Iterator[Tuple[Any, int, Optional[Window]]]:
+        # Each shard with its ledger id, taken as it is pulled (shards read ahead are pulled
+        # before the samples of the one being read are all yielded), and where to enter it.
         for shard in src:
             item = ledger.current if ledger is not None else None
             k = item & ~LEAF if isinstance(item, int) else -1
-            if resuming and k >= 0 and ledger.skips_item(k >> 32):
-                continue  # all its samples were consumed before the resume: not opened
-            yield shard, k
+            first, last, _ = _sample_range(shard)
+            if resuming and k >= 0:
+                if ledger.skips_item(k >> 32):
+                    continue  # all its samples were consumed before the resume: not opened
+                first = ledger.first_unconsumed(k >> 32, first)
+                if first >= last:
+                    ledger.finish(k >> 32)  # consumed up to its last planned sample
+                    continue
+            yield shard, k, window(shard, first)
+
+    def opener(entry: Tuple[Any, int, Optional[Window]]) -> Callable[[], Tuple[Any, ...]]:
+        shard, _, win = entry
+        if win is not None:
+            return window_opener(shard, win, storage_options)
+        return _shard_opener(shard, storage_options)
 
     shards = fetch_ahead(
         numbered(),
         name=lambda entry: _shard_name(entry[0]),
-        opener=lambda entry: _shard_opener(entry[0], storage_options),
+        opener=opener,
         ahead=lambda entry: _reads_ahead(entry[0], every_shard),
         shards=depth,
         budget=budget,
     )
     try:
-        for (shard, base), opened in shards:
+        for (shard, base, win), opened in shards:
             if base >= 0:
                 ledger.start_reading(base >> 32)
             try:
@@ -126,9 +139,11 @@ def tarfile_to_samples(
             cur_key: Optional[str] = None
             dotless, first_dotless = 0, None
             stop = False
-            # A planned segment (see webds.shards.plan) reads samples [first, last) of the shard.
+            # A planned segment (see webds.shards.plan) reads samples [first, last) of the shard;
+            # entered at a window, its stream starts with sample win.first.
             first, last, indexed = _sample_range(shard)
-            n = 0  # samples of this shard seen so far
+            n = 0 if win is None else win.first  # samples of this shard seen so far
+            entry = 0 if win is None else win.offset
             unmarked: Optional[EndWithoutMarker] = None
             # With an index, samples are numbered as the index counted them: before
             # select_files/rename_files, a sample whose members are all filtered out included.
@@ -136,7 +151,7 @@ def tarfile_to_samples(
             fixed = 2 if lpath is None else 3  # __key__, __url__ and maybe __local_path__
             try:
                 try:
-                    for name, data, offset in read_members(stream, url, max_member_size):
+                    for name, data, offset in read_members(stream, url, max_member_size, entry):
                         # This loop runs once per member: a plain "key.ext" name takes one
                         # partition; everything else (folders, metadata members, renaming, names
                         # without a dot) the general rules below.
@@ -217,10 +232,16 @@ def tarfile_to_samples(
                         cur[ext] = data
                 except EndWithoutMarker as exn:
                     # Cut at a member boundary, or written without the marker: only an index's
-                    # sample count can vouch for the shard (checked below).
+                    # sample count can vouch for the shard (checked below). A window ends so.
                     if indexed < 0:
                         raise
                     unmarked = exn
+                except ShardReadError as exn:
+                    if win is not None and exn.offset == win.offset:
+                        # No member where the index says sample win.first starts.
+                        where = f"byte {win.offset}, where sample {win.first} starts"
+                        raise stale_index(url, f"no tar header at {where}") from exn
+                    raise
                 if cur is not None and count_raw and len(cur) <= fixed:
                     cur = None
                     n += 1
@@ -296,11 +317,7 @@ def _sample_range(shard: Any) -> Tuple[int, int, int]:
 
 def _stale_index(url: str, indexed: int, more: bool, seen: int = 0) -> ShardReadError:
     found = f"more than {indexed}" if more else f"only {seen}"
-    return ShardReadError(
-        f"the shard has {found} samples but the index says {indexed}: the index is out of date "
-        "(the shard was rewritten after indexing); rebuild it with `webds index`",
-        url=url,
-    )
+    return stale_index(url, f"the shard has {found} samples but the index says {indexed}")
 
 
 #: It reads samples out of each source item and records them in the pipeline's ledger.
