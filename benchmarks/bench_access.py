@@ -7,6 +7,7 @@ Each function takes the :class:`~benchmarks.workloads.Suite` and adds its tables
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import tempfile
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 #: The row names the targets and ratios refer to.
 FILES = "files Dataset"
 SHARDS = "webds ShardListDataset"
+FRESH = "webds ShardListDataset, new each pass"
 FILES_COLD = "files Dataset, cold"
 SHARDS_COLD = "webds ShardListDataset, cold"
 RANGED = "ShardListDataset, a range request per sample"
@@ -79,19 +81,34 @@ def random_reads(suite: "Suite") -> None:
         assert len(shards) == len(files), (len(shards), len(files))
         order = list(range(len(files)))
         random.Random(0).shuffle(order)
-        evict = _evict([*paths, *urls]) if hasattr(__import__("os"), "posix_fadvise") else None
 
         def read_files(order: List[int] = order, files: Any = files) -> int:
             for i in order:
                 files[i]
             return len(order)
 
-        v: Dict[str, Any] = {FILES: read_files, SHARDS: _reader(shards, order)}
-        if evict is not None:
-            v[FILES_COLD] = Variant(read_files, before_each=evict)
-            v[SHARDS_COLD] = Variant(_reader(shards, order), before_each=evict)
-        suite._measure(name, v)
-        shards.close()
+        def fresh(order: List[int] = order, index: Any = index) -> int:
+            # A new dataset: every page of a shard mapped anew, as in a new worker process.
+            ds = webds.ShardListDataset(index)
+            try:
+                return _reader(ds, order)()
+            finally:
+                ds.close()
+
+        # Warm and cold in tables of their own: the round robin of one table would run a
+        # "warm" pass right after another variant's eviction.
+        suite._measure(name, {FILES: read_files, SHARDS: _reader(shards, order), FRESH: fresh})
+        shards.close()  # pages a process has mapped can't be evicted
+        if hasattr(os, "posix_fadvise"):
+            evict = _evict([*paths, *urls])
+            suite._measure(
+                f"{name}-cold",
+                {
+                    FILES_COLD: Variant(read_files, before_each=evict),
+                    # A new dataset: pages of a file still mapped can't be evicted.
+                    SHARDS_COLD: Variant(fresh, before_each=evict),
+                },
+            )
 
 
 def remote_reads(suite: "Suite") -> None:
@@ -113,7 +130,15 @@ def remote_reads(suite: "Suite") -> None:
             remote = [f"{link.endpoint}/{name}" for name in names]
             index = _index(remote)
             ranged = webds.ShardListDataset(index)
-            cached = webds.ShardListDataset(index, cache_dir=str(cache))
+
+            def cached() -> int:
+                # A new dataset per pass, as a new job would: one that stays open keeps its
+                # files open, deleted or not.
+                ds = webds.ShardListDataset(index, cache_dir=str(cache))
+                try:
+                    return _reader(ds, order)()
+                finally:
+                    ds.close()
 
             def empty() -> None:
                 shutil.rmtree(cache, ignore_errors=True)
@@ -121,8 +146,8 @@ def remote_reads(suite: "Suite") -> None:
 
             v: Dict[str, Any] = {
                 RANGED: _reader(ranged, order),
-                CACHE_FIRST: Variant(_reader(cached, order), before_each=empty),
-                CACHE_WARM: Variant(_reader(cached, order), warmup=_reader(cached, order)),
+                CACHE_FIRST: Variant(cached, before_each=empty),
+                CACHE_WARM: Variant(cached, warmup=cached, before_each=cached),
             }
             suite._measure(tag, v)
     finally:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import random
+import subprocess
+import sys
 import tarfile
 import threading
 from pathlib import Path
@@ -160,6 +162,31 @@ def test_a_stale_index_names_the_shard(tmp_path):
     with pytest.raises(ShardReadError, match="index says 5") as info:
         webds.ShardListDataset(bare)[0]
     assert info.value.url == str(path)
+
+
+def test_a_shard_cut_in_place_while_open_is_an_error_not_a_crash(tmp_path):
+    # Shards are mapped into memory; touching pages a truncation took away would kill the
+    # process with SIGBUS. In a subprocess, so that such a crash fails this test alone.
+    path = tmp_path / "s.tar"
+    write_tar(path, [(f"k{j:03d}.bin", bytes([j]) * 5000) for j in range(200)])
+    index = indexed(tmp_path, [str(path)])
+    code = f"""
+import os, webds
+from webds.errors import ShardReadError
+ds = webds.ShardListDataset({index!r})
+assert ds[0]["bin"] == bytes(5000) and ds[199]["bin"] == bytes([199]) * 5000
+with open({str(path)!r}, "r+b") as f:  # as `cp other.tar s.tar` does to it, in place
+    f.truncate(os.path.getsize({str(path)!r}) // 2)
+assert ds[3]["bin"] == bytes([3]) * 5000  # what is left is still read
+try:
+    ds[150]
+except ShardReadError as e:
+    print("refused:", e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "shorter than its offsets say" in out.stdout
+    assert str(path) in out.stdout
 
 
 def test_compressed_shards_are_refused(tmp_path):

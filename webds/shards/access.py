@@ -4,9 +4,9 @@ A map-style dataset over the shards an index lists (see :mod:`webds.shards.index
 is sample ``j`` of the shard that holds it, counted as the index counts. Its bytes are found by
 the shard's sample offsets: the index's (``ShardWriter`` and ``webds index`` record them), or
 taken by reading the shard once on its first touch (:mod:`webds.tar.offsets`) and kept in
-memory (8 bytes a sample); then each sample is one ``pread``, through a
-bounded set of open files that threads and forked DataLoader workers share safely (``pread``
-moves no file position). ``ds[i]`` equals the sample the stream yields (``__key__``,
+memory (8 bytes a sample). Local shard files are mapped into memory (``mmap``), through a
+bounded set of open files that threads and forked DataLoader workers share safely, and each
+field is copied straight out of the mapping: one copy, no system call. ``ds[i]`` equals the sample the stream yields (``__key__``,
 ``__url__``, ``__local_path__``, fields as bytes), then goes through ``transform``.
 
 Remote shards (``s3://``, ``gs://``, ``http(s)://``, any fsspec URL) are read one of two ways:
@@ -21,6 +21,7 @@ from __future__ import annotations
 import array
 import bisect
 import collections
+import mmap
 import os
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Union
@@ -30,7 +31,7 @@ from ..io.cache import ShardCache
 from ..io.remote import read_range
 from ..io.urls import local_path, open_url
 from ..tar.cached import complete_tar
-from ..tar.offsets import read_sample, sample_offsets
+from ..tar.offsets import read_sample, read_sample_in, sample_offsets
 from .index import ShardIndex
 
 __all__ = ["ShardListDataset", "DEFAULT_OPEN_FILES"]
@@ -73,6 +74,8 @@ class ShardListDataset:
         self.urls = self.index.urls
         #: Each shard's local path; None for a remote shard not (yet) in the cache.
         self.paths: List[Optional[str]] = [local_path(url) for url in self.urls]
+        #: Each shard's ``__local_path__`` (local shards only; paths also gets cached copies).
+        self.local_paths = list(self.paths)
         self.cache: Optional[ShardCache] = None
         if cache_dir is not None and cache_size != 0:
             self.cache = ShardCache(os.fspath(cache_dir), cache_size, check=complete_tar)
@@ -83,10 +86,10 @@ class ShardListDataset:
             total += shard.samples
             self.ends.append(total)
         self._offsets: Dict[int, "array.array[int]"] = {}
-        self._files: "collections.OrderedDict[int, int]" = collections.OrderedDict()
+        self._files: "collections.OrderedDict[int, _MappedShard]" = collections.OrderedDict()
         self._open_files = open_files
-        self._users: Dict[int, int] = {}  # descriptor -> reads using it now
-        self._retired: Set[int] = set()  # out of the open set, closed when its reads end
+        self._users: Dict[_MappedShard, int] = {}  # open shard -> reads using it now
+        self._retired: Set[_MappedShard] = set()  # out of the open set, closed when reads end
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -109,18 +112,17 @@ class ShardListDataset:
         offsets = self._shard_offsets(k)
         start, end = offsets[j], offsets[j + 1]
         path = self.paths[k] if self.cache is None else self._cached(k)
-        if path is None:
-            data = read_range(self.urls[k], start, end, self.storage_options)
+        if path is not None:
+            shard = self._acquire(k)
+            try:
+                sample = shard.sample(start, end, self.urls[k], self.local_paths[k])
+            finally:
+                self._release(shard)
         else:
-            data = self._pread(k, start, end)
-        if len(data) != end - start:
-            raise ShardReadError(
-                f"the shard is shorter than its offsets say (sample {j} at bytes {start}-{end}); "
-                "it changed after it was indexed: rebuild the index (webds index)",
-                url=self.urls[k],
-                offset=start,
-            )
-        sample = read_sample(data, self.urls[k])
+            data = read_range(self.urls[k], start, end, self.storage_options)
+            if len(data) != end - start:
+                raise _shorter(self.urls[k], start, end)
+            sample = read_sample(data, self.urls[k], self.local_paths[k])
         return sample if self.transform is None else self.transform(sample)
 
     def __repr__(self) -> str:
@@ -179,19 +181,12 @@ class ShardListDataset:
         self.paths[k] = done
         return done
 
-    def _pread(self, k: int, start: int, end: int) -> bytes:
-        fd = self._acquire(k)
-        try:
-            return os.pread(fd, end - start, start)
-        finally:
-            self._release(fd)
-
-    def _acquire(self, k: int) -> int:
-        """An open descriptor of shard ``k``, counted as in use until :meth:`_release`: one that
-        leaves the open set meanwhile (another thread opened more shards) is closed only once
-        no read uses it, so a number is never reused under a read."""
+    def _acquire(self, k: int) -> "_MappedShard":
+        """Shard ``k``'s open file, counted as in use until :meth:`_release`: one that leaves
+        the open set meanwhile (another thread opened more shards) is closed only once no read
+        uses it."""
         if self._pid != os.getpid():
-            # A forked worker: the parent's descriptors work (pread moves no file position), but
+            # A forked worker: the parent's mappings work (nothing moves a file position), but
             # the lock may have been held by another thread at the fork: this process's own.
             self._lock = threading.Lock()
             self._files = collections.OrderedDict(self._files)
@@ -199,33 +194,33 @@ class ShardListDataset:
             self._retired = set()
             self._pid = os.getpid()
         with self._lock:
-            fd = self._files.get(k)
-            if fd is not None:
+            shard = self._files.get(k)
+            if shard is not None:
                 self._files.move_to_end(k)
             else:
-                fd = self._open(k)
-                self._files[k] = fd
+                shard = self._open(k)
+                self._files[k] = shard
                 while len(self._files) > self._open_files:
                     _, old = self._files.popitem(last=False)
                     if self._users.get(old):
                         self._retired.add(old)  # closed by the last read using it
                     else:
-                        os.close(old)
-            self._users[fd] = self._users.get(fd, 0) + 1
-            return fd
+                        old.close()
+            self._users[shard] = self._users.get(shard, 0) + 1
+            return shard
 
-    def _release(self, fd: int) -> None:
+    def _release(self, shard: "_MappedShard") -> None:
         with self._lock:
-            n = self._users.get(fd, 1) - 1
+            n = self._users.get(shard, 1) - 1
             if n > 0:
-                self._users[fd] = n
+                self._users[shard] = n
                 return
-            self._users.pop(fd, None)
-            if fd in self._retired:
-                self._retired.discard(fd)
-                os.close(fd)
+            self._users.pop(shard, None)
+            if shard in self._retired:
+                self._retired.discard(shard)
+                shard.close()
 
-    def _open(self, k: int) -> int:
+    def _open(self, k: int) -> "_MappedShard":
         path = self.paths[k]
         assert path is not None
         try:
@@ -241,20 +236,20 @@ class ShardListDataset:
                 "after indexing; rebuild the index with `webds index`",
                 url=self.urls[k],
             )
-        return fd
+        return _MappedShard(fd, size)
 
     def close(self) -> None:
         """Close the shard files held open (they reopen on the next access)."""
         with self._lock:
             while self._files:
-                fd = self._files.popitem()[1]
-                if self._users.get(fd):
-                    self._retired.add(fd)
+                shard = self._files.popitem()[1]
+                if self._users.get(shard):
+                    self._retired.add(shard)
                 else:
-                    os.close(fd)
+                    shard.close()
 
     def __getstate__(self) -> Dict[str, Any]:
-        # To a spawned worker: no descriptors, no lock (each process opens its own).
+        # To a spawned worker: no files, no lock (each process opens its own).
         state = dict(self.__dict__)
         state["_files"] = collections.OrderedDict()
         state["_users"], state["_retired"] = {}, set()
@@ -265,3 +260,35 @@ class ShardListDataset:
         self.__dict__.update(state)
         self._lock = threading.Lock()
         self._pid = os.getpid()
+
+
+class _MappedShard:
+    """A local shard file, open and mapped into memory: a sample's fields are copied straight
+    out of the page cache (one copy, no system call), which reading the range with ``pread``
+    and then cutting the fields out of it would do twice."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
+
+    def sample(self, start: int, end: int, url: str, local: Optional[str]) -> Dict[str, Any]:
+        # A mapped file cut shorter under us would kill the process (SIGBUS) when its lost
+        # pages are touched: look at its size first, so that a shard truncated in place (cp
+        # over it) is an error instead.
+        if os.fstat(self.fd).st_size < end or len(self.map) < end:
+            raise _shorter(url, start, end)
+        return read_sample_in(self.map, start, end, url, local)
+
+    def close(self) -> None:
+        if isinstance(self.map, mmap.mmap):
+            self.map.close()
+        os.close(self.fd)
+
+
+def _shorter(url: str, start: int, end: int) -> ShardReadError:
+    return ShardReadError(
+        f"the shard is shorter than its offsets say (a sample at bytes {start}-{end}); it "
+        "changed after it was indexed: rebuild the index (webds index)",
+        url=url,
+        offset=start,
+    )
