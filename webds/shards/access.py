@@ -6,8 +6,9 @@ the shard's sample offsets: the index's (``ShardWriter`` and ``webds index`` rec
 taken by reading the shard once on its first touch (:mod:`webds.tar.offsets`) and kept in
 memory (8 bytes a sample). Local shard files are mapped into memory (``mmap``), through a
 bounded set of open files that threads and forked DataLoader workers share safely, and each
-field is copied straight out of the mapping: one copy, no system call. ``ds[i]`` equals the sample the stream yields (``__key__``,
-``__url__``, ``__local_path__``, fields as bytes), then goes through ``transform``.
+field is copied straight out of the mapping: one copy, no system call. ``ds[i]`` equals the
+sample the stream yields (``__key__``, ``__url__``, ``__local_path__``, fields as bytes), then
+goes through ``transform``.
 
 Remote shards (``s3://``, ``gs://``, ``http(s)://``, any fsspec URL) are read one of two ways:
 with ``cache_dir``, each shard is downloaded whole into that local cache on its first touch
