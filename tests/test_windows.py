@@ -149,6 +149,13 @@ def test_s3_a_segment_is_read_from_its_first_sample(s3, tmp_path):
     assert segment_reads(index, 24, 25) == whole[24:25]
 
 
+def test_gcs_a_segment_is_read_from_its_first_sample(gcs, tmp_path):
+    index = ranged_index(gcs, tmp_path, [25])
+    whole = list(webds.WebDataset(index.urls, shardshuffle=False))
+    assert segment_reads(index, 9, 14) == whole[9:14]
+    assert segment_reads(index, 20, 25, readahead=False) == whole[20:25]
+
+
 def test_ranks_and_workers_over_http_read_every_sample_once(http_server, tmp_path, monkeypatch):
     index = ranged_index(http_server, tmp_path, [13, 7, 21])
     path = tmp_path / "remote-index.json"
