@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import json
 import pickle
 
 import numpy as np
@@ -80,7 +82,17 @@ def test_batched_dicts_with_nested_dicts_round_trip():
         }
         for i in range(5)
     ]
+    # webdataset's shape by default: a column of dicts stays a list of dicts.
     batches = run(B.batched(3), samples)
+    assert batches[0]["img"].shape == (3, 3, 4)
+    assert [m["name"] for m in batches[0]["meta"]] == ["n0", "n1", "n2"]
+    back = run(B.unbatched(), batches)
+    assert len(back) == 5
+    for a, b in zip(samples, back):
+        assert_same(a, b)
+    # combine_dicts: collated field by field, and back.
+    collate = functools.partial(B.default_collation_fn, combine_dicts=True)
+    batches = run(B.batched(3, collation_fn=collate), samples)
     assert batches[0]["__key__"] == ["k0", "k1", "k2"]
     assert batches[0]["img"].shape == (3, 3, 4)
     assert batches[0]["meta"]["size"].tolist() == [0, 1, 2]
@@ -90,6 +102,27 @@ def test_batched_dicts_with_nested_dicts_round_trip():
     assert len(back) == 5
     for a, b in zip(samples, back):
         assert_same(a, b)
+
+
+def test_json_metadata_in_tuples_batches_as_webdataset_does(tmp_path):
+    # open_clip-style code: metadata[i]["filename"] after to_tuple(..., "json").batched(n).
+    import webdataset
+    from conftest import write_tar
+
+    members = []
+    for i in range(6):
+        members.append((f"{i:03d}.cls", str(i % 3).encode()))
+        members.append((f"{i:03d}.json", json.dumps({"filename": f"f{i}.jpg", "w": i}).encode()))
+    write_tar(tmp_path / "a.tar", members)
+
+    def batches(lib):
+        ds = lib.WebDataset(str(tmp_path / "a.tar"), shardshuffle=False)
+        return list(ds.decode().to_tuple("cls", "json").batched(4))
+
+    ours, theirs = batches(webds), batches(webdataset)
+    assert [m["filename"] for m in ours[0][1]] == [m["filename"] for m in theirs[0][1]]
+    assert type(ours[0][1]) is type(theirs[0][1]) is list
+    assert [len(b[1]) for b in ours] == [len(b[1]) for b in theirs] == [4, 2]
 
 
 def test_batched_lists_options_and_errors():

@@ -63,3 +63,28 @@ def test_names_in_their_webdataset_module(module, names):
 def test_module_attribute(module):
     assert getattr(webds, module) is not None
     importlib.import_module(f"webds.{module}")
+
+
+def test_the_underscore_generator_functions_of_filters():
+    # 1.x code calls them on plain iterators (webdataset's FAQ: filters._unbatched).
+    import webdataset.filters as theirs
+
+    ours = importlib.import_module("webds.filters")
+    names = [n for n in dir(theirs) if n.startswith("_") and not n.startswith("__")]
+    names = [n for n in names if callable(getattr(theirs, n))]
+    assert "_unbatched" in names and len(names) >= 18
+    missing = [n for n in names if not callable(getattr(ours, n, None))]
+    assert not missing, f"webds.filters lacks {missing}"
+    samples = [(i, f"s{i}") for i in range(7)]
+
+    def run(mod):
+        batches = list(mod._batched(iter(samples), 3))
+        return (
+            [[list(c) for c in b] for b in batches],
+            list(mod._unbatched(iter(batches))),
+            list(mod._map(iter(samples), lambda s: s[0] * 2)),
+            list(mod._select(iter(samples), lambda s: s[0] % 2)),
+            list(mod._to_tuple(iter([{"a": 1, "b": 2}]), "b", "a")),
+        )
+
+    assert run(ours) == run(theirs)

@@ -6,6 +6,7 @@ import gzip
 import io
 import logging
 import os
+import shutil
 import subprocess
 import tarfile
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import webds
 from webds.decode import Decoder
 from webds.errors import ArgumentError, EncodeError, WriteError
 from webds.stages.encode import encode_sample
@@ -421,14 +423,15 @@ def test_post_hook_sees_committed_shards(tmp_path):
 
     def post(fname):
         assert os.path.exists(fname)  # already committed under its final name
-        seen.append((fname, len(names_in(Path(fname)))))
+        seen.append((fname, None if fname.endswith(".json") else len(names_in(Path(fname)))))
 
     with ShardWriter(str(tmp_path / "p-%d.tar"), maxcount=2, post=post, start_shard=5) as sink:
         for s in samples(5):
             sink.write(s)
         assert [f for f, _ in seen] == [str(tmp_path / f"p-{i}.tar") for i in (5, 6)]
         assert sink.fname == str(tmp_path / "p-7.tar")
-    assert seen == [(str(tmp_path / f"p-{i}.tar"), n) for i, n in ((5, 6), (6, 6), (7, 3))]
+    shards = [(str(tmp_path / f"p-{i}.tar"), n) for i, n in ((5, 6), (6, 6), (7, 3))]
+    assert seen == shards + [(str(tmp_path / "p.index.json"), None)]  # the index follows them
 
 
 def test_exception_mid_shard_keeps_earlier_shards_only(tmp_path):
@@ -439,8 +442,51 @@ def test_exception_mid_shard_keeps_earlier_shards_only(tmp_path):
                 sink.write(s)
             raise RuntimeError("boom")
     assert listdir(tmp_path) == ["x-0.tar", "x.index.json"]  # x-1, in progress, was discarded
-    assert committed == [str(tmp_path / "x-0.tar")]  # post never sees a discarded shard
-    assert sink.shards == committed
+    # post never sees a discarded shard; the index of the committed ones follows them.
+    assert committed == [str(tmp_path / "x-0.tar"), str(tmp_path / "x.index.json")]
+    assert sink.shards == committed[:1]
+
+
+def test_a_post_that_moves_shards_takes_the_index_along(tmp_path):
+    out, dest = tmp_path / "out", tmp_path / "dest"
+    dest.mkdir()
+    moved = []
+
+    def post(fname):
+        moved.append(Path(fname).name)
+        shutil.move(fname, dest / Path(fname).name)
+
+    with ShardWriter(str(out / "train-%06d.tar"), maxcount=3, post=post) as sink:
+        for s in samples(10):
+            sink.write(s)
+    assert moved == [f"train-{i:06d}.tar" for i in range(4)] + ["train.index.json"]
+    assert listdir(out) == []  # nothing left behind that lists shards no longer there
+    got = webds.WebDataset(str(dest / "train.index.json"), shardshuffle=False)
+    assert [s["__key__"] for s in got] == [s["__key__"] for s in samples(10)]
+    # An index given a path is written there, and not posted.
+    moved.clear()
+    with ShardWriter(
+        str(out / "b-%06d.tar"), maxcount=5, post=post, index=str(tmp_path / "b.json")
+    ) as sink:
+        for s in samples(10):
+            sink.write(s)
+    assert moved == ["b-000000.tar", "b-000001.tar"] and (tmp_path / "b.json").exists()
+
+
+def test_a_post_that_uploads_to_s3_takes_the_index_along(tmp_path, s3):
+    def upload_and_delete(fname):
+        s3.put(f"ds/{Path(fname).name}", Path(fname).read_bytes())
+        os.remove(fname)
+
+    with ShardWriter(str(tmp_path / "train-%06d.tar"), maxcount=4, post=upload_and_delete) as sink:
+        for s in samples(9):
+            sink.write(s)
+    assert listdir(tmp_path) == []
+    assert sorted(s3.list("ds/")) == [f"ds/train-{i:06d}.tar" for i in range(3)] + [
+        "ds/train.index.json"
+    ]
+    got = webds.WebDataset(s3.url("ds/train.index.json"), shardshuffle=False)
+    assert [s["__key__"] for s in got] == [s["__key__"] for s in samples(9)]
 
 
 def test_in_progress_shard_is_discarded(tmp_path):

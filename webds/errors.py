@@ -22,6 +22,7 @@ __all__ = [
     "WriteError",
     "LengthError",
     "ResumeError",
+    "SecureModeError",
 ]
 
 
@@ -81,6 +82,11 @@ class ArgumentError(WebdsError, ValueError):
 class ResumeError(ArgumentError):
     """A saved position (``state_dict()``) cannot be resumed exactly: the message says why and
     what to change."""
+
+
+class SecureModeError(WebdsError, ValueError):
+    """Secure mode (:mod:`webds.io.security`) refused a URL or a field: a ``pipe:`` command, a
+    local file, a pickle (a ValueError, as webdataset raised)."""
 
 
 class OpenError(WebdsError, IOError):

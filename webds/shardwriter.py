@@ -45,6 +45,9 @@ class ShardWriter(CommitOnExit):
     to the shards as :func:`~webds.shards.index.default_index_name` of the pattern
     (``out/train-%06d.tar`` -> ``out/train.index.json``; none with an ``opener`` or into a
     ``pipe:``), a str is its path or URL, ``False`` writes none (and skips the hashing).
+    With ``post``, the default index goes through ``post`` too, after the last shard, so that it
+    follows shards that ``post`` uploads or moves (its shard URLs are relative to its folder);
+    an index given a path is written there and not passed to ``post``.
     The ``index`` attribute is the :class:`~webds.shards.index.ShardIndex` of the shards so far.
     An index already there is extended, not replaced: a session that continues the numbering
     (``start_shard=``) adds its shards to it, and a shard written again gets its new entry.
@@ -110,6 +113,9 @@ class ShardWriter(CommitOnExit):
                 f"index must be True, False or the path/URL of the index file, got {index!r}"
             )
         self._index_url = index_url
+        # The default index lives with the shards: with post= (which uploads, moves or deletes
+        # each shard) it goes through post as well, after the last shard, and so follows them.
+        self._post_index = index is True and post is not None
         #: The shard index of the committed shards (None with ``index=False``), with those of an
         #: index already at its place (a session that continues a dataset extends its index).
         self.index: Optional[ShardIndex] = None
@@ -318,8 +324,13 @@ class ShardWriter(CommitOnExit):
         assert self._index_url is not None
         try:
             self.index.save(self._index_url, self.storage_options)
+            if self._post_index:
+                assert self.post is not None
+                self.post(self._index_url)
         except Exception as exn:
             message = f"writing the shard index {self._index_url!r} failed: {exn}"
+            if self._post_index:
+                message = f"writing the shard index {self._index_url!r} or its post() failed: {exn}"
             if failing:  # an error is on its way already; don't replace it with this one
                 log.warning("webds: %s", message)
                 return

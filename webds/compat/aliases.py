@@ -125,6 +125,7 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
             ],
         ),
         ("webds.stages.filters", ["identity"]),
+        ("webds.io.security", ["enforce_security"]),
     ],
 }
 
@@ -168,6 +169,13 @@ EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
         ("webds.stages.xdecode", ["xdecode", "default_decoders=default_xdecoders"]),
         ("webds.stages.core", ["pipelinefilter"]),
         ("webds.stages.replay", ["Cached", "LMDBCached"]),
+        (
+            "webds.compat.underscored",
+            # webdataset's plain generator functions: wds.filters._batched(data, 16)
+            "_associate _batched _decode _extract_keys _info _log_keys _map _map_dict _map_tuple "
+            "_rename _rename_keys _rsample _select _shuffle _to_tuple _unbatched _unlisted "
+            "_xdecode".split(),
+        ),
     ],
 }
 
@@ -215,6 +223,17 @@ class AliasModule(types.ModuleType):
                 f"no attribute {name!r}"
             )
         return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Assigning a listed name assigns the real module's, which webds reads: a setting such
+        # as webdataset's ``utils.enforce_security = True`` must reach the code it governs.
+        alias = self.__name__.rpartition(".")[2]
+        names = _names(alias)
+        if name in names:
+            module, real = names[name]
+            setattr(importlib.import_module(module), real, value)
+            return
+        super().__setattr__(name, value)
 
     def __dir__(self) -> List[str]:
         alias = self.__name__.rpartition(".")[2]

@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, Callable, Optional, Tuple
 
 from ..errors import ArgumentError, ShardReadError, WebdsError
 from .streams import ReadStream
-from .urls import local_path, open_url
+from .urls import check_secure, local_path, open_url
 
 __all__ = ["LRUCleanup", "pipe_cleaner", "ShardCache", "CopyCheck"]
 
@@ -186,7 +186,9 @@ class ShardCache:
 
         ``nbytes``, if known (an index's byte count), is the shard's whole size: a copy of any
         other size is not kept. Without it, the source's own size counts, if it has one.
+        Secure mode refuses ``pipe:`` and local URLs here too, cached copy or not.
         """
+        check_secure(url)
         lpath = local_path(url)
         if lpath is not None and not self.cache_local:
             return open_url(url, "rb"), lpath

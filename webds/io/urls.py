@@ -30,6 +30,7 @@ from ..errors import ArgumentError, OpenError, WebdsError
 from .pipes import PIPE_IDLE_SECONDS, PipeStream
 from .ranged import check_read_timeout
 from .remote import _open_fsspec, filesystem_options, fsspec_opener
+from .security import refuse, secure
 from .streams import AtomicFile, _Unclosable
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "url_identity",
     "url_scheme",
     "opens_at_offset",
+    "check_secure",
     "make_parent_folder",
     "existing_size",
     "SCHEMES",
@@ -205,6 +207,7 @@ def open_url(
     registered = _registered_opener(url)
     if registered is not None:
         return _open_registered(registered, url, mode, bufsize, storage_options)
+    check_secure(url)
     if url.startswith("pipe:"):
         # A command's output is a link too: ``read_timeout`` bounds its silences (the rest of
         # storage_options is for fsspec, and a list may mix pipe: and remote URLs).
@@ -217,6 +220,21 @@ def open_url(
             f.seek(offset)
         return f
     return _open_fsspec(url, mode, storage_options, offset)
+
+
+def check_secure(url: PathOrURL) -> None:
+    """Raise :class:`~webds.errors.SecureModeError` if secure mode (:mod:`webds.io.security`)
+    refuses ``url``: a ``pipe:`` command or a local file. ``-`` and schemes with a registered
+    opener are the caller's own choice, and pass."""
+    if not secure():
+        return
+    name = os.fspath(url)
+    if not isinstance(name, str) or name == "-" or _registered_opener(name) is not None:
+        return
+    if name.startswith("pipe:"):
+        refuse("pipe: URLs (they run a shell command)", name)
+    elif local_path(name) is not None:
+        refuse("local files (only remote URLs are opened)", name)
 
 
 def _check_offset(url: str, mode: str, offset: Any) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Union
 from ..errors import ArgumentError, OpenError, ShardReadError
 from ..io.cache import ShardCache
 from ..io.remote import read_range
-from ..io.urls import local_path, open_url
+from ..io.urls import check_secure, local_path, open_url
 from ..tar.cached import complete_tar
 from ..tar.offsets import read_sample, read_sample_in, sample_offsets
 from .index import ShardIndex
@@ -73,6 +73,8 @@ class ShardListDataset:
         self.transform = transform
         self.storage_options = dict(storage_options or {})
         self.urls = self.index.urls
+        for url in self.urls:
+            check_secure(url)  # local shards are opened here directly, not by open_url
         #: Each shard's local path; None for a remote shard not (yet) in the cache.
         self.paths: List[Optional[str]] = [local_path(url) for url in self.urls]
         #: Each shard's ``__local_path__`` (local shards only; paths also gets cached copies).

@@ -66,13 +66,17 @@ def _collate_column(
     samples: Sequence[Any],
     combine_tensors: bool,
     combine_scalars: bool,
+    combine_dicts: bool = False,
 ) -> Any:
     if all(isinstance(v, Mapping) for v in values):
-        # Nested dicts with one set of fields are collated field by field; with differing fields
-        # (e.g. JSON metadata) they stay a list of dicts, as webdataset's collation gives.
-        if any(v.keys() != values[0].keys() for v in values):
+        # Nested dicts (JSON metadata) stay a list of dicts, as webdataset's collation gives and
+        # code like metadata[i]["filename"] expects; with combine_dicts, those with one set of
+        # fields are collated field by field.
+        if not combine_dicts or any(v.keys() != values[0].keys() for v in values):
             return values
-        return _collate_dicts(values, samples, combine_tensors, combine_scalars, prefix=column)
+        return _collate_dicts(
+            values, samples, combine_tensors, combine_scalars, prefix=column, combine_dicts=True
+        )
     if all(isinstance(v, torch.Tensor) for v in values):
         if not combine_tensors:
             return values
@@ -113,6 +117,7 @@ def _collate_dicts(
     combine_tensors: bool,
     combine_scalars: bool,
     prefix: str,
+    combine_dicts: bool = False,
 ) -> Dict[str, Any]:
     keys = list(dicts[0].keys())
     keyset = set(keys)
@@ -134,6 +139,7 @@ def _collate_dicts(
             samples,
             combine_tensors,
             combine_scalars,
+            combine_dicts,
         )
         for k in keys
     }
@@ -144,13 +150,18 @@ def _strs(xs: Iterable[Any]) -> List[str]:
 
 
 def default_collation_fn(
-    samples: Sequence[Any], combine_tensors: bool = True, combine_scalars: bool = True
+    samples: Sequence[Any],
+    combine_tensors: bool = True,
+    combine_scalars: bool = True,
+    combine_dicts: bool = False,
 ) -> Any:
     """Collate a list of samples into a batch, column by column.
 
-    Tuples give a tuple of columns (lists a list), dicts a dict (all with the same fields; nested
-    dicts with the same fields are collated recursively, nested dicts whose fields differ stay a
-    list of dicts). In each column: tensors are stacked with ``torch.stack``,
+    Tuples give a tuple of columns (lists a list), dicts a dict (all with the same fields). A
+    column of dicts (JSON metadata) stays a list of dicts, as in webdataset; with
+    ``combine_dicts=True`` dicts with the same fields are collated field by field into a dict of
+    columns (``batched(n, collation_fn=partial(default_collation_fn, combine_dicts=True))``).
+    In each column: tensors are stacked with ``torch.stack``,
     arrays with ``np.stack`` (unless ``combine_tensors`` is false), numbers become a numpy array
     (unless ``combine_scalars`` is false), anything else a list. Tensors of different shapes are a
     :class:`SampleError`; pad them, or pass your own ``collation_fn`` to :func:`batched`.
@@ -165,7 +176,14 @@ def default_collation_fn(
                 raise SampleError(
                     f"cannot batch a dict sample with a {type(s).__name__} (sample #{i})"
                 )
-        return _collate_dicts(samples, samples, combine_tensors, combine_scalars, prefix="")
+        return _collate_dicts(
+            samples,
+            samples,
+            combine_tensors,
+            combine_scalars,
+            prefix="",
+            combine_dicts=combine_dicts,
+        )
     if isinstance(first, (tuple, list)):
         for i, s in enumerate(samples):
             if not isinstance(s, (tuple, list)) or len(s) != len(first):
@@ -175,11 +193,13 @@ def default_collation_fn(
                     f"elements, sample #{i} has {what}"
                 )
         columns = [
-            _collate_column(list(col), f"#{j}", samples, combine_tensors, combine_scalars)
+            _collate_column(
+                list(col), f"#{j}", samples, combine_tensors, combine_scalars, combine_dicts
+            )
             for j, col in enumerate(zip(*samples))
         ]
         return tuple(columns) if isinstance(first, tuple) else columns
-    return _collate_column(samples, "#0", samples, combine_tensors, combine_scalars)
+    return _collate_column(samples, "#0", samples, combine_tensors, combine_scalars, combine_dicts)
 
 
 def _batches(

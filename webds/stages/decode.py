@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
-from ..errors import ArgumentError, DecodeError
+from ..errors import ArgumentError, DecodeError, SecureModeError
 from .codecs import BasicHandlers, imagehandler, imagespecs
 from .core import SAME, stage
 from .handlers import Handler, reraise_exception
@@ -211,6 +211,11 @@ class Decoder:
                         "non-bytes fields as they are"
                     )
                 result[k] = self.decode1(k, bytes(v) if not isinstance(v, bytes) else v, sample)
+            except SecureModeError as exn:
+                # A refusal, not bad data: raised as it is, saying where.
+                exn.url = exn.url or (url if isinstance(url, str) else None)
+                exn.member = exn.member or (f"{skey}.{k}" if isinstance(skey, str) else None)
+                raise
             except Exception as exn:
                 raise _decode_error(exn, url, skey, k) from exn
         return result

@@ -1,0 +1,139 @@
+"""Secure mode (webdataset's ``utils.enforce_security``, or ``WDS_SECURE=1``) refuses what
+webdataset 1.x refuses, through every door: ``pipe:`` commands (which must not run) and local
+files through WebDataset, DataPipeline, gopen/open_url, the shard cache, ShardListDataset and the
+``webds`` command; pickles and ``torch.load`` even when opted in. Remote shards still read."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import shlex
+from pathlib import Path
+
+import pytest
+from clitools import cli_env, run_webds
+from conftest import sample_members, write_tar
+
+import webds
+import webds as wds
+from webds.errors import SecureModeError
+from webds.io import security
+from webds.shards.index import ShardIndex
+
+
+@pytest.fixture
+def secure(monkeypatch):
+    """Secure mode on, as a webdataset user turns it on; off again after the test."""
+    monkeypatch.setattr(security, "enforce_security", False)
+    monkeypatch.delenv("WDS_SECURE", raising=False)
+    wds.utils.enforce_security = True
+    assert security.enforce_security is True and wds.utils.enforce_security is True
+    yield
+
+
+@pytest.fixture
+def shard(tmp_path) -> Path:
+    path = tmp_path / "a.tar"
+    write_tar(path, sample_members(4, prefix="a-"))
+    return path
+
+
+def pipe_that_touches(tmp_path: Path, shard: Path) -> str:
+    """A pipe: URL whose command leaves a file behind if it runs."""
+    marker = tmp_path / "ran"
+    return f"pipe:touch {shlex.quote(str(marker))} && cat {shlex.quote(str(shard))}"
+
+
+def assert_refused(info: pytest.ExceptionInfo, what: str) -> None:
+    text = str(info.value)
+    assert "secure mode is on" in text and "enforce_security" in text and "WDS_SECURE" in text
+    assert what in text
+    assert isinstance(info.value, ValueError)  # what webdataset raised
+
+
+def test_a_pipe_command_never_runs(secure, tmp_path, shard):
+    url = pipe_that_touches(tmp_path, shard)
+    with pytest.raises(SecureModeError) as info:
+        list(webds.WebDataset(url))
+    assert_refused(info, "pipe: URLs")
+    with pytest.raises(SecureModeError):
+        list(webds.DataPipeline(webds.SimpleShardList(url), webds.tarfile_to_samples()))
+    with pytest.raises(SecureModeError):
+        list(webds.DataPipeline(webds.SimpleShardList([url]), webds.url_opener()))
+    with pytest.raises(SecureModeError):
+        wds.gopen(url)
+    with pytest.raises(SecureModeError):
+        webds.io.urls.open_url(url, "wb")
+    with pytest.raises(SecureModeError):
+        list(webds.WebDataset(url, cache_dir=str(tmp_path / "cache")))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_pipe_command_runs_without_secure_mode(tmp_path, shard, monkeypatch):
+    monkeypatch.delenv("WDS_SECURE", raising=False)
+    url = pipe_that_touches(tmp_path, shard)
+    assert len(list(webds.WebDataset(url))) == 4
+    assert (tmp_path / "ran").exists()
+
+
+def test_local_files_are_refused(secure, tmp_path, shard):
+    for url in (str(shard), f"file://{shard}"):
+        with pytest.raises(SecureModeError) as info:
+            list(webds.WebDataset(url))
+        assert_refused(info, "local files")
+    with pytest.raises(SecureModeError):
+        wds.gopen(str(shard))
+    with pytest.raises(SecureModeError):
+        webds.TarWriter(str(tmp_path / "out.tar"))
+    with pytest.raises(SecureModeError):
+        list(webds.WebDataset(str(shard), cache_dir=str(tmp_path / "cache"), cache_local=True))
+
+
+def test_shard_list_dataset_refuses_local_shards(tmp_path, shard, monkeypatch):
+    index = ShardIndex.build([str(shard)])
+    monkeypatch.setattr(security, "enforce_security", True)
+    with pytest.raises(SecureModeError):
+        webds.ShardListDataset(index)
+
+
+def test_the_environment_variable_turns_it_on(tmp_path, shard, monkeypatch):
+    monkeypatch.setattr(security, "enforce_security", False)
+    monkeypatch.setenv("WDS_SECURE", "1")
+    with pytest.raises(SecureModeError):
+        list(webds.WebDataset(pipe_that_touches(tmp_path, shard)))
+    monkeypatch.setenv("WDS_SECURE", "0")
+    assert len(list(webds.WebDataset(str(shard)))) == 4
+
+
+def test_the_command_line_refuses_too(tmp_path, shard):
+    env = dict(cli_env(), WDS_SECURE="1")
+    url = pipe_that_touches(tmp_path, shard)
+    for args in (["ls", url], ["ls", str(shard)], ["cat", url]):
+        out = run_webds(*args, cwd=tmp_path, env=env)
+        assert out.returncode != 0, args
+        assert "secure mode is on" in out.stderr and "WDS_SECURE" in out.stderr, out.stderr
+    assert not (tmp_path / "ran").exists()
+
+
+def test_remote_shards_still_read(secure, s3, shard):
+    url = s3.put("a.tar", shard.read_bytes())
+    assert [s["__key__"] for s in webds.WebDataset(url)] == [f"a-{i:06d}" for i in range(4)]
+
+
+def test_pickles_and_torch_loads_are_refused_even_when_allowed(secure, tmp_path):
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(2)}, buf)
+    sample = {"__key__": "k", "pkl": pickle.dumps({"a": 1}), "pth": buf.getvalue()}
+    with pytest.raises(SecureModeError, match="unpickling '.pkl' fields"):
+        webds.Decoder([], allow_pickle=True)({"__key__": "k", "pkl": sample["pkl"]})
+    with pytest.raises(SecureModeError, match="torch.load"):
+        webds.Decoder([])({"__key__": "k", "pth": sample["pth"]})
+    with pytest.raises(SecureModeError) as info:
+        list(webds.decode(allow_pickle=True)(iter([dict(sample)])))
+    assert info.value.member == "k.pkl"
+    with pytest.raises(SecureModeError):
+        wds.autodecode.unpickle_loads(sample["pkl"])
+    with pytest.raises(SecureModeError):
+        wds.autodecode.torch_loads(sample["pth"])
