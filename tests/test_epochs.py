@@ -206,6 +206,15 @@ def test_balance_needs_an_index_and_excludes_splitters(indexed, tmp_path):
         webds.WebDataset(indexed, balance="even")
     with pytest.raises(ArgumentError, match="resampled"):
         webds.WebDataset(indexed, resampled=True)
+    # The default splitters, passed explicitly as 1.x code does, are what the plan does.
+    keys = [s["__key__"] for s in webds.WebDataset(indexed)]
+    explicit = webds.WebDataset(
+        indexed, nodesplitter=webds.split_by_node, workersplitter=webds.split_by_worker
+    )
+    assert [s["__key__"] for s in explicit] == keys
+    for other in (dict(nodesplitter=None), dict(workersplitter=webds.single_node_only)):
+        with pytest.raises(ArgumentError, match="other than the default"):
+            webds.WebDataset(indexed, **other)
 
 
 def test_index_true_counts_now_and_subsets_must_be_indexed(indexed, tmp_path):

@@ -290,12 +290,17 @@ class WebDataset(DataPipeline, FluentMixin):
                 "index file (ShardWriter writes one; for existing shards run `webds index SHARDS "
                 "-o index.json`), or index=True to count now by reading every shard"
             )
+        # With an index the plan splits by rank and by worker, which is what the default
+        # splitters do: 1.x code that passes them explicitly is accepted.
         if shard_index is not None and (
-            resampled or nodesplitter is not _AUTO or (workersplitter is not _AUTO)
+            resampled
+            or nodesplitter not in (_AUTO, split_by_node)
+            or workersplitter not in (_AUTO, split_by_worker)
         ):
             raise ArgumentError(
                 "an index plans which samples each rank and worker reads; it can't be combined "
-                "with resampled=True, nodesplitter= or workersplitter="
+                "with resampled=True, or with a nodesplitter= or workersplitter= other than the "
+                "default split_by_node and split_by_worker"
             )
         self.plan: Optional[PlannedShards] = None
         self.index = shard_index
