@@ -137,3 +137,30 @@ def test_pickles_and_torch_loads_are_refused_even_when_allowed(secure, tmp_path)
         wds.autodecode.unpickle_loads(sample["pkl"])
     with pytest.raises(SecureModeError):
         wds.autodecode.torch_loads(sample["pth"])
+
+
+def test_variables_in_url_specs(tmp_path, shard, monkeypatch):
+    # webdataset's rule: ${NAME} is WDS_NAME; webds falls back to NAME.
+    monkeypatch.setenv("WDS_DATA", str(tmp_path))
+    monkeypatch.setenv("SHARD", "a")
+    assert webds.shards.expand_urls("${DATA}/${SHARD}.tar::${DATA}/b-{0..1}.tar") == [
+        str(shard),
+        str(tmp_path / "b-0.tar"),
+        str(tmp_path / "b-1.tar"),
+    ]
+    assert len(list(webds.WebDataset("${DATA}/a.tar"))) == 4
+    assert wds.shardlists.envsubst("${DATA}") == str(tmp_path)
+    with pytest.raises(webds.ArgumentError, match="neither WDS_NOPE nor NOPE is set"):
+        webds.shards.expand_urls("${NOPE}/a.tar")
+
+
+def test_gopen_rewrite_and_secure_mode_refuses_it(tmp_path, shard, monkeypatch):
+    monkeypatch.delenv("WDS_SECURE", raising=False)
+    monkeypatch.setenv("GOPEN_REWRITE", f"/nowhere/={tmp_path}/;x=y")
+    assert wds.gopen.rewrite_url("/nowhere/a.tar") == str(shard)
+    assert len(list(webds.WebDataset("/nowhere/a.tar"))) == 4
+    with wds.gopen("/nowhere/a.tar") as f:
+        assert f.read() == shard.read_bytes()
+    monkeypatch.setattr(security, "enforce_security", True)
+    with pytest.raises(SecureModeError, match="GOPEN_REWRITE"):
+        wds.gopen.rewrite_url("/nowhere/a.tar")

@@ -82,7 +82,10 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
         ("webds.stages.xdecode", ["xdecode"]),
     ],
     "extradatasets": [("webds.compat.legacy", ["MockDataset", "with_epoch", "with_length"])],
-    "gopen": [("webds.compat", ["gopen", "gopen_schemes", "reader"])],
+    "gopen": [
+        ("webds.compat", ["gopen", "gopen_schemes", "reader"]),
+        ("webds.io.urls", ["rewrite_url"]),
+    ],
     "pytorch": [
         ("torch.utils.data", ["IterableDataset", "DataLoader"]),
         ("torch", ["TorchTensor=Tensor"]),
@@ -100,6 +103,7 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
                 "single_node_only",
                 "non_empty",
                 "resampled",
+                "envsubst=expand_env",
             ],
         ),
         ("webds.compat.shardsources", ["MultiShardSample", "shardspec", "DirectoryShardList"]),

@@ -19,7 +19,9 @@ One entry point, :func:`open_url`, for every kind of location a shard can live i
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import re
 import stat
 import sys
 from typing import Any, BinaryIO, Callable, Dict, Optional, Union
@@ -33,6 +35,8 @@ from .remote import _open_fsspec, filesystem_options, fsspec_opener
 from .security import refuse, secure
 from .streams import AtomicFile, _Unclosable
 
+log = logging.getLogger("webds")
+
 __all__ = [
     "open_url",
     "deferred_open",
@@ -41,6 +45,7 @@ __all__ = [
     "url_scheme",
     "opens_at_offset",
     "check_secure",
+    "rewrite_url",
     "make_parent_folder",
     "existing_size",
     "SCHEMES",
@@ -199,6 +204,7 @@ def open_url(
     url = os.fspath(url)
     if not isinstance(url, str) or url == "":
         raise ArgumentError(f"open_url: expected a URL or path string, got {url!r}")
+    url = rewrite_url(url)
     if offset:
         _check_offset(url, mode, offset)
     if url == "-":
@@ -220,6 +226,31 @@ def open_url(
             f.seek(offset)
         return f
     return _open_fsspec(url, mode, storage_options, offset)
+
+
+def rewrite_url(url: str) -> str:
+    """``url`` rewritten by webdataset's ``GOPEN_REWRITE`` rules, if that variable is set:
+    ``"pattern=replacement;..."``, each pattern a regular expression matched at the start of the
+    URL, the first that changes it wins (``GOPEN_REWRITE="http://old/=s3://new/"`` reads
+    ``http://old/a.tar`` from ``s3://new/a.tar``). :func:`open_url` applies it to every URL.
+    Secure mode refuses it, as webdataset does: the environment would choose what is read."""
+    rules = os.environ.get("GOPEN_REWRITE")
+    if not rules or url == "-":
+        return url
+    refuse("URL rewriting from the environment (GOPEN_REWRITE)", url)
+    for rule in rules.split(";"):
+        pattern, sep, replacement = rule.partition("=")
+        if not sep:
+            raise ArgumentError(
+                f"GOPEN_REWRITE rule {rule!r} is not 'pattern=replacement' (rules are separated "
+                "by ';')"
+            )
+        new = re.sub("^" + pattern, replacement, url)
+        if new != url:
+            if os.environ.get("GOPEN_VERBOSE", "0") not in ("", "0"):
+                log.info("webds: GOPEN_REWRITE %s -> %s", url, new)
+            return new
+    return url
 
 
 def check_secure(url: PathOrURL) -> None:
@@ -257,6 +288,10 @@ def deferred_open(
     of the first step is raised by that call too, so that it comes in the shard's turn."""
     name = os.fspath(url)
     plain = functools.partial(open_url, url, mode, offset=offset, **storage_options)
+    try:
+        name = rewrite_url(name) if isinstance(name, str) else name
+    except Exception:  # raised again, in its turn, by the same call
+        return plain
     if (
         not isinstance(name, str)
         or name in ("", "-")

@@ -53,6 +53,7 @@ __all__ = [
     "derive_seed",
     "default_seed",
     "expand_urls",
+    "expand_env",
     "SHARD_SUFFIXES",
     "split_by_node",
     "split_by_worker",
@@ -130,7 +131,9 @@ def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None)
     """Expand a URL spec into a list of shard URLs, listing directories and globs.
 
     A string may hold several specs joined by ``::``; a list or tuple holds one spec per element.
-    Each spec is brace-expanded, then each resulting URL is taken by these rules:
+    Each spec has its ``${NAME}`` variables replaced (:func:`expand_env`: ``WDS_NAME`` from the
+    environment, as webdataset does, else ``NAME``), is brace-expanded, then each resulting URL
+    is taken by these rules:
 
     - ending in ``/``: that directory (local) or prefix (remote) is listed, not recursively, for
       shard files (names ending in ``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``;
@@ -160,6 +163,7 @@ def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None)
     for spec in specs:
         if spec == "":
             continue
+        spec = expand_env(spec)
         for url in braceexpand.braceexpand(spec):
             kind = _listing_kind(url)
             if kind is None:
@@ -180,6 +184,36 @@ def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None)
                 )
             result.extend(found)
     return result
+
+
+_ENV_VAR = re.compile(r"\$\{(\w+)\}")
+
+
+def expand_env(spec: str) -> str:
+    """``${NAME}`` in a URL spec replaced by the environment's ``WDS_NAME`` (webdataset's rule),
+    else ``NAME``, repeatedly (a value may hold another ``${...}``, up to 10 rounds); a name in
+    neither is an :class:`ArgumentError` naming both.
+
+    With ``WDS_BUCKET=s3://b/train``: ``expand_env("${BUCKET}/a-{0..9}.tar")`` ->
+    ``"s3://b/train/a-{0..9}.tar"``.
+    """
+
+    def lookup(m: "re.Match[str]") -> str:
+        name = m.group(1)
+        for key in (f"WDS_{name}", name):
+            if key in os.environ:
+                return os.environ[key]
+        raise ArgumentError(
+            f"the URL spec {spec!r} uses ${{{name}}}, but neither WDS_{name} nor {name} is set "
+            "in the environment"
+        )
+
+    for _ in range(10):
+        expanded = _ENV_VAR.sub(lookup, spec)
+        if expanded == spec:
+            break
+        spec = expanded
+    return spec
 
 
 def _listing_kind(url: str) -> Optional[str]:
