@@ -9,6 +9,7 @@ caller would naturally catch (``IOError`` for I/O, ``ValueError`` for bad data o
 
 from __future__ import annotations
 
+import tarfile
 from typing import Any, Optional
 
 __all__ = [
@@ -23,6 +24,9 @@ __all__ = [
     "LengthError",
     "ResumeError",
     "SecureModeError",
+    "NotFoundError",
+    "MissingFieldError",
+    "NoSamplesError",
 ]
 
 
@@ -93,12 +97,27 @@ class OpenError(WebdsError, IOError):
     """A URL could not be opened, or a ``pipe:`` command failed (the message has its status)."""
 
 
-class ShardReadError(WebdsError, IOError):
-    """A shard is truncated, corrupt, empty or not a tar archive."""
+class NotFoundError(OpenError, FileNotFoundError):
+    """The URL names nothing: no such file, object or page (a ``FileNotFoundError`` too, as
+    webdataset's open raised)."""
+
+
+class ShardReadError(WebdsError, IOError, tarfile.ReadError):
+    """A shard is truncated, corrupt, empty or not a tar archive (a ``tarfile.ReadError`` too,
+    as webdataset's reader raised)."""
 
 
 class SampleError(WebdsError, ValueError):
     """A sample is malformed: a duplicate member, a missing field, a bad key."""
+
+
+class MissingFieldError(SampleError, KeyError):
+    """A stage needs a field the sample lacks (a ``KeyError`` too, as webdataset's ``map_dict``
+    raised)."""
+
+
+class NoSamplesError(WebdsError, ValueError):
+    """A pipeline found no samples at all (a ``ValueError``, as webdataset's check raised)."""
 
 
 class DecodeError(WebdsError, ValueError):

@@ -14,7 +14,7 @@ import os
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .counting import check_state, restore_entropy, with_topology
-from .errors import ArgumentError, WebdsError
+from .errors import ArgumentError, NoSamplesError
 from .io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead
 from .io.urls import url_identity
 from .keywords import legacy_keywords
@@ -138,7 +138,7 @@ def _require_samples(src: Iterable[Any], urls: Any, *, ledger: Any = None) -> It
     if n == 0 and not (ledger is not None and ledger.resuming):
         where = worker_info()
         if where.num_workers == 1 and where.world_size == 1:
-            raise WebdsError(
+            raise NoSamplesError(
                 f"no samples found in {urls!r}: every shard was empty or skipped. Check the "
                 "shards (and the handler's warnings), or pass empty_check=False"
             )

@@ -14,7 +14,7 @@ import logging
 from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
-from ..errors import OpenError, ShardReadError, WebdsError
+from ..errors import NotFoundError, OpenError, ShardReadError, WebdsError
 from .ranged import DEFAULT_READ_TIMEOUT, check_read_timeout, open_ranged
 from .retrying import (
     _HUNG_UP_NAMES,
@@ -397,19 +397,19 @@ def _remote_error(
     if status in (404, 410) or (status is None and isinstance(exn, FileNotFoundError)):
         bucket, key = _bucket_and_key(fs, path) if fs is not None and path else (None, "")
         if bucket is not None and _bucket_exists(fs, bucket) is False:
-            return OpenError(
+            return NotFoundError(
                 f"bucket {bucket!r} does not exist (or is not visible with these credentials); "
                 "check the bucket name, and the endpoint or project it lives in",
                 url=url,
             )
         if bucket is not None:
-            return OpenError(
+            return NotFoundError(
                 f"object {key!r} not found in bucket {bucket!r}; check the prefix and name "
                 "(and the brace pattern that produced it)",
                 url=url,
             )
         code = f" (HTTP {status})" if status else ""
-        return OpenError(f"not found{code}; check the URL", url=url)
+        return NotFoundError(f"not found{code}; check the URL", url=url)
     if status is not None:
         return OpenError(f"the server answered HTTP {status} ({detail})", url=url)
     if isinstance(exn, TypeError) and "keyword argument" in str(exn):

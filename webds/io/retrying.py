@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional, Union
 
-from ..errors import ArgumentError, OpenError, ShardReadError, WebdsError
+from ..errors import ArgumentError, NotFoundError, OpenError, ShardReadError, WebdsError
 from .streams import ReadStream
 
 __all__ = [
@@ -354,7 +354,7 @@ class ResumableStream(ReadStream):
                 final.offset = self.offset
             raise final from exn
         if kind == "not_found":
-            raise OpenError(
+            raise NotFoundError(
                 f"not found ({detail}); check the bucket, prefix and name",
                 url=self.url,
                 offset=self.offset or None,

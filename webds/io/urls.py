@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Dict, Optional, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from ..errors import ArgumentError, OpenError, WebdsError
+from ..errors import ArgumentError, NotFoundError, OpenError, WebdsError
 from .pipes import PIPE_IDLE_SECONDS, PipeStream
 from .ranged import check_read_timeout
 from .remote import _open_fsspec, filesystem_options, fsspec_opener
@@ -371,7 +371,7 @@ def _open_local(url: str, path: str, mode: str) -> BinaryIO:
         return AtomicFile(path)  # type: ignore[return-value]
     except FileNotFoundError:
         what = "file" if mode == "rb" else "directory for"
-        raise OpenError(
+        raise NotFoundError(
             f"no such {what} {path!r}; check the path (and the brace pattern that produced it)",
             url=url,
         ) from None

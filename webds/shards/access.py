@@ -27,7 +27,7 @@ import os
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Union
 
-from ..errors import ArgumentError, OpenError, ShardReadError
+from ..errors import ArgumentError, NotFoundError, OpenError, ShardReadError
 from ..io.cache import ShardCache
 from ..io.remote import read_range
 from ..io.urls import check_secure, local_path, open_url
@@ -229,7 +229,9 @@ class ShardListDataset:
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            raise OpenError(f"no such file {path!r}; check the index", url=self.urls[k]) from None
+            raise NotFoundError(
+                f"no such file {path!r}; check the index", url=self.urls[k]
+            ) from None
         expected = self.index.shards[k].bytes
         size = os.fstat(fd).st_size
         if expected is not None and size != expected:

@@ -24,7 +24,7 @@ from typing import (
     Union,
 )
 
-from ..errors import ArgumentError, SampleError
+from ..errors import ArgumentError, MissingFieldError, SampleError
 from .core import SAME, stage
 from .filters import _annotate, _check_callable, _where, identity
 from .handlers import Handler, apply_each, reraise_exception
@@ -137,7 +137,7 @@ def map_dict(
         result = dict(sample)
         for k, f in kw.items():
             if k not in result:
-                raise SampleError(
+                raise MissingFieldError(
                     f"map_dict: sample has no field {k!r} (it has {_fields(sample)})",
                     **_where(sample),
                 )
