@@ -423,15 +423,16 @@ def test_post_hook_sees_committed_shards(tmp_path):
 
     def post(fname):
         assert os.path.exists(fname)  # already committed under its final name
-        seen.append((fname, None if fname.endswith(".json") else len(names_in(Path(fname)))))
+        seen.append((fname, len(names_in(Path(fname)))))
 
     with ShardWriter(str(tmp_path / "p-%d.tar"), maxcount=2, post=post, start_shard=5) as sink:
         for s in samples(5):
             sink.write(s)
         assert [f for f, _ in seen] == [str(tmp_path / f"p-{i}.tar") for i in (5, 6)]
         assert sink.fname == str(tmp_path / "p-7.tar")
-    shards = [(str(tmp_path / f"p-{i}.tar"), n) for i, n in ((5, 6), (6, 6), (7, 3))]
-    assert seen == shards + [(str(tmp_path / "p.index.json"), None)]  # the index follows them
+    # The shards stayed: the index is written beside them, and post never sees it.
+    assert seen == [(str(tmp_path / f"p-{i}.tar"), n) for i, n in ((5, 6), (6, 6), (7, 3))]
+    assert (tmp_path / "p.index.json").exists()
 
 
 def test_exception_mid_shard_keeps_earlier_shards_only(tmp_path):
@@ -442,9 +443,8 @@ def test_exception_mid_shard_keeps_earlier_shards_only(tmp_path):
                 sink.write(s)
             raise RuntimeError("boom")
     assert listdir(tmp_path) == ["x-0.tar", "x.index.json"]  # x-1, in progress, was discarded
-    # post never sees a discarded shard; the index of the committed ones follows them.
-    assert committed == [str(tmp_path / "x-0.tar"), str(tmp_path / "x.index.json")]
-    assert sink.shards == committed[:1]
+    assert committed == [str(tmp_path / "x-0.tar")]  # post never sees a discarded shard
+    assert sink.shards == committed
 
 
 def test_a_post_that_moves_shards_takes_the_index_along(tmp_path):

@@ -45,9 +45,11 @@ class ShardWriter(CommitOnExit):
     to the shards as :func:`~webds.shards.index.default_index_name` of the pattern
     (``out/train-%06d.tar`` -> ``out/train.index.json``; none with an ``opener`` or into a
     ``pipe:``), a str is its path or URL, ``False`` writes none (and skips the hashing).
-    With ``post``, the default index goes through ``post`` too, after the last shard, so that it
-    follows shards that ``post`` uploads or moves (its shard URLs are relative to its folder);
-    an index given a path is written there and not passed to ``post``.
+    With ``post``: if ``post`` took the shards away (an upload and delete, a move: none of this
+    session's local shards is left where it was written), the default index goes through
+    ``post`` too, after the last shard, and follows them (its shard URLs are relative to its
+    folder); if the shards stayed (``post`` reports or copies them), the index stays beside
+    them and ``post`` never sees it. An index given a path is written there and not posted.
     The ``index`` attribute is the :class:`~webds.shards.index.ShardIndex` of the shards so far.
     An index already there is extended, not replaced: a session that continues the numbering
     (``start_shard=``) adds its shards to it, and a shard written again gets its new entry.
@@ -113,8 +115,8 @@ class ShardWriter(CommitOnExit):
                 f"index must be True, False or the path/URL of the index file, got {index!r}"
             )
         self._index_url = index_url
-        # The default index lives with the shards: with post= (which uploads, moves or deletes
-        # each shard) it goes through post as well, after the last shard, and so follows them.
+        # The default index lives with the shards: if post= took them away (an upload and
+        # delete, a move), it goes through post as well, after the last shard, and follows them.
         self._post_index = index is True and post is not None
         #: The shard index of the committed shards (None with ``index=False``), with those of an
         #: index already at its place (a session that continues a dataset extends its index).
@@ -324,7 +326,7 @@ class ShardWriter(CommitOnExit):
         assert self._index_url is not None
         try:
             self.index.save(self._index_url, self.storage_options)
-            if self._post_index:
+            if self._post_index and self._shards_gone():
                 assert self.post is not None
                 self.post(self._index_url)
         except Exception as exn:
@@ -337,6 +339,12 @@ class ShardWriter(CommitOnExit):
             if isinstance(exn, WebdsError):
                 raise
             raise WriteError(message) from exn
+
+    def _shards_gone(self) -> bool:
+        """Whether ``post`` took every shard of this session away from where it was written
+        (only local shards are looked at: a remote one is where the index goes anyway)."""
+        paths = [local_path(fname) for fname in self.shards]
+        return bool(paths) and all(p is not None and not os.path.exists(p) for p in paths)
 
     def __repr__(self) -> str:
         return f"<ShardWriter {self.pattern!r}: {len(self.shards)} shards, {self.total} samples>"
