@@ -106,12 +106,15 @@ def test_derive_seed_is_stable():
 def test_resampled_deterministic(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     rs = ResampledShards("s-{0..9}.tar", nshards=200, seed=3, deterministic=True)
+    assert rs.epoch == -1  # as in webdataset: each iteration takes the next epoch
     a, b = urls_of(rs), urls_of(rs)
-    assert a == b and len(a) == 200
+    assert rs.epoch == 1 and a != b and len(a) == 200
+    again = ResampledShards("s-{0..9}.tar", nshards=200, seed=3, deterministic=True)
+    assert urls_of(again) == a  # the same (seed, epoch): the same draws
     counts = collections.Counter(a)
     assert set(counts) == {f"s-{i}.tar" for i in range(10)}
-    rs.set_epoch(1)
-    assert urls_of(rs) != a
+    rs.set_epoch(0)  # chosen: the next iteration draws epoch 0's shards again
+    assert urls_of(rs) == a and urls_of(rs) == b
 
 
 def test_resampled_differs_per_worker(monkeypatch):
@@ -128,9 +131,9 @@ def test_resampled_nondeterministic_by_default():
     rs = ResampledShards("s-{0..999}.tar", nshards=20)
     first = urls_of(rs)
     assert urls_of(ResampledShards("s-{0..999}.tar", nshards=20)) != first  # each its own draw
+    assert urls_of(rs) != first  # the next epoch
+    rs.set_epoch(0)
     assert urls_of(rs) == first  # kept: a resumed epoch draws the same shards again
-    rs.set_epoch(1)
-    assert urls_of(rs) != first
 
 
 def test_resampled_arguments():

@@ -88,3 +88,67 @@ def test_the_underscore_generator_functions_of_filters():
         )
 
     assert run(ours) == run(theirs)
+
+
+#: Callables whose signature differs from webdataset 1.0.2's on purpose, and why.
+SIGNATURE_DIFFERENCES = {
+    # webds's is DecodeError (message and where, by keyword); 1.x code catches it, rarely
+    # raises it with 1.x's (url, key, k, sample).
+    "DecodingError": "the same class as DecodeError",
+    # A module that is also callable (webds.gopen.gopen_schemes, webds.gopen(url)): its
+    # signature can't be read, its call is gopen(url, mode="rb", bufsize=8192, **kw).
+    "gopen": "a callable module",
+}
+
+
+def _positional(f):
+    import inspect
+
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [(p.name, p.default) for p in params if p.kind in kinds]
+
+
+def test_positional_parameters_match_webdataset():
+    # 1.x code calls these positionally: webds takes the same parameters in the same order
+    # (and may add its own after them). 1.x's filters are curried (wds.batched(16)): their
+    # signature shows the data parameter first, which the curried call doesn't take.
+    import warnings
+
+    import webdataset
+
+    curried = {n[1:] for n in dir(webdataset.filters) if n.startswith("_") and n[1:2] != "_"}
+    curried |= {"resampled", "tarfile_to_samples"}
+    checked, wrong = 0, []
+    for name in sorted(dir(webdataset)):
+        theirs = getattr(webdataset, name)
+        ours = getattr(webds, name, None)
+        if name.startswith("_") or not callable(theirs) or ours is None:
+            continue
+        if name in SIGNATURE_DIFFERENCES:
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t, o = _positional(theirs), _positional(ours)
+        if t is None or o is None:
+            continue
+        if name in curried:
+            t = t[1:]
+        checked += 1
+        if [n for n, _ in t] != [n for n, _ in o][: len(t)]:
+            wrong.append(f"{name}: webdataset {[n for n, _ in t]}, webds {[n for n, _ in o]}")
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 40
+
+
+def test_resampled_shards_positionally_and_its_epoch():
+    import webdataset
+
+    urls = ["a.tar", "b.tar", "c.tar"]
+    theirs = webdataset.ResampledShards(urls, 4, 0, None, True)
+    ours = webds.ResampledShards(urls, 4, 0, None, True)
+    assert ours.epoch == theirs.epoch == -1
+    assert len([s["url"] for s in ours]) == len([s["url"] for s in theirs]) == 4

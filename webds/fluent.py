@@ -251,19 +251,27 @@ class WebDataset(DataPipeline, FluentMixin):
     def __init__(
         self,
         urls: URLs,
+        # webdataset 1.x's parameters, in its positional order (mode, url_to_name, detshuffle
+        # and verbose are its legacy keywords, see webds.keywords)...
         handler: Handler = reraise_exception,
+        mode: Optional[str] = None,
         resampled: bool = False,
         repeat: bool = False,
         shardshuffle: Union[bool, int, None] = None,
+        cache_size: int = -1,
+        cache_dir: Optional[str] = None,
+        url_to_name: Any = None,
+        detshuffle: Any = None,
         nodesplitter: Optional[Callable[..., Any]] = _AUTO,
         workersplitter: Optional[Callable[..., Any]] = _AUTO,
         select_files: Optional[Callable[[str], bool]] = None,
         rename_files: Optional[Callable[[str], str]] = None,
         empty_check: bool = True,
+        verbose: Any = None,
         seed: Optional[int] = None,
+        # ... then webds's own, by keyword.
+        *,
         storage_options: Optional[dict] = None,
-        cache_dir: Optional[str] = None,
-        cache_size: int = -1,
         cache_local: bool = False,
         index: Union[str, "os.PathLike[str]", ShardIndex, bool, None] = None,
         balance: Optional[str] = None,
@@ -275,6 +283,8 @@ class WebDataset(DataPipeline, FluentMixin):
         super().__init__()
         self.loader_hint: Optional[Tuple[int, Optional[int]]] = None
         extra_stages: list = []
+        given = dict(mode=mode, url_to_name=url_to_name, detshuffle=detshuffle, verbose=verbose)
+        legacy.update({k: v for k, v in given.items() if v is not None})
         if legacy:
             plan = legacy_keywords(legacy, resampled=resampled, shardshuffle=shardshuffle)
             resampled, shardshuffle, extra_stages = plan.resampled, plan.shardshuffle, plan.stages

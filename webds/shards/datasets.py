@@ -73,7 +73,8 @@ class ResampledShards(IterableDataset):
     Each node and worker draws its own sequence. With ``deterministic=True`` the draws depend only
     on (seed, epoch, rank, worker), so runs are reproducible; otherwise entropy drawn when the
     object is made is mixed in too (a resumed pipeline restores it from its state), so every
-    object draws differently, and each one differently every epoch (``set_epoch``).
+    object draws differently, and each one differently every epoch: the one ``set_epoch``
+    chose, or else the next (``epoch`` is -1 before the first iteration, as in webdataset).
     ``urls`` are expanded (and directories or globs listed, with ``storage_options``) once, at
     construction.
     """
@@ -100,16 +101,23 @@ class ResampledShards(IterableDataset):
         self.seed = seed
         self.worker_seed = worker_seed
         self.deterministic = deterministic
-        self.epoch = 0
+        #: The epoch of the last iteration: -1 before the first, as in webdataset.
+        self.epoch = -1
+        self._chosen = False  # set_epoch() chose the next iteration's epoch
         # Not deterministic: entropy drawn once, so that a resumed epoch (which restores it
         # from the state) draws the same shards again.
         self._entropy = secrets.randbits(63)
 
     def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch whose draws the next iteration uses."""
+        """Choose the epoch whose draws the next iteration uses (without it, each iteration
+        takes the next epoch, starting at 0, as webdataset's does)."""
         self.epoch = epoch
+        self._chosen = True
 
     def __iter__(self) -> Iterator[Dict[str, str]]:
+        if not getattr(self, "_chosen", True):
+            self.epoch += 1
+        self._chosen = False
         if not self.urls:
             return
         where = self.worker_seed() if callable(self.worker_seed) else worker_info()

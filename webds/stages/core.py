@@ -213,5 +213,7 @@ def stage(
     return StageFactory(fn, count)
 
 
-#: webdataset's name for :func:`stage`.
-pipelinefilter = stage
+def pipelinefilter(f: Callable[..., Any]) -> "StageFactory":
+    """webdataset's name for :func:`stage` (with its parameter name): ``pipelinefilter(f)``
+    curries the generator function ``f(src, *params)`` into a stage factory."""
+    return stage(f)

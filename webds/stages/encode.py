@@ -97,11 +97,11 @@ def json_dumps(x: Any) -> bytes:
         ) from None
 
 
-def numpy_dumps(x: Any) -> bytes:
+def numpy_dumps(data: Any) -> bytes:
     """An array in ``.npy`` format (object arrays are refused: they would need pickle)."""
     import numpy as np
 
-    a = _to_numpy(x)
+    a = _to_numpy(data)
     if a.dtype == object:
         raise EncodeError("cannot store an object array as .npy; use a numeric dtype or .pyd")
     stream = io.BytesIO()
@@ -134,12 +134,12 @@ def tenbin_dumps(x: Any) -> bytes:
     return tenbin.encode_buffer([x])
 
 
-def torch_dumps(x: Any) -> bytes:
+def torch_dumps(data: Any) -> bytes:
     """Anything ``torch.save`` accepts."""
     import torch
 
     stream = io.BytesIO()
-    torch.save(x, stream)
+    torch.save(data, stream)
     return stream.getvalue()
 
 
