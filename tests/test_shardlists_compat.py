@@ -310,3 +310,50 @@ def test_directory_argument_errors(tmp_path):
 def test_directory_waits_then_times_out(tmp_path):
     ds = DirectoryShardList(tmp_path, poll=0.01, timeout=0.05)
     assert urls(ds) == []
+
+
+_CONSUMER = """
+import os, sys, time, warnings
+warnings.simplefilter("ignore")
+lib, path, out, mode = sys.argv[1:5]
+if lib == "webdataset":
+    from webdataset.shardlists import DirectoryShardList
+else:
+    from webds.compat.shardsources import DirectoryShardList
+got = []
+# webdataset's default pattern matches nothing (its glob has no braces): name one both take.
+for shard in DirectoryShardList(path + "/", pattern="*.tar", poll=None, mode=mode):
+    name = shard["url"]
+    assert name.endswith(f"._{os.getpid()}_"), name  # the claim: NAME._PID_
+    assert os.path.exists(name)
+    got.append(os.path.basename(name).rsplit("._", 1)[0])
+    time.sleep(0.02)  # hold the claim a while, so the two programs interleave
+with open(out, "w") as f:
+    f.write("\\n".join(got))
+"""
+
+
+@pytest.mark.parametrize("mode", ["unlink", "keep"])
+def test_directory_interoperates_with_webdatasets(tmp_path, mode):
+    # A webdataset 1.0.2 program and a webds one share a directory: each shard is claimed by
+    # one of them only, and recycled as the mode says, whoever claimed it.
+    pytest.importorskip("webdataset")
+    d = _queue(tmp_path, n=24)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONSUMER, lib, d, str(tmp_path / f"{lib}.txt"), mode],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        for lib in ("webdataset", "webds")
+    ]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    got = {lib: (tmp_path / f"{lib}.txt").read_text().split() for lib in ("webdataset", "webds")}
+    assert got["webdataset"] and got["webds"]  # both took part
+    names = got["webdataset"] + got["webds"]
+    assert sorted(names) == sorted(set(names)) and len(names) == 24
+    left = sorted(n for n in os.listdir(d) if n != "notes.txt")
+    if mode == "unlink":
+        assert left == []
+    else:
+        assert left == sorted(f"{n}._done_" for n in names)
