@@ -164,6 +164,14 @@ MOVED: Dict[str, List[str]] = {
 #: but that live elsewhere in webds: ``from webds.filters import batched`` works, and the real
 #: module neither imports nor copies them.
 EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
+    "cache": [
+        (
+            "webds.compat.filecache",
+            "default_cache_dir default_cache_size verbose_cache islocal magic_filetype "
+            "get_filetype check_tar_format url_to_cache_name download StreamingOpen "
+            "FileCache".split(),
+        )
+    ],
     "filters": [
         (
             "webds.stages.batching",
