@@ -152,3 +152,82 @@ def test_resampled_shards_positionally_and_its_epoch():
     ours = webds.ResampledShards(urls, 4, 0, None, True)
     assert ours.epoch == theirs.epoch == -1
     assert len([s["url"] for s in ours]) == len([s["url"] for s in theirs]) == 4
+
+
+#: webdataset 1.0.2 module names webds does not serve yet (each module's own functions, classes
+#: and constants, public and underscored). The list may only shrink: a name missing that is not
+#: here fails the test, and so does a name here that webds now has.
+KNOWN_GAPS = {
+    "autodecode": "decoders",
+    "compat": "check_empty",
+    "extradatasets": "repeatedly",
+    "filters": "FilterFunction RestCurried",
+    "gopen": "PIPE info Pipe set_options gopen_file gopen_pipe gopen_curl gopen_htgs gopen_hf "
+    "gopen_gsutil gopen_ais gopen_error",
+    "pipeline": "add_length_method",
+    "shardlists": "envlookup expand_source resampled_ MSSource default_rng expand "
+    "check_pid_is_running without_last_extension get_pid_from_filename",
+    "tenbin": "bytelen bytedata long_to_short short_to_long check_acceptable_input_type magic_str "
+    "magic magic_bytes roundup",
+    "writer": "bytestr add_handlers make_handlers encode_based_on_extension1",
+}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_module_contents_match_webdatasets(module):
+    import types
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = importlib.import_module(f"webdataset.{module}")
+        ours = importlib.import_module(f"webds.{module}")
+    own = f"webdataset.{module}"
+    names = [
+        n
+        for n, v in vars(theirs).items()
+        if not n.startswith("__")
+        and not isinstance(v, types.ModuleType)
+        and (getattr(v, "__module__", own) == own or not callable(v))
+    ]
+    missing = sorted(n for n in names if not hasattr(ours, n))
+    assert missing == sorted(KNOWN_GAPS.get(module, "").split())
+
+
+def test_small_helpers_behave_as_webdatasets(tmp_path):
+    import webdataset
+
+    import webds.autodecode as oa
+    import webds.filters as of
+    import webds.tariterators as ot
+    import webds.utils as ou
+
+    tf, tt, tu, ta = (
+        webdataset.filters,
+        webdataset.tariterators,
+        webdataset.utils,
+        webdataset.autodecode,
+    )
+    inc, dbl = (lambda x: x + 1), (lambda x: x * 2)
+    assert of.compose(inc, dbl)(3) == tf.compose(inc, dbl)(3) == 8
+    assert list(of.pipeline(iter([1, 2]), lambda s: (x * 3 for x in s))) == [3, 6]
+    assert of.tuple2dict((4, 5)) == tf.tuple2dict((4, 5)) and of.dict2tuple({0: 4, 1: 5}) == (4, 5)
+    decoders = [("*.txt", "text"), ("*.jpg", "image"), (".cls", "cls")]
+    for path in ("a/b.txt", "x.JPG", "cls", "__key__", "y.bin"):
+        mine, theirs = of.find_decoder(decoders, path), tf.find_decoder(decoders, path)
+        assert (mine == theirs) or (callable(mine) and callable(theirs)), path
+    assert of.combine_values([1, 2]).tolist() == tf.combine_values([1, 2]).tolist()
+    for sample in ({}, None, {"a": 1}, {"__bad__": True, "a": 1}):
+        assert ot.valid_sample(sample) == tt.valid_sample(sample)
+    assert list(ot.shardlist("a-{0..2}.tar")) == list(tt.shardlist("a-{0..2}.tar"))
+    assert (ot.meta_prefix, ot.meta_suffix) == (tt.meta_prefix, tt.meta_suffix)
+    for name in ("a.tar", "b.tgz", "c.txt"):
+        (tmp_path / name).write_bytes(b"")
+    pattern = str(tmp_path / "*.{tar,tgz}")
+    assert sorted(ou.glob_with_braces(pattern)) == sorted(tu.glob_with_braces(pattern))
+    assert ou.fnmatch_with_braces("x.tgz", "*.{tar,tgz}") and not ou.fnmatch_with_braces(
+        "x.txt", "*.{tar,tgz}"
+    )
+    for key in ("png", "seg.png", "jpg"):
+        args = (key, b"d", lambda d: "hit", ["png"])
+        assert oa.call_extension_handler(*args) == ta.call_extension_handler(*args)

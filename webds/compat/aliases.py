@@ -80,6 +80,10 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
             ],
         ),
         ("webds.stages.xdecode", ["xdecode"]),
+        (
+            "webds.compat.helpers",
+            ["call_extension_handler", "default_pre_handlers", "default_post_handlers"],
+        ),
     ],
     "extradatasets": [("webds.compat.legacy", ["MockDataset", "with_epoch", "with_length"])],
     "gopen": [
@@ -130,6 +134,7 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
         ),
         ("webds.stages.filters", ["identity"]),
         ("webds.io.security", ["enforce_security"]),
+        ("webds.compat.helpers", ["glob_with_braces", "fnmatch_with_braces"]),
     ],
 }
 
@@ -181,6 +186,11 @@ EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
         ("webds.stages.xdecode", ["xdecode", "default_decoders=default_xdecoders"]),
         ("webds.stages.core", ["pipelinefilter"]),
         ("webds.stages.replay", ["Cached", "LMDBCached"]),
+        (
+            "webds.compat.helpers",
+            "compose2 compose pipeline combine_values tuple2dict dict2tuple decode_bin "
+            "decode_text decode_pickle find_decoder".split(),
+        ),
         (
             "webds.compat.underscored",
             # webdataset's plain generator functions: wds.filters._batched(data, 16)

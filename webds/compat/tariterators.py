@@ -20,6 +20,7 @@ from ..tar import grouping
 from ..tar.grouping import META_PATTERN, _rename_select, base_plus_ext
 from ..tar.reader import read_members
 from ..tar.samples import tarfile_samples, tarfile_to_samples
+from .helpers import meta_prefix, meta_suffix, shardlist, trace, valid_sample
 
 __all__ = [
     "base_plus_ext",
@@ -29,6 +30,11 @@ __all__ = [
     "group_by_keys",
     "tarfile_samples",
     "tarfile_to_samples",
+    "meta_prefix",
+    "meta_suffix",
+    "shardlist",
+    "trace",
+    "valid_sample",
 ]
 
 

@@ -1,0 +1,173 @@
+"""webdataset's small helper names, which 1.x code imports from its modules: function
+composition and collation helpers of ``filters``, ``tariterators``' constants and checks,
+``utils``' brace globbing, ``autodecode``'s extension matching. Each behaves as 1.x's did;
+``webds.filters``, ``webds.tariterators``, ``webds.utils`` and ``webds.autodecode`` serve them
+(see :mod:`webds.compat.aliases`).
+"""
+
+from __future__ import annotations
+
+import fnmatch as _fnmatch
+import functools
+import glob
+import pickle
+import random
+import re
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import braceexpand
+
+from ..io.security import refuse
+from ..stages.batching import _collate_column
+from ..stages.codecs import basichandlers
+from ..stages.decode import gzfilter
+
+__all__ = [
+    "compose2",
+    "compose",
+    "pipeline",
+    "combine_values",
+    "tuple2dict",
+    "dict2tuple",
+    "decode_bin",
+    "decode_text",
+    "decode_pickle",
+    "find_decoder",
+    "trace",
+    "meta_prefix",
+    "meta_suffix",
+    "valid_sample",
+    "shardlist",
+    "glob_with_braces",
+    "fnmatch_with_braces",
+    "call_extension_handler",
+    "default_pre_handlers",
+    "default_post_handlers",
+]
+
+# -- filters ------------------------------------------------------------------------------------
+
+
+def compose2(f: Callable[[Any], Any], g: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``g(f(x))``."""
+    return lambda x: g(f(x))
+
+
+def compose(*args: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The functions applied left to right."""
+    return functools.reduce(compose2, args)
+
+
+def pipeline(source: Any, *args: Callable[[Any], Any]) -> Any:
+    """``source`` through the filters ``args``, left to right."""
+    return compose(*args)(source) if args else source
+
+
+def combine_values(
+    b: Sequence[Any], combine_tensors: bool = True, combine_scalars: bool = True
+) -> Any:
+    """One column of a batch, collated as :func:`~webds.stages.batching.default_collation_fn`
+    collates a column (numbers to an array, tensors and arrays stacked, the rest a list)."""
+    values = list(b)
+    return _collate_column(values, "#0", values, combine_tensors, combine_scalars)
+
+
+def tuple2dict(value: Any) -> Dict[Any, Any]:
+    """A tuple or list as ``{0: first, 1: second, ...}``; a dict as it is."""
+    return value if isinstance(value, dict) else dict(enumerate(value))
+
+
+def dict2tuple(d: Dict[int, Any]) -> Tuple[Any, ...]:
+    """The inverse of :func:`tuple2dict`."""
+    return tuple(d[i] for i in range(1 + max(d.keys())))
+
+
+def decode_bin(stream: Any) -> bytes:
+    """All of ``stream``'s bytes."""
+    return stream.read()
+
+
+def decode_text(stream: Any) -> str:
+    """All of ``stream``, as UTF-8 text."""
+    return stream.read().decode("utf-8")
+
+
+def decode_pickle(stream: Any) -> Any:
+    """``pickle.load(stream)``: calling it is opting in (only for data you trust); refused in
+    secure mode."""
+    refuse("unpickling (decode_pickle)")
+    return pickle.load(stream)
+
+
+def find_decoder(
+    decoders: Sequence[Tuple[str, Callable[[Any], Any]]], path: str
+) -> Optional[Callable[[Any], Any]]:
+    """The decoder of the last ``(pattern, decoder)`` whose pattern matches the file name of
+    ``path`` (with or without a leading dot); meta names (``__key__``) pass as they are."""
+    fname = re.sub(r".*/", "", path)
+    if fname.startswith("__"):
+        return lambda x: x
+    for pattern, fun in decoders[::-1]:
+        if _fnmatch.fnmatch(fname.lower(), pattern) or _fnmatch.fnmatch(
+            "." + fname.lower(), pattern
+        ):
+            return fun
+    return None
+
+
+# -- tariterators -------------------------------------------------------------------------------
+
+#: webdataset's switch for printing every member read (webds logs on the ``webds`` logger).
+trace = False
+#: A meta member's name starts and ends with these (``__key__``, ``__meta__``).
+meta_prefix = "__"
+meta_suffix = "__"
+
+
+def valid_sample(sample: Any) -> bool:
+    """Whether ``sample`` is a non-empty dict not marked ``__bad__``."""
+    return isinstance(sample, dict) and len(sample) > 0 and not sample.get("__bad__", False)
+
+
+def shardlist(urls: Any, *, shuffle: bool = False) -> Iterator[Dict[str, str]]:
+    """``{"url": url}`` for each URL of a brace pattern or a list (shuffled with
+    ``shuffle=True``, by a generator of its own)."""
+    listed: List[str] = list(braceexpand.braceexpand(urls)) if isinstance(urls, str) else list(urls)
+    if shuffle:
+        random.Random().shuffle(listed)
+    for url in listed:
+        yield {"url": url}
+
+
+# -- utils --------------------------------------------------------------------------------------
+
+
+def glob_with_braces(pattern: str) -> List[str]:
+    """``glob`` of each brace expansion of ``pattern``, in order."""
+    return [f for pat in braceexpand.braceexpand(pattern) for f in glob.glob(pat)]
+
+
+def fnmatch_with_braces(filename: str, pattern: str) -> bool:
+    """Whether ``filename`` matches any brace expansion of ``pattern``."""
+    return any(_fnmatch.fnmatch(filename, pat) for pat in braceexpand.braceexpand(pattern))
+
+
+# -- autodecode ---------------------------------------------------------------------------------
+
+
+def call_extension_handler(
+    key: str, data: bytes, f: Callable[[bytes], Any], extensions: Iterable[str]
+) -> Any:
+    """``f(data)`` if the field name ``key`` ends with one of ``extensions`` (``"seg.png"``
+    ends with ``"png"`` and ``"seg.png"``), else None."""
+    extension = key.lower().split(".")
+    for target in extensions:
+        parts = target.split(".")
+        if len(parts) <= len(extension) and extension[-len(parts) :] == parts:
+            return f(data)
+    return None
+
+
+#: The handlers a :class:`~webds.stages.decode.Decoder` runs before and after its own.
+default_pre_handlers = [gzfilter]
+default_post_handlers = [basichandlers]
