@@ -7,7 +7,9 @@ test_compat_*, test_legacy, test_mix, ...); this file makes sure none is forgott
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
 
 import pytest
 
@@ -165,8 +167,6 @@ KNOWN_GAPS = {
     "gopen": "PIPE info Pipe set_options gopen_file gopen_pipe gopen_curl gopen_htgs gopen_hf "
     "gopen_gsutil gopen_ais gopen_error",
     "pipeline": "add_length_method",
-    "shardlists": "envlookup expand_source resampled_ MSSource default_rng expand "
-    "check_pid_is_running without_last_extension get_pid_from_filename",
     "tenbin": "bytelen bytedata long_to_short short_to_long check_acceptable_input_type magic_str "
     "magic magic_bytes roundup",
     "writer": "bytestr add_handlers make_handlers encode_based_on_extension1",
@@ -231,3 +231,15 @@ def test_small_helpers_behave_as_webdatasets(tmp_path):
     for key in ("png", "seg.png", "jpg"):
         args = (key, b"d", lambda d: "hit", ["png"])
         assert oa.call_extension_handler(*args) == ta.call_extension_handler(*args)
+    osl, tsl = webds.shardlists, webdataset.shardlists
+    for name in ("a.tar._123_", "a.tar", "x._done_", "noext"):
+        assert osl.without_last_extension(name) == tsl.without_last_extension(name)
+        assert osl.get_pid_from_filename(name) == tsl.get_pid_from_filename(name)
+    assert osl.expand_source("a-{0..1}.tar") == tsl.expand_source("a-{0..1}.tar")
+    three = ["x", "y", "z"]
+    assert osl.expand_source(iter(three), 2) == tsl.expand_source(iter(three), 2) == three[:2]
+    assert osl.check_pid_is_running(os.getpid()) == tsl.check_pid_is_running(os.getpid())
+    assert sorted(osl.resampled_(["a"], 3)) == ["a", "a", "a"]
+    assert [f.name for f in dataclasses.fields(osl.MSSource)] == [
+        f.name for f in dataclasses.fields(tsl.MSSource)
+    ]

@@ -110,6 +110,11 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
                 "envsubst=expand_env",
             ],
         ),
+        (
+            "webds.compat.helpers",
+            "envlookup expand expand_source resampled_ MSSource default_rng check_pid_is_running "
+            "without_last_extension get_pid_from_filename".split(),
+        ),
         ("webds.compat.shardsources", ["MultiShardSample", "shardspec", "DirectoryShardList"]),
     ],
     "utils": [

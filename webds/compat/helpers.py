@@ -7,17 +7,23 @@ composition and collation helpers of ``filters``, ``tariterators``' constants an
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch as _fnmatch
 import functools
 import glob
+import itertools
+import os
 import pickle
 import random
 import re
+import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import braceexpand
 
+from ..errors import ArgumentError
 from ..io.security import refuse
+from ..shards.shardlists import expand_urls
 from ..stages.batching import _collate_column
 from ..stages.codecs import basichandlers
 from ..stages.decode import gzfilter
@@ -43,6 +49,15 @@ __all__ = [
     "call_extension_handler",
     "default_pre_handlers",
     "default_post_handlers",
+    "envlookup",
+    "expand",
+    "expand_source",
+    "resampled_",
+    "MSSource",
+    "default_rng",
+    "check_pid_is_running",
+    "without_last_extension",
+    "get_pid_from_filename",
 ]
 
 # -- filters ------------------------------------------------------------------------------------
@@ -137,6 +152,81 @@ def shardlist(urls: Any, *, shuffle: bool = False) -> Iterator[Dict[str, str]]:
         random.Random().shuffle(listed)
     for url in listed:
         yield {"url": url}
+
+
+# -- shardlists ---------------------------------------------------------------------------------
+
+
+def envlookup(m: "re.Match[str]") -> str:
+    """The value of ``WDS_<m.group(1)>`` (webdataset's ``${NAME}`` rule); KeyError if unset."""
+    key = "WDS_" + m.group(1)
+    if key not in os.environ:
+        raise KeyError(f"missing environment variable {key}")
+    return os.environ[key]
+
+
+def expand(s: str) -> str:
+    """``~`` and ``$VAR`` expanded, as ``MultiShardSample`` expands its shard specs."""
+    return os.path.expanduser(os.path.expandvars(s))
+
+
+def expand_source(source: Any, max_urls: int = int(1e9)) -> List[str]:
+    """A shard source as a list of URLs: a spec string expanded (:func:`webds.expand_urls`), a
+    list as it is, another iterable's first ``max_urls`` items."""
+    if isinstance(source, str):
+        return expand_urls(source)
+    if isinstance(source, list):
+        return source
+    if isinstance(source, Iterable):
+        return list(itertools.islice(source, max_urls))
+    raise ArgumentError(f"cannot take shard URLs from a {type(source).__name__}")
+
+
+def resampled_(src: Iterable[Any], n: int = sys.maxsize) -> Iterator[Any]:
+    """``n`` items drawn with replacement from all of ``src`` (read first), with fresh entropy."""
+    items = list(src)
+    rng = random.Random(os.urandom(16))
+    for _ in range(n):
+        yield rng.choice(items)
+
+
+@dataclasses.dataclass
+class MSSource:
+    """One source of a ``MultiShardSample`` spec, as webdataset describes it."""
+
+    name: str = ""
+    perepoch: int = -1
+    resample: bool = False
+    urls: List[str] = dataclasses.field(default_factory=list)
+
+
+#: webdataset's module-wide generator (webds's own shard lists draw from generators of their
+#: own, seeded per epoch, rank and worker).
+default_rng = random.Random()
+
+
+def check_pid_is_running(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    except OSError:
+        return False
+    return True
+
+
+def without_last_extension(fname: str) -> str:
+    """``fname`` without its last ``.ext``."""
+    return re.sub(r"\.[^.]*$", "", fname)
+
+
+def get_pid_from_filename(fname: str) -> Optional[int]:
+    """The pid of a ``DirectoryShardList`` claim ``NAME._PID_``, or None."""
+    match = re.match(r"^(.*)\._(\d+)_$", fname)
+    return int(match.group(2)) if match else None
 
 
 # -- utils --------------------------------------------------------------------------------------
