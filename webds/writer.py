@@ -18,6 +18,8 @@ upload is aborted. A shard larger than memory streams out in parts as the upload
 
 from __future__ import annotations
 
+from typing import Any, Callable, Dict, Iterable, Union
+
 from .shardwriter import ShardWriter
 
 # webdataset's writer module also exported its encoders; code imports them from there.
@@ -25,6 +27,7 @@ from .stages.encode import (  # noqa: F401
     EncoderSpec,
     cbor_dumps,
     default_handlers,
+    encode_value,
     imageencoder,
     make_encoder,
     mp_dumps,
@@ -38,3 +41,28 @@ from .tarwriter import TarWriter, check_key, is_numbered_pattern, single_shard_n
 
 # numpy_dumps and torch_dumps are re-exported because webdataset's writer module has them.
 __all__ = ["TarWriter", "ShardWriter", "check_key", "numpy_dumps", "torch_dumps"]
+
+
+# webdataset's writer module helpers, with its signatures.
+
+#: webdataset's name: a new ``{extension: encoder}`` table (webds's defaults).
+make_handlers = default_handlers
+
+
+def add_handlers(d: Dict[str, Any], keys: Union[str, Iterable[str]], value: Callable) -> None:
+    """Set ``d[k] = value`` for each extension in ``keys`` (a list, or space-separated)."""
+    for k in keys.split() if isinstance(keys, str) else keys:
+        d[k] = value
+
+
+def bytestr(data: Any) -> bytes:
+    """``data`` as bytes: bytes as they are, anything else as its ``str``, ASCII-encoded."""
+    if isinstance(data, bytes):
+        return data
+    return (data if isinstance(data, str) else str(data)).encode("ascii")
+
+
+def encode_based_on_extension1(data: Any, tname: str, handlers: Dict[str, Callable]) -> Any:
+    """One field encoded by its extension ``tname`` with ``handlers`` (``.gz``: gzipped;
+    metadata names starting with ``_`` must be str and stay str)."""
+    return encode_value(tname, data, handlers)
