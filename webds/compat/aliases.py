@@ -174,13 +174,6 @@ MOVED: Dict[str, List[str]] = {
 #: but that live elsewhere in webds: ``from webds.filters import batched`` works, and the real
 #: module neither imports nor copies them.
 EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
-    "tenbin": [
-        (
-            "webds.compat.helpers",
-            "bytelen bytedata long_to_short short_to_long check_acceptable_input_type magic_str "
-            "magic magic_bytes roundup".split(),
-        )
-    ],
     "cache": [
         (
             "webds.compat.filecache",

@@ -20,12 +20,10 @@ import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import braceexpand
-import numpy as np
 
 from ..errors import ArgumentError
 from ..io.security import refuse
 from ..shards.shardlists import expand_urls
-from ..stages import tenbin
 from ..stages.batching import _collate_column
 from ..stages.codecs import basichandlers
 from ..stages.decode import gzfilter
@@ -60,15 +58,6 @@ __all__ = [
     "check_pid_is_running",
     "without_last_extension",
     "get_pid_from_filename",
-    "bytelen",
-    "bytedata",
-    "long_to_short",
-    "short_to_long",
-    "check_acceptable_input_type",
-    "magic_str",
-    "magic",
-    "magic_bytes",
-    "roundup",
 ]
 
 # -- filters ------------------------------------------------------------------------------------
@@ -272,49 +261,3 @@ def call_extension_handler(
 #: The handlers a :class:`~webds.stages.decode.Decoder` runs before and after its own.
 default_pre_handlers = [gzfilter]
 default_post_handlers = [basichandlers]
-
-
-# -- tenbin -------------------------------------------------------------------------------------
-
-
-def bytelen(a: Any) -> int:
-    """The byte size of an array (``nbytes``) or of bytes."""
-    if hasattr(a, "nbytes"):
-        return int(a.nbytes)
-    if isinstance(a, (bytes, bytearray)):
-        return len(a)
-    raise ArgumentError(f"cannot tell the byte size of a {type(a).__name__}")
-
-
-def bytedata(a: Any) -> Any:
-    """The bytes of an array (its buffer), or bytes as they are."""
-    if isinstance(a, (bytes, bytearray, memoryview)):
-        return a
-    if hasattr(a, "data"):
-        return a.data
-    raise ArgumentError(f"cannot take the bytes of a {type(a).__name__}")
-
-
-#: dtype names and tenbin's short codes, both ways.
-long_to_short = {np.dtype(short).name: short for short in tenbin.SUPPORTED_DTYPES.values()}
-short_to_long = {short: name for name, short in long_to_short.items()}
-
-
-def check_acceptable_input_type(data: Iterable[Any], allow64: bool) -> None:
-    """Raise unless every array's dtype is one tenbin stores, and 64-bit ones are allowed."""
-    for a in data:
-        if a.dtype.name not in long_to_short:
-            raise ArgumentError(f"tenbin can't store dtype {a.dtype.name}")
-        if not allow64 and a.dtype.name in ("float64", "int64", "uint64"):
-            raise ArgumentError(f"64-bit dtypes ({a.dtype.name}) need allow64=True")
-
-
-#: The tenbin header's magic, as text, bytes and the little-endian int webdataset used.
-magic_str = tenbin.MAGIC.decode("ascii")
-magic_bytes = tenbin.MAGIC
-magic = int.from_bytes(tenbin.MAGIC, "little")
-
-
-def roundup(n: int, k: int = 64) -> int:
-    """``n`` rounded up to a multiple of ``k``."""
-    return k * ((n + k - 1) // k)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
-from typing import Any, BinaryIO, List, Optional, Sequence, Tuple, Union
+from typing import Any, BinaryIO, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -342,3 +342,49 @@ def load(fname: Any, infos: Infos = False, nocheck: bool = False) -> Any:
     fname = _check_name(fname, nocheck)
     with open(fname, "rb") as stream:
         return read(stream, infos=infos)
+
+
+# -- webdataset's names for tenbin's pieces ---------------------------------------------------
+
+
+def bytelen(a: Any) -> int:
+    """The byte size of an array (``nbytes``) or of bytes."""
+    if hasattr(a, "nbytes"):
+        return int(a.nbytes)
+    if isinstance(a, (bytes, bytearray)):
+        return len(a)
+    raise ValueError(f"cannot tell the byte size of a {type(a).__name__}")
+
+
+def bytedata(a: Any) -> Any:
+    """The bytes of an array (its buffer), or bytes as they are."""
+    if isinstance(a, (bytes, bytearray, memoryview)):
+        return a
+    if hasattr(a, "data"):
+        return a.data
+    raise ValueError(f"cannot take the bytes of a {type(a).__name__}")
+
+
+#: dtype names and tenbin's short codes, both ways.
+long_to_short = {np.dtype(short).name: short for short in SUPPORTED_DTYPES.values()}
+short_to_long = {short: name for name, short in long_to_short.items()}
+
+
+def check_acceptable_input_type(data: Iterable[Any], allow64: bool) -> None:
+    """Raise unless every array's dtype is one tenbin stores, and 64-bit ones are allowed."""
+    for a in data:
+        if a.dtype.name not in long_to_short:
+            raise ValueError(f"tenbin can't store dtype {a.dtype.name}")
+        if not allow64 and a.dtype.name in ("float64", "int64", "uint64"):
+            raise ValueError(f"64-bit dtypes ({a.dtype.name}) need allow64=True")
+
+
+#: The tenbin header's magic, as text, bytes and the little-endian int webdataset used.
+magic_str = MAGIC.decode("ascii")
+magic_bytes = MAGIC
+magic = int.from_bytes(MAGIC, "little")
+
+
+def roundup(n: int, k: int = 64) -> int:
+    """``n`` rounded up to a multiple of ``k``."""
+    return k * ((n + k - 1) // k)
