@@ -161,9 +161,6 @@ def test_resampled_shards_positionally_and_its_epoch():
 #: here fails the test, and so does a name here that webds now has.
 KNOWN_GAPS = {
     "autodecode": "decoders",
-    "compat": "check_empty",
-    "extradatasets": "repeatedly",
-    "filters": "FilterFunction RestCurried",
     "gopen": "PIPE info Pipe set_options gopen_file gopen_pipe gopen_curl gopen_htgs gopen_hf "
     "gopen_gsutil gopen_ais gopen_error",
     "pipeline": "add_length_method",
@@ -228,6 +225,12 @@ def test_small_helpers_behave_as_webdatasets(tmp_path):
     for key in ("png", "seg.png", "jpg"):
         args = (key, b"d", lambda d: "hit", ["png"])
         assert oa.call_extension_handler(*args) == ta.call_extension_handler(*args)
+    assert of.RestCurried(lambda data, k: [x * k for x in data])(3)([1, 2]) == [3, 6]
+    assert list(webds.compat.check_empty(iter([1]))) == [1]
+    with pytest.raises(ValueError, match="no samples"):
+        list(webds.compat.check_empty(iter([])))
+    rep = webds.extradatasets.repeatedly([1, 2], nepochs=2, length=4)
+    assert list(rep) == [1, 2, 1, 2] and len(rep) == 4
     osl, tsl = webds.shardlists, webdataset.shardlists
     for name in ("a.tar._123_", "a.tar", "x._done_", "noext"):
         assert osl.without_last_extension(name) == tsl.without_last_extension(name)

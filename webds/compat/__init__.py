@@ -73,6 +73,7 @@ _LAZY: Dict[str, Tuple[str, str]] = {
     "WebLoader": ("webds.loader", "WebLoader"),
     "LegacyPlan": ("webds.keywords", "LegacyPlan"),
     "legacy_keywords": ("webds.keywords", "legacy_keywords"),
+    "check_empty": ("webds.compat.helpers", "check_empty"),
 }
 
 

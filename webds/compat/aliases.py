@@ -85,7 +85,10 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
             ["call_extension_handler", "default_pre_handlers", "default_post_handlers"],
         ),
     ],
-    "extradatasets": [("webds.compat.legacy", ["MockDataset", "with_epoch", "with_length"])],
+    "extradatasets": [
+        ("webds.compat.legacy", ["MockDataset", "with_epoch", "with_length"]),
+        ("webds.compat.helpers", ["repeatedly=RepeatedlyDataset"]),
+    ],
     "gopen": [
         ("webds.compat", ["gopen", "gopen_schemes", "reader"]),
         ("webds.io.urls", ["rewrite_url"]),
@@ -193,8 +196,8 @@ EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
         ("webds.stages.replay", ["Cached", "LMDBCached"]),
         (
             "webds.compat.helpers",
-            "compose2 compose pipeline combine_values tuple2dict dict2tuple decode_bin "
-            "decode_text decode_pickle find_decoder".split(),
+            "FilterFunction RestCurried compose2 compose pipeline combine_values tuple2dict "
+            "dict2tuple decode_bin decode_text decode_pickle find_decoder".split(),
         ),
         (
             "webds.compat.underscored",

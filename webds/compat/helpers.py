@@ -20,15 +20,21 @@ import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import braceexpand
+from torch.utils.data import IterableDataset
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, NoSamplesError
 from ..io.security import refuse
 from ..shards.shardlists import expand_urls
 from ..stages.batching import _collate_column
 from ..stages.codecs import basichandlers
 from ..stages.decode import gzfilter
+from .legacy import repeatedly as legacy_repeatedly
 
 __all__ = [
+    "FilterFunction",
+    "RestCurried",
+    "check_empty",
+    "RepeatedlyDataset",
     "compose2",
     "compose",
     "pipeline",
@@ -60,7 +66,73 @@ __all__ = [
     "get_pid_from_filename",
 ]
 
-# -- filters ------------------------------------------------------------------------------------
+# -- filters, compat, extradatasets ------------------------------------------------------------
+
+
+class FilterFunction:
+    """``f`` with its arguments bound after the data: ``FilterFunction(f, *a)(data) ==
+    f(data, *a)`` (picklable, unlike a lambda)."""
+
+    def __init__(self, f: Callable[..., Any], *args: Any, **kw: Any) -> None:
+        self.f, self.args, self.kw = f, args, kw
+
+    def __call__(self, data: Any) -> Any:
+        return self.f(data, *self.args, **self.kw)
+
+    def __str__(self) -> str:
+        return f"<{getattr(self.f, '__name__', self.f)} {self.args} {self.kw}>"
+
+
+class RestCurried:
+    """``RestCurried(f)(*a)`` is ``FilterFunction(f, *a)``: webdataset's currying of stages."""
+
+    def __init__(self, f: Callable[..., Any]) -> None:
+        self.f = f
+
+    def __call__(self, *args: Any, **kw: Any) -> FilterFunction:
+        return FilterFunction(self.f, *args, **kw)
+
+
+def check_empty(source: Iterable[Any]) -> Iterator[Any]:
+    """The items of ``source``; :class:`~webds.errors.NoSamplesError` (a ValueError) if there
+    were none."""
+    count = 0
+    for sample in source:
+        yield sample
+        count += 1
+    if count == 0:
+        raise NoSamplesError(
+            "no samples found in the dataset; perhaps there are fewer shards than workers. "
+            "Turn the check off with empty_check=False in the WebDataset constructor"
+        )
+
+
+class RepeatedlyDataset(IterableDataset):
+    """webdataset's ``extradatasets.repeatedly``: ``source`` iterated again and again (up to
+    ``nepochs`` passes or ``nbatches`` items; see :func:`webds.utils.repeatedly`), with
+    ``len() == length`` when given. (webdataset's own class failed on iteration.)"""
+
+    def __init__(
+        self,
+        source: Any,
+        nepochs: Optional[int] = None,
+        nbatches: Optional[int] = None,
+        length: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.source, self.nepochs, self.nbatches, self.length = source, nepochs, nbatches, length
+
+    def invoke(self, source: Any) -> Iterator[Any]:
+        """The repeated stream of ``source``."""
+        return legacy_repeatedly(source, nepochs=self.nepochs, nbatches=self.nbatches)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.invoke(self.source)
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("this repeatedly dataset was given no length")
+        return self.length
 
 
 def compose2(f: Callable[[Any], Any], g: Callable[[Any], Any]) -> Callable[[Any], Any]:
