@@ -258,3 +258,12 @@ def test_small_helpers_behave_as_webdatasets(tmp_path):
     assert [f.name for f in dataclasses.fields(osl.MSSource)] == [
         f.name for f in dataclasses.fields(tsl.MSSource)
     ]
+
+
+def test_stages_are_found_by_name_in_the_pipeline():
+    # 1.x code finds a stage by its str(): [s for s in ds.pipeline if "shuffle" in str(s)].
+    ds = webds.WebDataset("a.tar", shardshuffle=False).shuffle(10).decode("pil").batched(4)
+    names = [str(s) for s in ds.pipeline]
+    assert "shuffle(10)" in names and "decode('pil')" in names and "batched(4)" in names
+    (found,) = [s for s in ds.pipeline if str(s).startswith("shuffle")]
+    assert found is ds.pipeline[names.index("shuffle(10)")]
