@@ -160,7 +160,6 @@ def test_resampled_shards_positionally_and_its_epoch():
 #: and constants, public and underscored). The list may only shrink: a name missing that is not
 #: here fails the test, and so does a name here that webds now has.
 KNOWN_GAPS = {
-    "autodecode": "decoders",
     "gopen": "PIPE info Pipe set_options gopen_file gopen_pipe gopen_curl gopen_htgs gopen_hf "
     "gopen_gsutil gopen_ais gopen_error",
     "pipeline": "add_length_method",
@@ -231,6 +230,9 @@ def test_small_helpers_behave_as_webdatasets(tmp_path):
         list(webds.compat.check_empty(iter([])))
     rep = webds.extradatasets.repeatedly([1, 2], nepochs=2, length=4)
     assert list(rep) == [1, 2, 1, 2] and len(rep) == 4
+    assert sorted(oa.decoders) == sorted(ta.decoders)
+    for ext, data in (("cls", b"7"), ("txt", b"hi"), ("json", b'{"a": 1}')):
+        assert oa.decoders[ext](data) == ta.decoders[ext](data)
     osl, tsl = webds.shardlists, webdataset.shardlists
     for name in ("a.tar._123_", "a.tar", "x._done_", "noext"):
         assert osl.without_last_extension(name) == tsl.without_last_extension(name)

@@ -82,7 +82,7 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
         ("webds.stages.xdecode", ["xdecode"]),
         (
             "webds.compat.helpers",
-            ["call_extension_handler", "default_pre_handlers", "default_post_handlers"],
+            ["call_extension_handler", "default_pre_handlers", "default_post_handlers", "decoders"],
         ),
     ],
     "extradatasets": [

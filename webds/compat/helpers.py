@@ -53,6 +53,7 @@ __all__ = [
     "glob_with_braces",
     "fnmatch_with_braces",
     "call_extension_handler",
+    "decoders",
     "default_pre_handlers",
     "default_post_handlers",
     "envlookup",
@@ -329,6 +330,22 @@ def call_extension_handler(
             return f(data)
     return None
 
+
+def _by_extension(ext: str) -> Callable[[bytes], Any]:
+    def decode(data: bytes) -> Any:
+        return basichandlers(ext, data)
+
+    decode.__name__ = f"decode_{ext}"
+    return decode
+
+
+#: webdataset's ``{extension: decoder(data)}`` table of its basic handlers, here webds's
+#: (pickles refused unless a Decoder is told ``allow_pickle=True``; ``.pth`` weights only).
+decoders: Dict[str, Callable[[bytes], Any]] = {
+    ext: _by_extension(ext)
+    for ext in "txt text transcript cls cls2 index inx id json jsn pyd pickle pkl pth ten tb "
+    "mp msg npy npz cbor".split()
+}
 
 #: The handlers a :class:`~webds.stages.decode.Decoder` runs before and after its own.
 default_pre_handlers = [gzfilter]
