@@ -320,6 +320,13 @@ if lib == "webdataset":
     from webdataset.shardlists import DirectoryShardList
 else:
     from webds.compat.shardsources import DirectoryShardList
+# Both programs start consuming together (their imports take different times).
+open(out + ".ready", "w").close()
+deadline = time.time() + 60
+while not all(os.path.exists(os.path.join(os.path.dirname(out), f"{lib}.txt.ready"))
+              for lib in ("webdataset", "webds")):
+    assert time.time() < deadline, "the other program never started"
+    time.sleep(0.01)
 got = []
 # webdataset's default pattern matches nothing (its glob has no braces): name one both take.
 for shard in DirectoryShardList(path + "/", pattern="*.tar", poll=None, mode=mode):
@@ -327,7 +334,7 @@ for shard in DirectoryShardList(path + "/", pattern="*.tar", poll=None, mode=mod
     assert name.endswith(f"._{os.getpid()}_"), name  # the claim: NAME._PID_
     assert os.path.exists(name)
     got.append(os.path.basename(name).rsplit("._", 1)[0])
-    time.sleep(0.02)  # hold the claim a while, so the two programs interleave
+    time.sleep(0.05)  # hold the claim a while, so the two programs interleave
 with open(out, "w") as f:
     f.write("\\n".join(got))
 """
