@@ -60,19 +60,32 @@ def random_members(rng: random.Random, shard: int, long_names: bool) -> List[Any
     return members
 
 
-@pytest.mark.parametrize("case", range(10))
-def test_every_sample_by_index_equals_the_streamed_one(tmp_path, case):
-    rng = random.Random(case)
-    fmt = [None, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT][case % 3]
+#: The writers random shards come from: webds's test writer, tarfile PAX and GNU formats.
+FORMATS = (None, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT)
+
+
+def random_shards(
+    tmp_path: Path, rng: random.Random, count: int, formats: Any = FORMATS
+) -> List[str]:
+    """``count`` shards of :func:`random_members`, each by a writer drawn from ``formats``."""
     urls = []
-    for k in range(rng.randint(1, 5)):
+    for k in range(count):
         path = tmp_path / f"shard-{k}.tar"
+        fmt = rng.choice(formats)
         members = random_members(rng, k, long_names=fmt is not None)
         if fmt is None:
             write_tar(path, members)
         else:
             tarfile_shard(path, members, fmt, rng)
         urls.append(str(path))
+    return urls
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_every_sample_by_index_equals_the_streamed_one(tmp_path, case):
+    rng = random.Random(case)
+    fmt = FORMATS[case % 3]
+    urls = random_shards(tmp_path, rng, rng.randint(1, 5), formats=[fmt])
     ds = webds.ShardListDataset(indexed(tmp_path, urls), open_files=rng.choice([1, 2, 64]))
     want = streamed(urls)
     assert len(ds) == len(want)

@@ -9,14 +9,13 @@ from __future__ import annotations
 import itertools
 import json
 import random
-import tarfile
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import pytest
 from conftest import sample_members, write_tar
-from test_access import random_members, tarfile_shard
+from test_access import random_shards
 
 import webds
 from webds.errors import ShardReadError
@@ -25,20 +24,6 @@ from webds.shards.plan import plan_worker
 from webds.tar import samples
 from webds.tar.samples import tarfile_samples
 from webds.tar.windows import window, window_opener
-
-
-def random_shards(tmp_path: Path, rng: random.Random, count: int) -> List[str]:
-    urls = []
-    for k in range(count):
-        path = tmp_path / f"shard-{k}.tar"
-        fmt = rng.choice([None, tarfile.PAX_FORMAT, tarfile.GNU_FORMAT])
-        members = random_members(rng, k, long_names=fmt is not None)
-        if fmt is None:
-            write_tar(path, members)
-        else:
-            tarfile_shard(path, members, fmt, rng)
-        urls.append(str(path))
-    return urls
 
 
 def read_plan(index: ShardIndex, offsets: bool, **where: Any) -> List[Dict[str, Any]]:

@@ -23,12 +23,14 @@ import braceexpand
 from torch.utils.data import IterableDataset
 
 from ..errors import ArgumentError, NoSamplesError
+from ..io.cache import pid_alive
 from ..io.security import refuse
 from ..shards.shardlists import expand_urls
 from ..stages.batching import _collate_column
 from ..stages.codecs import basichandlers
 from ..stages.decode import gzfilter
 from .legacy import repeatedly as legacy_repeatedly
+from .shardsources import _CLAIMED
 
 __all__ = [
     "FilterFunction",
@@ -278,17 +280,8 @@ class MSSource:
 default_rng = random.Random()
 
 
-def check_pid_is_running(pid: int) -> bool:
-    """Whether a process with this pid exists on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, owned by someone else
-    except OSError:
-        return False
-    return True
+#: Whether a process with this pid exists on this machine.
+check_pid_is_running = pid_alive
 
 
 def without_last_extension(fname: str) -> str:
@@ -298,7 +291,7 @@ def without_last_extension(fname: str) -> str:
 
 def get_pid_from_filename(fname: str) -> Optional[int]:
     """The pid of a ``DirectoryShardList`` claim ``NAME._PID_``, or None."""
-    match = re.match(r"^(.*)\._(\d+)_$", fname)
+    match = _CLAIMED.match(fname)
     return int(match.group(2)) if match else None
 
 

@@ -33,6 +33,7 @@ import braceexpand
 from torch.utils.data import IterableDataset
 
 from ..errors import ArgumentError, WebdsError
+from ..io.cache import pid_alive
 from ..shards.datasets import SimpleShardList
 from ..shards.shardlists import derive_seed, worker_info
 
@@ -222,16 +223,6 @@ _MODES = {"resample": "resample", "resampled": "resample", None: "resample"}
 _MODES.update({"unlink": "unlink", "keep": "keep"})
 
 
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, owned by someone else
-    return True
-
-
 class DirectoryShardList(IterableDataset):
     """A directory used as a work queue of shards, shared by any number of processes.
 
@@ -319,7 +310,7 @@ class DirectoryShardList(IterableDataset):
         """Put back shards claimed by processes (on this machine) that no longer exist."""
         for name in glob.glob(os.path.join(glob.escape(self.path), "*._*_")):
             m = _CLAIMED.match(name)
-            if m is not None and not _pid_running(int(m.group(2))):
+            if m is not None and not pid_alive(int(m.group(2))):
                 self._release(name, "resample")
 
     def _rng(self) -> random.Random:

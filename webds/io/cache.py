@@ -40,7 +40,7 @@ from ..errors import ArgumentError, ShardReadError, WebdsError
 from .streams import ReadStream
 from .urls import check_secure, local_path, open_url
 
-__all__ = ["LRUCleanup", "pipe_cleaner", "ShardCache", "CopyCheck"]
+__all__ = ["LRUCleanup", "pipe_cleaner", "ShardCache", "CopyCheck", "pid_alive"]
 
 #: ``check(copy, url)`` raises :class:`~webds.errors.WebdsError` when a copy read to its end is
 #: still not a whole shard (the tar stages pass a check that reads every member).
@@ -227,7 +227,7 @@ class ShardCache:
                 _unlock(lock)
                 continue
             m = _TEMP.match(name)
-            if m is None or _alive(int(m.group(1))):
+            if m is None or pid_alive(int(m.group(1))):
                 continue
             try:
                 os.remove(os.path.join(self.cache_dir, name))
@@ -269,7 +269,8 @@ def _unlock(lock: Optional[_Lock]) -> None:
     os.close(fd)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (owned by anyone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -33,6 +33,7 @@ from ..io.remote import read_range
 from ..io.urls import check_secure, local_path, open_url
 from ..tar.cached import complete_tar
 from ..tar.offsets import read_sample, read_sample_in, sample_offsets
+from ..tar.windows import stale_index
 from .index import ShardIndex
 
 __all__ = ["ShardListDataset", "DEFAULT_OPEN_FILES"]
@@ -149,11 +150,8 @@ class ShardListDataset:
             raise OpenError(f"no such file {path!r}; check the index", url=url) from None
         expected = self.index.shards[k].samples
         if len(found) - 1 != expected:
-            raise ShardReadError(
-                f"the shard has {len(found) - 1} samples but the index says {expected}: the index "
-                "is out of date (the shard was rewritten after indexing); rebuild it with "
-                "`webds index`",
-                url=url,
+            raise stale_index(
+                url, f"the shard has {len(found) - 1} samples but the index says {expected}"
             )
         offsets = array.array("q", found)
         self._offsets[k] = offsets
@@ -236,10 +234,8 @@ class ShardListDataset:
         size = os.fstat(fd).st_size
         if expected is not None and size != expected:
             os.close(fd)
-            raise ShardReadError(
-                f"the shard is {size} bytes but the index says {expected}: it was rewritten "
-                "after indexing; rebuild the index with `webds index`",
-                url=self.urls[k],
+            raise stale_index(
+                self.urls[k], f"the shard is {size} bytes but the index says {expected}"
             )
         return _MappedShard(fd, size)
 

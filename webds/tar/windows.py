@@ -22,6 +22,7 @@ from ..errors import OpenError, ShardReadError, WebdsError
 from ..io.ranged import RangeUnsupported
 from ..io.streams import ReadStream, abandon_stream
 from ..io.urls import deferred_open, local_path, opens_at_offset
+from .grouping import _close_quietly
 
 __all__ = ["Window", "window", "window_opener", "stale_index"]
 
@@ -112,7 +113,7 @@ def _enter(
         raise OpenError(f"cannot open shard: {type(exn).__name__}: {exn}", url=url) from exn
     size = _size(stream)
     if size is not None and size != win.size:
-        _abandon(stream)
+        _close_quietly(stream)
         raise stale_index(url, f"the shard is {size} bytes but the index says {win.size}")
     return url, _Part(stream, win.end - win.offset), lpath
 
@@ -122,7 +123,7 @@ def _skip(stream: BinaryIO, win: Window, url: str) -> None:
     while left:
         data = stream.read(min(left, 1 << 20))
         if not data:
-            _abandon(stream)
+            _close_quietly(stream)
             raise stale_index(url, f"the shard ends before byte {win.offset}")
         left -= len(data)
 
@@ -136,13 +137,6 @@ def _size(stream: Any) -> Optional[int]:
         return os.fstat(stream.fileno()).st_size
     except Exception:
         return None
-
-
-def _abandon(stream: Any) -> None:
-    try:
-        abandon_stream(stream)
-    except Exception:  # the error at hand says more
-        pass
 
 
 def stale_index(url: str, what: str) -> ShardReadError:
