@@ -297,3 +297,38 @@ def test_no_window_without_offsets_or_without_anything_to_skip(tmp_path):
         d.offsets[6],
         d.offsets[10],
     )
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_entering_with_select_and_rename_files(tmp_path, case):
+    # The index counts samples before select_files/rename_files; a read entered at an offset
+    # must number and filter them exactly as a read from the start does.
+    rng = random.Random(100 + case)
+    index = ShardIndex.build(random_shards(tmp_path, rng, rng.randint(1, 3)))
+    keep = {"txt", "meta"} if case % 2 else {"cls"}
+
+    def select(name: str) -> bool:
+        return name.rsplit(".", 1)[-1] in keep
+
+    def rename(name: str) -> str:
+        return name.replace(".json", ".meta")
+
+    where = dict(seed=None, epoch=0, world_size=3, num_workers=2, balance="pad", granule=1)
+    for rank, worker in itertools.product(range(3), range(2)):
+        plan = plan_worker(index.counts, index.urls, rank=rank, worker=worker, **where)
+
+        def read(offsets: bool, plan: Any = plan) -> List[Dict[str, Any]]:
+            descriptors = [
+                seg.descriptor(
+                    index.shards[seg.shard].samples,
+                    index.shards[seg.shard].offsets if offsets else None,
+                )
+                for seg in plan.segments
+            ]
+            return list(
+                tarfile_samples(
+                    descriptors, select_files=select, rename_files=rename, readahead=False
+                )
+            )
+
+        assert read(True) == read(False), (rank, worker)
