@@ -262,3 +262,20 @@ def test_local_shards_cached_on_request(tmp_path):
     again = list(WebDataset(url, cache_dir=str(cache), cache_local=True))
     assert [s["__key__"] for s in again] == first
     assert again[0]["__local_path__"].startswith(str(cache))
+
+
+def test_webdatasets_cache_variables_apply(remote, tmp_path, monkeypatch):
+    # WDS_CACHE / WDS_CACHE_SIZE win over the arguments, as in webdataset 1.x.
+    _, urls = remote
+    cache = tmp_path / "from-env"
+    monkeypatch.setenv("WDS_CACHE", str(cache))
+    assert len(list(WebDataset(urls))) == 120
+    assert len(visible(cache)) == 3
+    monkeypatch.setenv("WDS_CACHE_SIZE", "0")  # 0 turns the cache off
+    other = tmp_path / "off"
+    monkeypatch.setenv("WDS_CACHE", str(other))
+    assert len(list(WebDataset(urls, cache_dir=str(tmp_path / "arg")))) == 120
+    assert not other.exists() and not (tmp_path / "arg").exists()
+    monkeypatch.setenv("WDS_CACHE_SIZE", "lots")
+    with pytest.raises(ArgumentError, match="WDS_CACHE_SIZE"):
+        WebDataset(urls)

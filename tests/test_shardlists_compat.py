@@ -317,7 +317,12 @@ import os, sys, time, warnings
 warnings.simplefilter("ignore")
 lib, path, out, mode = sys.argv[1:5]
 if lib == "webdataset":
+    import types
+    import webdataset.shardlists as wsl
     from webdataset.shardlists import DirectoryShardList
+    # webdataset 1.0.2 sleeps `poll` after losing a claim race, and poll=None (return when the
+    # directory is empty) makes that sleep a TypeError: its bug, not the protocol's.
+    wsl.time = types.SimpleNamespace(time=time.time, sleep=lambda s: time.sleep(s or 0))
 else:
     from webds.compat.shardsources import DirectoryShardList
 # Both programs start consuming together (their imports take different times).
@@ -364,3 +369,43 @@ def test_directory_interoperates_with_webdatasets(tmp_path, mode):
         assert left == []
     else:
         assert left == sorted(f"{n}._done_" for n in names)
+
+
+def test_webdataset_takes_a_spec_as_webdataset_does(tmp_path, monkeypatch):
+    # A dict or a .yaml file in place of URLs is a MultiShardSample, as in webdataset 1.x: the
+    # same samples as webdataset 1.0.2 reads, each once, also across DataLoader workers.
+    import webds
+
+    for s in range(4):
+        write_tar(tmp_path / f"s-{s}.tar", sample_members(5, prefix=f"s{s}-"))
+    spec = {"prefix": str(tmp_path) + "/", "datasets": [{"shards": "s-{0..3}.tar"}]}
+    want = sorted(f"s{s}-{i:06d}" for s in range(4) for i in range(5))
+    assert sorted(x["__key__"] for x in webds.WebDataset(spec)) == want
+    loader = DataLoader(webds.WebDataset(spec).to_tuple("__key__"), num_workers=2, batch_size=None)
+    assert sorted(k for (k,) in loader) == want
+    yaml = pytest.importorskip("yaml")
+    (tmp_path / "mix.yaml").write_text(yaml.safe_dump(spec))
+    assert sorted(x["__key__"] for x in webds.WebDataset(str(tmp_path / "mix.yaml"))) == want
+    webdataset = pytest.importorskip("webdataset")
+    monkeypatch.setenv("ALLOW_OBSOLETE", "1")  # 1.0.2 made MultiShardSample opt-in
+    theirs = webdataset.WebDataset(str(tmp_path / "mix.yaml"), shardshuffle=False)
+    assert sorted(x["__key__"] for x in theirs) == want
+    with pytest.raises(ArgumentError, match="resampled"):
+        webds.WebDataset(spec, resampled=True)
+    with pytest.raises(ArgumentError, match="datasets"):
+        webds.WebDataset({"no": "datasets"})
+
+
+def test_a_shard_source_passed_as_urls_is_refused_before_it_claims_anything(tmp_path):
+    import webds
+
+    d = _queue(tmp_path)
+    before = sorted(os.listdir(d))
+    with pytest.raises(ArgumentError, match="DataPipeline"):
+        webds.WebDataset(DirectoryShardList(str(d) + "/", poll=None, mode="keep"))
+    assert sorted(os.listdir(d)) == before  # nothing claimed or recycled
+    with pytest.raises(ArgumentError, match="shard source"):
+        webds.WebDataset(SimpleShardList([str(d / "s0.tar")]))
+    queue = DirectoryShardList(str(d) + "/", poll=None, mode="keep")
+    pipeline = DataPipeline(queue, tarfile_to_samples())
+    assert len(list(pipeline)) == 6

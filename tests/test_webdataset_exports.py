@@ -156,16 +156,6 @@ def test_resampled_shards_positionally_and_its_epoch():
     assert len([s["url"] for s in ours]) == len([s["url"] for s in theirs]) == 4
 
 
-#: webdataset 1.0.2 module names webds does not serve yet (each module's own functions, classes
-#: and constants, public and underscored). The list may only shrink: a name missing that is not
-#: here fails the test, and so does a name here that webds now has.
-KNOWN_GAPS = {
-    "gopen": "PIPE info Pipe set_options gopen_file gopen_pipe gopen_curl gopen_htgs gopen_hf "
-    "gopen_gsutil gopen_ais gopen_error",
-    "pipeline": "add_length_method",
-}
-
-
 @pytest.mark.parametrize("module", MODULES)
 def test_module_contents_match_webdatasets(module):
     import types
@@ -184,7 +174,7 @@ def test_module_contents_match_webdatasets(module):
         and (getattr(v, "__module__", own) == own or not callable(v))
     ]
     missing = sorted(n for n in names if not hasattr(ours, n))
-    assert missing == sorted(KNOWN_GAPS.get(module, "").split())
+    assert missing == [], f"webds.{module} lacks webdataset's {missing}"
 
 
 def test_small_helpers_behave_as_webdatasets(tmp_path):

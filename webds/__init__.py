@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         with_epoch,
         with_length,
     )
-    from .compat.shardsources import DirectoryShardList, MultiShardSample, shardspec
+    from .compat.shardsources import DirectoryShardList
     from .convert.folders import pack_folder
     from .convert.imagenet import convert_imagenet
     from .convert.packing import pack
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         LengthError,
         MissingFieldError,
         NoSamplesError,
+        NotATarError,
         NotFoundError,
         OpenError,
         ResumeError,
@@ -76,6 +77,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         split_by_worker,
         worker_info,
     )
+    from .shards.specs import MultiShardSample, shardspec
     from .stages import mix, tenbin
     from .stages.batching import batched, default_collation_fn, listed, unbatched, unlisted
     from .stages.codecs import (
@@ -162,6 +164,7 @@ _EXPORTS: Dict[str, List[str]] = {
         "LengthError",
         "MissingFieldError",
         "NoSamplesError",
+        "NotATarError",
         "NotFoundError",
         "OpenError",
         "ResumeError",
@@ -223,7 +226,8 @@ _EXPORTS: Dict[str, List[str]] = {
         "split_by_worker",
         "worker_info",
     ],
-    "compat.shardsources": ["DirectoryShardList", "MultiShardSample", "shardspec"],
+    "compat.shardsources": ["DirectoryShardList"],
+    "shards.specs": ["MultiShardSample", "shardspec"],
     "stages.core": [
         "BATCH",
         "REORDER",
@@ -297,6 +301,7 @@ __all__ = [
     "NotFoundError",
     "MissingFieldError",
     "NoSamplesError",
+    "NotATarError",
     # handlers
     "reraise_exception",
     "ignore_and_continue",

@@ -27,6 +27,7 @@ __all__ = [
     "NotFoundError",
     "MissingFieldError",
     "NoSamplesError",
+    "NotATarError",
 ]
 
 
@@ -105,6 +106,11 @@ class NotFoundError(OpenError, FileNotFoundError):
 class ShardReadError(WebdsError, IOError, tarfile.ReadError):
     """A shard is truncated, corrupt, empty or not a tar archive (a ``tarfile.ReadError`` too,
     as webdataset's reader raised)."""
+
+
+class NotATarError(ShardReadError, ValueError):
+    """A downloaded or cached file is not a tar archive (also a ``ValueError``, as webdataset's
+    ``FileCache`` raised)."""
 
 
 class SampleError(WebdsError, ValueError):

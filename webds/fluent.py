@@ -31,13 +31,14 @@ from .shards.shardlists import (
     split_by_worker,
     worker_info,
 )
+from .shards.specs import MultiShardSample, is_spec
 from .stages import batching, fields, filters
 from .stages.decode import decode as _decode_stage
 from .stages.handlers import Handler, reraise_exception
 from .stages.mix import RandomMix
 from .stages.replay import Cached, LMDBCached
 from .stages.xdecode import xdecode as _xdecode_stage
-from .tar.cached import cached_shards
+from .tar.cached import cache_settings, cached_shards
 from .tar.samples import tarfile_to_samples
 
 __all__ = ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"]
@@ -326,6 +327,14 @@ class WebDataset(DataPipeline, FluentMixin):
                 offsets=[info.offsets for info in infos],
             )
             default_node = default_worker = None
+        elif is_spec(urls):
+            if resampled:
+                raise ArgumentError(
+                    "a shard spec (a dict or .yaml file) selects its shards per epoch itself (its "
+                    "datasets' choose: and resample:); it can't be combined with resampled=True"
+                )
+            source = MultiShardSample(urls, seed=0 if seed is None else seed)
+            default_node, default_worker = split_by_node, split_by_worker
         elif resampled:
             source = ResampledShards(
                 urls,
@@ -345,6 +354,7 @@ class WebDataset(DataPipeline, FluentMixin):
             self.append(node)
         if worker is not None:
             self.append(worker)
+        cache_dir, cache_size = cache_settings(cache_dir, cache_size)
         if cache_dir is not None and cache_size != 0:
             self.append(
                 cached_shards(

@@ -15,11 +15,8 @@ shard shuffle.
 A stage may also say how it changes the number of items (``@stage(count=SAME)``: one out for one
 in; ``REORDER``: the same number, reordered; ``BATCH``/``UNBATCH``). From those rules a pipeline
 whose source knows its size computes a truthful ``len()``, and a pipeline resumed mid-epoch
-(:meth:`DataPipeline.load_state_dict`) skips already consumed items as far upstream as it can.
-
-The stage machinery (:func:`stage`, :class:`Stage`, :class:`Count`, ...) is defined in
-:mod:`webds.stages.core`, which does not import torch, and re-exported here. The arithmetic of
-lengths and resuming (what the count rules give) is in :mod:`webds.counting`.
+(:meth:`DataPipeline.load_state_dict`) skips already consumed items as far upstream as it can
+(that arithmetic is in :mod:`webds.counting`; the stage machinery in :mod:`webds.stages.core`).
 """
 
 from __future__ import annotations
@@ -532,16 +529,22 @@ def _malloc_trim() -> Any:
 def _release_free_heap() -> bool:
     """Hand the free pages of the C heap back to the OS: glibc's ``malloc_trim(0)``.
 
-    Why: glibc raises its mmap threshold to the largest block freed so far, so after the first
-    few samples, decoded images and per-sample tensors (0.2-2 MB, of mixed sizes) are carved
-    from the heap instead of mapped. Freed, they leave holes that glibc keeps and never returns,
-    and the holes grow with the epochs: a persistent 2-worker loader of the image benchmark
-    grew 10-13% over 10 epochs with flat Python and malloc in-use figures. Trimming once per
-    worker epoch (a few milliseconds) keeps the workers' resident size at its floor between
-    epochs. Returns False where there is no glibc (musl, macOS, Windows): nothing is done.
-    """
+    Why: glibc raises its mmap threshold to the largest block freed so far, so decoded images
+    and tensors of mixed sizes (0.2-2 MB) come from the heap, and their freed holes are kept:
+    a persistent 2-worker loader of the image benchmark grew 10-13% over 10 epochs with flat
+    Python and malloc in-use figures. Trimming once per worker epoch (a few ms) keeps them at
+    their floor. False where there is no glibc."""
     trim = _malloc_trim()
     if trim is None:
         return False
     trim(0)
     return True
+
+
+def add_length_method(obj: Any) -> Any:
+    """webdataset 1.x's helper: make ``len(obj)`` return ``obj.size`` (``obj``'s class becomes
+    a subclass that is also an ``IterableDataset``)."""
+    cls = type(obj)
+    bases = (cls,) if issubclass(cls, IterableDataset) else (cls, IterableDataset)
+    obj.__class__ = type(f"{cls.__name__}_Length", bases, {"__len__": lambda self: self.size})
+    return obj

@@ -20,6 +20,7 @@ the core never imports it. The fluent names are imported on first use, so that i
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any, BinaryIO, Dict, Tuple
 
 from ..io.urls import DEFAULT_BUFSIZE, SCHEMES, SchemeOpener, open_url
@@ -44,8 +45,24 @@ __all__ = [
 ]
 
 #: webdataset's registry of scheme handlers ``fn(url, mode, bufsize, **kw) -> stream``; the very
-#: same dict as :data:`webds.io.urls.SCHEMES`. Empty at start: webds has no curl/gsutil handlers.
+#: same dict as :data:`webds.io.urls.SCHEMES`. Empty at start (webds reads http, s3 and gs
+#: itself); webdataset's command openers are in :mod:`webds.compat.openers`.
 gopen_schemes: Dict[str, SchemeOpener] = SCHEMES
+
+
+def _use_ais_for() -> None:
+    """webdataset's ``USE_AIS_FOR=s3:gs``: read those schemes with the ``ais`` command (its
+    cache), unless a handler is registered for them already. Read once, at import, as 1.x
+    reads it."""
+    schemes = [s for s in os.environ.get("USE_AIS_FOR", "").split(":") if s]
+    if schemes:
+        from .openers import gopen_ais
+
+        for scheme in schemes:
+            SCHEMES.setdefault(scheme, gopen_ais)
+
+
+_use_ais_for()
 
 
 def gopen(url: str, mode: str = "rb", bufsize: int = DEFAULT_BUFSIZE, **kw: Any) -> BinaryIO:

@@ -92,6 +92,11 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
     "gopen": [
         ("webds.compat", ["gopen", "gopen_schemes", "reader"]),
         ("webds.io.urls", ["rewrite_url"]),
+        (
+            "webds.compat.openers",
+            "PIPE info Pipe set_options gopen_file gopen_pipe gopen_curl gopen_htgs gopen_hf "
+            "gopen_gsutil gopen_ais gopen_error".split(),
+        ),
     ],
     "pytorch": [
         ("torch.utils.data", ["IterableDataset", "DataLoader"]),
@@ -118,7 +123,8 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
             "envlookup expand expand_source resampled_ MSSource default_rng check_pid_is_running "
             "without_last_extension get_pid_from_filename".split(),
         ),
-        ("webds.compat.shardsources", ["MultiShardSample", "shardspec", "DirectoryShardList"]),
+        ("webds.shards.specs", ["MultiShardSample", "shardspec"]),
+        ("webds.compat.shardsources", ["DirectoryShardList"]),
     ],
     "utils": [
         (

@@ -13,7 +13,7 @@ import urllib.parse
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 from urllib.parse import urlparse
 
-from ..errors import ShardReadError
+from ..errors import ArgumentError, NotATarError, NotFoundError
 from ..io.cache import LRUCleanup
 from ..io.urls import check_secure, local_path, open_url
 from ..stages.handlers import reraise_exception
@@ -30,6 +30,7 @@ __all__ = [
     "download",
     "StreamingOpen",
     "FileCache",
+    "NotATarError",
 ]
 
 #: webdataset's defaults, from the same environment variables.
@@ -46,8 +47,11 @@ def islocal(url: str) -> bool:
 def magic_filetype(fname: str) -> str:
     """``"NAME: gzip compressed data"``, ``"NAME: POSIX tar archive"`` or ``"NAME: data"``, from
     the file's first bytes."""
-    with open(fname, "rb") as f:
-        header = f.read(512)
+    try:
+        with open(fname, "rb") as f:
+            header = f.read(512)
+    except FileNotFoundError:
+        raise NotFoundError("no such file to check", url=fname) from None
     if header[:2] == b"\x1f\x8b":
         return f"{fname}: gzip compressed data"
     if header[257:262] == b"ustar":
@@ -69,7 +73,7 @@ def url_to_cache_name(url: str, ndir: int = 0) -> str:
     """webdataset's cache name for ``url``: the last ``ndir + 1`` components of its path for the
     usual schemes, else the whole URL quoted (at most its last 128 characters)."""
     if not isinstance(url, str):
-        raise TypeError(f"url_to_cache_name needs a str URL, got {url!r}")
+        raise ArgumentError(f"url_to_cache_name needs a str URL, got {url!r}")
     parsed = urlparse(url)
     schemes = ("", "file", "http", "https", "ftp", "ftps", "gs", "s3", "ais")
     if parsed.scheme in schemes:
@@ -158,6 +162,8 @@ class FileCache:
     def get_file(self, url: str) -> str:
         """The local path of ``url``: the file itself, or its copy in the cache (downloaded
         now if it is not there); a copy the validator refuses is removed and raises."""
+        if not isinstance(url, str):
+            raise ArgumentError(f"FileCache.get_file needs a str URL, got {url!r}")
         check_secure(url)
         path = local_path(url)
         if path is not None:
@@ -174,7 +180,7 @@ class FileCache:
                 with open(dest, "rb") as f:
                     head = f.read(200)
                 os.remove(dest)
-                raise ShardReadError(
+                raise NotATarError(
                     f"the download {dest!r} is not a tar archive ({kind}); it starts with {head!r}",
                     url=url,
                 )

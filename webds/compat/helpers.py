@@ -233,10 +233,11 @@ def shardlist(urls: Any, *, shuffle: bool = False) -> Iterator[Dict[str, str]]:
 
 
 def envlookup(m: "re.Match[str]") -> str:
-    """The value of ``WDS_<m.group(1)>`` (webdataset's ``${NAME}`` rule); KeyError if unset."""
+    """The value of ``WDS_<m.group(1)>`` (webdataset's ``${NAME}`` rule); an
+    :class:`ArgumentError` if it is not set."""
     key = "WDS_" + m.group(1)
     if key not in os.environ:
-        raise KeyError(f"missing environment variable {key}")
+        raise ArgumentError(f"{m.group(0)} needs the environment variable {key}, which is not set")
     return os.environ[key]
 
 

@@ -127,6 +127,12 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def _is_shard_source(obj: Any) -> bool:
+    """A shard list object (yields ``{"url": ...}``), told apart from an iterable of URLs."""
+    data = sys.modules.get("torch.utils.data")
+    return hasattr(obj, "set_epoch") or (data is not None and isinstance(obj, data.IterableDataset))
+
+
 def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
     """Expand a URL spec into a list of shard URLs, listing directories and globs.
 
@@ -153,6 +159,12 @@ def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None)
     """
     if isinstance(urls, (str, os.PathLike)):
         specs = os.fspath(urls).split("::")
+    elif _is_shard_source(urls):
+        # Refused before iterating: a source may act as it yields (DirectoryShardList claims).
+        raise ArgumentError(
+            f"{urls!r} is a shard source, not URLs: start a pipeline with it, "
+            f"DataPipeline(source, tarfile_to_samples(), ...), instead of passing it as URLs"
+        )
     elif isinstance(urls, Iterable):
         specs = [os.fspath(u) if isinstance(u, os.PathLike) else u for u in urls]
         if not all(isinstance(s, str) for s in specs):

@@ -353,7 +353,7 @@ def bytelen(a: Any) -> int:
         return int(a.nbytes)
     if isinstance(a, (bytes, bytearray)):
         return len(a)
-    raise ValueError(f"cannot tell the byte size of a {type(a).__name__}")
+    raise ArgumentError(f"cannot tell the byte size of a {type(a).__name__}")
 
 
 def bytedata(a: Any) -> Any:
@@ -362,7 +362,7 @@ def bytedata(a: Any) -> Any:
         return a
     if hasattr(a, "data"):
         return a.data
-    raise ValueError(f"cannot take the bytes of a {type(a).__name__}")
+    raise ArgumentError(f"cannot take the bytes of a {type(a).__name__}")
 
 
 #: dtype names and tenbin's short codes, both ways.
@@ -374,9 +374,9 @@ def check_acceptable_input_type(data: Iterable[Any], allow64: bool) -> None:
     """Raise unless every array's dtype is one tenbin stores, and 64-bit ones are allowed."""
     for a in data:
         if a.dtype.name not in long_to_short:
-            raise ValueError(f"tenbin can't store dtype {a.dtype.name}")
+            raise ArgumentError(f"tenbin can't store dtype {a.dtype.name}")
         if not allow64 and a.dtype.name in ("float64", "int64", "uint64"):
-            raise ValueError(f"64-bit dtypes ({a.dtype.name}) need allow64=True")
+            raise ArgumentError(f"64-bit dtypes ({a.dtype.name}) need allow64=True")
 
 
 #: The tenbin header's magic, as text, bytes and the little-endian int webdataset used.

@@ -10,13 +10,27 @@ from __future__ import annotations
 import os
 from typing import Any, BinaryIO, Dict, Iterable, Iterator, Optional, Tuple
 
+from ..errors import ArgumentError
 from ..io.cache import ShardCache
 from ..stages.core import stage
 from ..stages.handlers import Handler, reraise_exception
 from .reader import read_members
 from .samples import open_shards
 
-__all__ = ["cached_shards", "complete_tar"]
+__all__ = ["cached_shards", "complete_tar", "cache_settings"]
+
+
+def cache_settings(cache_dir: Optional[str], cache_size: int) -> Tuple[Optional[str], int]:
+    """``(cache_dir, cache_size)`` with webdataset's environment settings applied: ``WDS_CACHE``
+    and ``WDS_CACHE_SIZE`` (bytes), when set, win over the arguments, as in webdataset."""
+    cache_dir = os.environ.get("WDS_CACHE") or cache_dir
+    size = os.environ.get("WDS_CACHE_SIZE", "").strip()
+    if size:
+        try:
+            cache_size = int(size)
+        except ValueError:
+            raise ArgumentError(f"WDS_CACHE_SIZE must be a number of bytes, got {size!r}") from None
+    return (None if cache_dir is None else os.path.expanduser(cache_dir)), cache_size
 
 
 def complete_tar(copy: BinaryIO, url: str) -> None:

@@ -350,10 +350,15 @@ def group_by_keys(
     dotless, first_dotless = 0, None
     try:
         for member in src:
-            fname = member.get("fname") if isinstance(member, dict) else None
+            if not isinstance(member, dict):
+                raise ArgumentError(
+                    f"group_by_keys expects member dicts {{'fname', 'data'}} (from "
+                    f"tar_file_expander), got a {type(member).__name__}"
+                )
+            fname = member.get("fname")
             if fname is None:
                 # End-of-shard marker (or a broken shard: its sample in flight is incomplete).
-                if cur is not None and not (isinstance(member, dict) and member.get("__bad__")):
+                if cur is not None and not member.get("__bad__"):
                     yield cur
                 cur, cur_key = None, None
                 _warn_dotless(cur_url, dotless, first_dotless)
