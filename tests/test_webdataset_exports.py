@@ -146,6 +146,80 @@ def test_positional_parameters_match_webdataset():
     assert checked >= 40
 
 
+#: Module callables (besides the top-level ones above) whose positional parameters are named
+#: differently from webdataset 1.0.2's, and why. Positional calls work the same.
+MODULE_SIGNATURE_DIFFERENCES = {
+    "autodecode.DecodingError": "the same class as DecodeError",
+    "tenbin.encode_list": "renamed l -> arrays (l reads as 1)",
+    "tenbin.decode_list": "renamed l -> chunks (l reads as 1)",
+    "tenbin.encode_chunks": "renamed l -> chunks (l reads as 1)",
+    "tenbin.write_chunk": "renamed buf -> payload (any bytes-like, not only a buffer)",
+    "filters.tuple2dict": "renamed l -> value (l reads as 1)",
+    "shardlists.envsubst": "webds.shards.expand_env(spec): also expands ${NAME} from NAME",
+    "writer.numpy_npz_dumps": "renamed data -> x, as the other dumps functions",
+    "writer.encode_based_on_extension": "renamed handlers -> encoder (an encoder spec)",
+}
+# The data parameter of a stage (1.x names it data or source; webds src) is passed
+# positionally, or by the pipeline.
+_DATA = {"data", "source", "src"}
+
+
+def test_positional_parameters_of_every_module_callable_match_webdataset():
+    import types
+    import warnings
+
+
+    checked, wrong = 0, []
+    for module in MODULES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            theirs = importlib.import_module(f"webdataset.{module}")
+            ours = importlib.import_module(f"webds.{module}")
+        own = f"webdataset.{module}"
+        for name, obj in vars(theirs).items():
+            if name.startswith("__") or isinstance(obj, types.ModuleType) or not callable(obj):
+                continue
+            if getattr(obj, "__module__", own) != own or f"{module}.{name}" in (
+                MODULE_SIGNATURE_DIFFERENCES
+            ):
+                continue
+            mine = getattr(ours, name)
+            t, o = _positional(obj), _positional(mine)
+            if t is None or o is None:
+                continue
+            t = [n for n, _ in t if n != "self"]
+            o = [n for n, _ in o if n != "self"]
+            if t and t[0] in _DATA and not (o and o[0] in _DATA):
+                t = t[1:]  # curried in webds (wds.batched(16)): the pipeline passes the data
+            t = ["src" if n in _DATA else n for n in t]
+            o = ["src" if n in _DATA else n for n in o]
+            checked += 1
+            if o[: len(t)] != t:
+                wrong.append(f"{module}.{name}: webdataset {t}, webds {o}")
+    assert not wrong, "\n".join(wrong)
+    assert checked >= 180
+
+
+def test_tar_file_expander_eof_value_as_webdatasets(tmp_path):
+    import warnings
+
+    from conftest import sample_members, write_tar
+
+    import webds.tariterators as ours
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import webdataset.tariterators as theirs
+    urls = [str(write_tar(tmp_path / f"{s}.tar", sample_members(2, prefix=s))) for s in "ab"]
+    for eof in ({}, None, "EOF"):
+        got = []
+        for mod in (ours, theirs):
+            src = mod.url_opener(iter([{"url": u} for u in urls]))
+            items = mod.tar_file_expander(src, eof_value=eof)
+            got.append([x.get("fname", x) if isinstance(x, dict) else x for x in items])
+        assert got[0] == got[1] and len(got[0]) == 8 + (0 if eof is None else 2), eof
+
+
 def test_resampled_shards_positionally_and_its_epoch():
     import webdataset
 

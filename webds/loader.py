@@ -13,12 +13,13 @@ the samples that were still to come.
 from __future__ import annotations
 
 import sys
+from time import perf_counter
 from typing import Any, Dict, Iterator, List, Optional
 
 from torch.utils.data import DataLoader
 
 from .counting import check_state, restore_entropy, source_counts, with_topology
-from .errors import LengthError
+from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
 from .shards.elastic import every_rank, plan_elsewhere, topology_changed
@@ -26,6 +27,7 @@ from .shards.shardlists import worker_info
 from .stages.batchbuffers import Packed, SlotPool, Unpacker
 from .stages.core import Length
 from .stages.ledger import Envelope, Ledger, qualify, unqualify
+from .stages.probe import PipelineStats, Probe, merged
 
 __all__ = ["WebLoader"]
 
@@ -43,9 +45,17 @@ class WebLoader(DataPipeline, FluentMixin):
     the training loop has received, whatever sits in the DataLoader's queues.
     """
 
-    def __init__(self, *args: Any, batch_buffers: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, batch_buffers: bool = True, stats: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(DataLoader(*args, **kwargs))
         dataset = self.loader.dataset
+        if stats:
+            # Each worker's copy of the dataset's probe measures that worker (see stats()).
+            self.probe = Probe()
+            if isinstance(dataset, DataPipeline):
+                dataset.probe = Probe()
+        self._worker_stats: Dict[int, Dict[str, Any]] = {}
         if hasattr(dataset, "loader_hint"):
             # Lets a balanced dataset align its workers' shares to the loader's batches.
             dataset.loader_hint = (max(1, self.loader.num_workers), self.loader.batch_size)
@@ -66,11 +76,21 @@ class WebLoader(DataPipeline, FluentMixin):
         self.__dict__.setdefault("_worker_resume", None)
         self.__dict__.setdefault("_mirrors", {})
         self.__dict__.setdefault("_unpacker", None)
+        self.__dict__.setdefault("_worker_stats", {})
 
     @property
     def loader(self) -> DataLoader:
         """The underlying ``DataLoader``."""
         return self.pipeline[0]
+
+    def stats(self) -> PipelineStats:
+        """Where the time went since the loader was made (``WebLoader(..., stats=True)``): the
+        time the main process waited for batches, the main process's stages, and each worker's
+        stages (tar parsing, reading shards, decoding, your maps, batching, collation), with
+        samples/s and batches/s. ``print(loader.stats())`` shows a table."""
+        if self.probe is None:
+            raise ArgumentError("stats() needs a loader made with WebLoader(..., stats=True)")
+        return merged(self.probe, self._worker_stats)
 
     def _origin(self) -> Optional[Any]:
         return 0, _LoaderOrigin(self.loader)
@@ -243,6 +263,8 @@ class WebLoader(DataPipeline, FluentMixin):
                     "problem": None,
                 }
             m["ledger"].apply(x.delta)
+            if x.stats is not None:
+                self._worker_stats[x.worker] = x.stats
             m["items"] = x.items
             if x.problem is not None:
                 m["problem"] = x.problem
@@ -283,7 +305,11 @@ class _EnvelopeCollate:
 
         info = get_worker_info()
         dataset = info.dataset if info is not None else self.dataset
+        probe = getattr(dataset, "probe", None)
+        start = perf_counter()
         batch = self.collate(data)
+        if probe is not None:
+            probe.collate_seconds += perf_counter() - start
         stream = getattr(dataset, "_stream", None)
         if stream is None or not stream["ledger"].tracking:
             return batch  # iterated outside a WebLoader's iter()
@@ -301,7 +327,8 @@ class _EnvelopeCollate:
             if self.pool is None:
                 self.pool = SlotPool()
             batch = self.pool.pack(batch)
-        return Envelope(batch, worker, ids, delta, items, stream["pass"], ledger.problem)
+        snapshot = None if probe is None else probe.snapshot()
+        return Envelope(batch, worker, ids, delta, items, stream["pass"], ledger.problem, snapshot)
 
 
 class _LoaderOrigin:

@@ -67,20 +67,10 @@ from .stages.core import (  # noqa: F401
     stage,
 )
 from .stages.ledger import LEAF, Ledger, unconsumed
+from .stages.probe import Probe
 
-__all__ = [
-    "stage",
-    "pipelinefilter",
-    "Stage",
-    "StageFactory",
-    "DataPipeline",
-    "Count",
-    "Length",
-    "SAME",
-    "REORDER",
-    "BATCH",
-    "UNBATCH",
-]
+__all__ = ["stage", "pipelinefilter", "Stage", "StageFactory", "DataPipeline", "Count"]
+__all__ += ["Length", "SAME", "REORDER", "BATCH", "UNBATCH"]
 
 
 def _as_iterator(source: Any) -> Iterator[Any]:
@@ -137,6 +127,7 @@ class DataPipeline(IterableDataset):
         # A WebLoader's dataset tracks its ledger, and notes the ids of the items it yields
         # (_pending) and how many were collated (_sent), for loader._EnvelopeCollate.
         self._envelopes, self._pending, self._sent, self._warned_inexact = False, [], 0, False
+        self.probe: Optional[Probe] = None  # stats=True: where the time goes (stages.probe)
 
     # -- composition -------------------------------------------------------------------------
 
@@ -367,19 +358,27 @@ class DataPipeline(IterableDataset):
         if ledger.resuming:
             keeps = [isinstance(s, Stage) and s.factory.wants_ledger for s in self.pipeline]
             skip_at = next((i for i in range(1, len(keeps)) if keeps[i]), len(keeps))
-        its: List[Any] = []
-        it = self._source_items(ledger)
-        its.append(it)
+        probe = ledger.probe = self.probe
+        if probe is not None:
+            probe.begin(self.pipeline)
+        it = (
+            self._source_items(ledger)
+            if probe is None
+            else probe.wrap(self._source_items(ledger), 0)
+        )
+        its: List[Any] = [it]
         for i, s in enumerate(self.pipeline[1:], 1):
             if i == skip_at and not getattr(s.factory, "expands", False):
                 it = unconsumed(it, ledger)
-            it = iter(s(it))
+            it = iter(s(it)) if probe is None else probe.wrap(iter(s(it)), i)
             its.append(it)
         if skip_at == len(self.pipeline):
             it = unconsumed(it, ledger)
         try:
             yield from it
         finally:
+            if probe is not None:
+                probe.end()
             # Close downstream first, so no stage reads from an already closed source.
             for x in reversed(its):
                 close = getattr(x, "close", None)
@@ -492,6 +491,7 @@ class DataPipeline(IterableDataset):
         # Pipelines pickled by webds 0.1 lack what resuming now keeps.
         self.__dict__.update(state)
         defaults = {"_stream": None, "_resume": None, "_drop": 0, "_envelopes": False, "_sent": 0}
+        defaults["probe"] = None
         for name, value in dict(defaults, _pending=[], _entropy=secrets.randbits(63)).items():
             self.__dict__.setdefault(name, value)
 

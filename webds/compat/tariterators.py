@@ -45,15 +45,27 @@ def url_opener(
     return grouping.url_opener.fn(data, handler, **kw)
 
 
+#: ``tar_file_expander``'s default end-of-shard marker: a fresh empty dict per shard.
+_EOF: Any = object()
+
 def tar_file_expander(
     data: Iterable[Dict[str, Any]],
     handler: Handler = reraise_exception,
     select_files: Optional[Callable[[str], bool]] = None,
     rename_files: Optional[Callable[[str], Optional[str]]] = None,
+    eof_value: Any = _EOF,
 ) -> Iterator[Dict[str, Any]]:
     """Opened shards to member dicts ``{"fname", "data", "__url__"}`` (see
-    :func:`webds.tar_file_expander`)."""
-    return grouping.tar_file_expander.fn(data, handler, select_files, rename_files)
+    :func:`webds.tar_file_expander`), each shard's followed by ``eof_value`` (an empty dict by
+    default; None: nothing), as in webdataset. The marker after a broken shard is always kept:
+    it is what keeps :func:`group_by_keys` from yielding the sample the damage cut short."""
+    for item in grouping.tar_file_expander.fn(data, handler, select_files, rename_files):
+        if "fname" in item or item.get("__bad__"):
+            yield item
+        elif eof_value is _EOF:
+            yield {}
+        elif eof_value is not None:
+            yield eof_value
 
 
 def group_by_keys(

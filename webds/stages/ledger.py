@@ -102,6 +102,7 @@ class Ledger:
 
     def __init__(self, resume: Optional[Dict[str, Any]] = None, track: bool = False) -> None:
         self.current: Any = None
+        self.probe: Any = None  # the pipeline's Probe, when it measures (stats=True)
         self.complete: Set[int] = set()  # source items produced entirely
         self.partial: Dict[int, int] = {}  # shard -> last sample number produced
         self.held: Dict[int, int] = {}  # id -> how many times held (a bundle may repeat one)
@@ -344,7 +345,8 @@ class Envelope(NamedTuple):
     """A batch a DataLoader worker sends a WebLoader, with what its ledger says about it: which
     worker, the ids of the items in it, what changed in the worker's ledger
     (:meth:`Ledger.take_delta`), the items the worker has yielded this epoch, the pass it is in,
-    and a reason resuming can't be exact. A tuple, because it pickles fastest."""
+    a reason resuming can't be exact, and what the worker's probe measured (stats=True). A
+    tuple, because it pickles fastest."""
 
     item: Any
     worker: int
@@ -353,6 +355,7 @@ class Envelope(NamedTuple):
     items: int
     pass_: int
     problem: Optional[str] = None
+    stats: Any = None  # the worker's Probe snapshot, when the loader measures (stats=True)
 
     def pin_memory(self, device: Any = None) -> "Envelope":
         """The envelope with its item pinned (the DataLoader's pin-memory thread calls this)."""

@@ -117,6 +117,7 @@ def tarfile_to_samples(
             return window_opener(shard, win, storage_options)
         return _shard_opener(shard, storage_options)
 
+    probe = getattr(ledger, "probe", None)  # stats=True: reading is timed (stages.probe)
     shards = fetch_ahead(
         numbered(),
         name=lambda entry: _shard_name(entry[0]),
@@ -126,11 +127,11 @@ def tarfile_to_samples(
         budget=budget,
     )
     try:
-        for (shard, base, win), opened in shards:
+        for (shard, base, win), opened in shards if probe is None else probe.reads(shards):
             if base >= 0:
                 ledger.start_reading(base >> 32)
             try:
-                url, stream, lpath = opened()
+                url, stream, lpath = opened() if probe is None else probe.open(opened)
             except Exception as exn:
                 if policy(exn):
                     continue
