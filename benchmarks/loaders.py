@@ -278,12 +278,13 @@ def peak_rss_growth(run: Callable[[], Any], every: float = 0.005) -> int:
 
 
 def image_dataset(
-    lib: str, urls: Sequence[str], batch_size: int = BATCH, decoder: Any = "pil"
+    lib: str, urls: Sequence[str], batch_size: int = BATCH, decoder: Any = "pil", **kw: Any
 ) -> Any:
     """``WebDataset(urls).decode("pil").to_tuple("jpg", "cls").map_tuple(augment).batched(B)``:
-    the pipeline a user of either library writes (``decoder`` replaces ``"pil"``)."""
+    the pipeline a user of either library writes (``decoder`` replaces ``"pil"``; ``kw`` go to
+    the WebDataset)."""
     return (
-        raw_dataset(lib, urls)
+        raw_dataset(lib, urls, **kw)
         .decode(decoder)
         .to_tuple("jpg", "cls")
         .map_tuple(augment, identity)

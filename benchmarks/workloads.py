@@ -62,6 +62,8 @@ WORKLOADS: Dict[str, str] = {
 WEBDS = "webds WebDataset"
 #: read-small-wds: webds on the same records in shards webds wrote.
 WEBDS_OWN = "webds WebDataset, webds-written shards"
+#: The same, measuring where its time goes (stats=True): the probe's overhead.
+WEBDS_STATS = "webds WebDataset, stats=True"
 #: crop: decode(RandomResizedCropDecoder(224)) + flip + float tensor + batched(32)
 FUSED = "webds fused crop decoder"
 #: The image pipeline with decode(imagehandler("pil", fast_jpeg=False)), when simplejpeg is
@@ -126,6 +128,10 @@ RATIO_TARGETS = [
 #: (label, workload, numerator, denominator): ratios shown for context, without a target.
 OTHER_RATIOS = [
     ("read-small: webds / bare reader loop", "read-small", WEBDS, "bare reader loop"),
+    ("read-small: webds stats=True / webds", "read-small", WEBDS_STATS, WEBDS),
+    ("pipeline: webds stats=True / webds", "pipeline", WEBDS_STATS, WEBDS),
+    ("loader-2: webds stats=True / webds", "loader-2", "webds WebLoader, stats=True",
+     "webds WebLoader"),
     ("write-small: webds ShardWriter index=False / webdataset", "write-small",
      "webds ShardWriter index=False", "webdataset ShardWriter"),
     ("read-images: zip / files", "read-images", "zip Dataset", "files Dataset"),
@@ -302,6 +308,8 @@ class Suite:
         v[WEBDS] = lambda: L.count(ds)
         pipe = webds.DataPipeline(webds.SimpleShardList(urls), webds.tarfile_to_samples())
         v["webds tarfile_to_samples"] = lambda: L.count(pipe)
+        measured = L.raw_dataset("webds", urls, stats=True)
+        v[WEBDS_STATS] = lambda: L.count(measured)
         if self.wds:
             wds_ds = L.raw_dataset("webdataset", urls)
             v["webdataset WebDataset"] = lambda: L.count(wds_ds)
@@ -370,6 +378,8 @@ class Suite:
         }
         ds = L.image_dataset("webds", urls)
         v[WEBDS] = Variant(lambda: L.count_batches(ds), first_batches(ds))
+        measured = L.image_dataset("webds", urls, stats=True)
+        v[WEBDS_STATS] = Variant(lambda: L.count_batches(measured), first_batches(measured))
         if fastjpeg.available():
             # The same pipeline decoding with Pillow alone, as the baseline loop does: webds's
             # own overhead is measured on this one (the fast JPEG path would hide it).
@@ -425,6 +435,9 @@ class Suite:
         n = self.config.decode
         urls = self.data.image_shards(n)
         made: Dict[str, Any] = {"webds WebLoader": lambda: L.web_loader("webds", urls, workers)}
+        made["webds WebLoader, stats=True"] = lambda: L.web_loader(
+            "webds", urls, workers, stats=True
+        )
         if self.wds:
             made["webdataset WebLoader"] = lambda: L.web_loader("webdataset", urls, workers)
         if workers:  # with 0 workers they are the "pipeline" workload's DataLoaders

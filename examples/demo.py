@@ -174,6 +174,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         help="use only the first N of the 10,000 images (for quick runs; at least 10)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed for shuffles and weights")
+    parser.add_argument(
+        "--stats", action="store_true",
+        help="measure where the training loader's time goes and print it after training",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.workers < 0:
         parser.error("--epochs and --batch-size must be at least 1, --workers at least 0")
@@ -216,7 +220,9 @@ def run(args: argparse.Namespace, out: Path) -> float:
     )
     # Each iter() of the loader starts the next epoch (it calls train_set.set_epoch), so the
     # shard order and the sample shuffle change from epoch to epoch.
-    train_loader = webds.WebLoader(train_set, batch_size=None, num_workers=args.workers)
+    train_loader = webds.WebLoader(
+        train_set, batch_size=None, num_workers=args.workers, stats=args.stats
+    )
     test_set = (
         webds.WebDataset(test_urls, shardshuffle=False)
         .decode("l")
@@ -236,6 +242,8 @@ def run(args: argparse.Namespace, out: Path) -> float:
         if seen != ntrain:
             raise SystemExit(f"error: epoch {epoch + 1} streamed {seen} samples, expected {ntrain}")
         print(f"{desc}: {seen} samples, {seen / elapsed:.0f} samples/s, mean loss {loss:.3f}")
+    if args.stats:
+        print(train_loader.stats())  # where the training loader's time went (every epoch)
 
     start = time.perf_counter()
     seen, correct = evaluate(model, test_loader)

@@ -47,6 +47,7 @@ def check_report(report: dict, shards: int, local: bool = True) -> None:
         "storage", "parsing", "decoding", "stage", "main process", "cpus",
     }  # fmt: skip
     assert report["machine"]["cpus"] >= 1 and report["settings"]["workers"] == 2
+    assert report["fields"] == ["cls", "jpg"]
 
 
 def test_bench_json_and_table_on_local_shards(tmp_path: Path) -> None:
@@ -119,7 +120,15 @@ PARSE = "tarfile_to_samples: tar parsing"
 def test_bottleneck_rules(decode_shares, loader_rate, workers, cpus, wait, kind):
     read = run(20000, {PARSE: 0.6, READ: 0.4})
     got_kind, sentence = bottleneck(
-        read, run(1000, decode_shares), run(loader_rate, {}, wait=wait), workers, cpus
+        read, run(1000, decode_shares), run(loader_rate, {}, wait=wait), workers, cpus, ["jpg"]
     )
     assert got_kind == kind, sentence
     assert sentence.endswith(".") and len(sentence) > 30
+
+
+def test_decoding_advice_follows_the_image_format():
+    decode = run(1000, {"decode('pil')": 0.9})
+    args = (run(20000, {}), decode, run(3900, {}), 4, 8)
+    assert "simplejpeg" in bottleneck(*args, ["jpg", "cls"])[1]
+    png = bottleneck(*args, ["png", "cls"])[1]
+    assert "simplejpeg" not in png and "lossless" in png and "more workers (up to 8)" in png

@@ -122,3 +122,25 @@ def test_loader_resume_still_works_while_measuring(shards):
     keys = sorted(k for batch in first + rest for k in batch[0])
     assert keys == sorted(f"s{i}-{j:06d}" for i in range(4) for j in range(20))
     assert again.stats().samples >= 60
+
+
+def test_loader_verdict_says_who_waits(shards):
+    from webds.stages.probe import IDLE
+
+    ds = wds.WebDataset(shards, shardshuffle=False).to_tuple("txt", "cls").batched(5)
+    loader = wds.WebLoader(ds, batch_size=None, num_workers=2, stats=True)
+    for _ in loader:
+        time.sleep(0.03)  # a slow training step
+    stats = loader.stats()
+    assert "Data keeps up" in stats.verdict and stats.verdict in str(stats)
+    idle = sum(s.seconds for s in stats.stages if s.name == IDLE)
+    assert idle > 0.2  # the workers' batches waited for the training step
+    slow_loader = wds.WebLoader(
+        wds.WebDataset(shards, shardshuffle=False).map(slow).batched(5),
+        batch_size=None,
+        num_workers=2,
+        stats=True,
+    )
+    assert sum(1 for _ in slow_loader) == 16
+    assert "starved" in slow_loader.stats().verdict
+    assert "map(slow)" in slow_loader.stats().verdict

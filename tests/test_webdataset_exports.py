@@ -168,7 +168,6 @@ def test_positional_parameters_of_every_module_callable_match_webdataset():
     import types
     import warnings
 
-
     checked, wrong = 0, []
     for module in MODULES:
         with warnings.catch_warnings():

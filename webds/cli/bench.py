@@ -155,11 +155,19 @@ class _Clock:
         }
 
 
-def _run_one(dataset: Any, seconds: float, label: str, quiet: bool) -> Dict[str, Any]:
+def _run_one(
+    dataset: Any, seconds: float, label: str, quiet: bool, fields: Optional[Dict[str, int]] = None
+) -> Dict[str, Any]:
+    """Iterate ``dataset`` for ``seconds``; ``fields`` counts the field names of the first
+    samples (what the advice about decoding depends on)."""
     clock = _Clock(seconds, label, quiet)
     it = iter(dataset)
     try:
         for item in it:
+            if fields is not None and clock.samples < 200 and isinstance(item, dict):
+                for name in item:
+                    if not name.startswith("__"):
+                        fields[name] = fields.get(name, 0) + 1
             if not clock.tick(len(item) if isinstance(item, list) else 1):
                 break
     finally:
@@ -178,16 +186,20 @@ def _cpus() -> int:
 
 def machine() -> Dict[str, Any]:
     """What the rates depend on: CPUs, Python, torch, webds."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
-    from .. import __version__
-
+    try:
+        webds_version = version("webds")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        webds_version = "unknown"
     return {
         "cpus": _cpus(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "webds": __version__,
+        "webds": webds_version,
     }
 
 
@@ -209,13 +221,14 @@ def run_bench(
     cpus = _cpus()
     workers = workers or min(cpus, 8)
     options = options or {}
-    read = _run_one(_dataset(urls, options, True), seconds, "read", quiet)
+    fields: Dict[str, int] = {}
+    read = _run_one(_dataset(urls, options, True), seconds, "read", quiet, fields)
     decoded = _dataset(urls, options, True).decode(decode)
     decode_run = _run_one(decoded, seconds, "read+decode", quiet)
     dataset = _dataset(urls, options, False).decode(decode).batched(batch_size, collation_fn=None)
     loader = WebLoader(dataset, batch_size=None, num_workers=workers, stats=True)
     loader_run = _run_one(loader, seconds, f"loader ({workers} workers)", quiet)
-    kind, sentence = bottleneck(read, decode_run, loader_run, workers, cpus)
+    kind, sentence = bottleneck(read, decode_run, loader_run, workers, cpus, fields)
     return {
         "shards": len(urls),
         "settings": {
@@ -227,6 +240,7 @@ def run_bench(
         "read": read,
         "decode": decode_run,
         "loader": loader_run,
+        "fields": sorted(fields),
         "bottleneck": sentence,
         "bottleneck_kind": kind,
         "machine": machine(),
@@ -242,10 +256,16 @@ def _largest(run: Dict[str, Any]) -> Tuple[str, float]:
 
 
 def bottleneck(
-    read: Dict[str, Any], decode: Dict[str, Any], loader: Dict[str, Any], workers: int, cpus: int
+    read: Dict[str, Any],
+    decode: Dict[str, Any],
+    loader: Dict[str, Any],
+    workers: int,
+    cpus: int,
+    fields: Iterable[str] = (),
 ) -> Tuple[str, str]:
     """``(kind, sentence)``: what bounds the loader's rate, and what to try. ``kind`` is one of
-    ``storage``, ``parsing``, ``decoding``, ``stage``, ``main process``, ``cpus``."""
+    ``storage``, ``parsing``, ``decoding``, ``stage``, ``main process``, ``cpus``; ``fields``
+    are the samples' field names (the advice for decoding JPEGs is not the one for PNGs)."""
     one = decode["samples_per_s"]
     got = loader["samples_per_s"]
     usable = min(workers, cpus)
@@ -287,11 +307,16 @@ def bottleneck(
             "or fewer and larger fields per sample (pack small fields into one .json or .npy)."
         )
     if name.startswith("decode"):
-        more = f"more workers (up to {cpus}), " if workers < cpus else ""
+        tips = [f"more workers (up to {cpus})"] if workers < cpus else []
+        exts = {f.rpartition(".")[2].lower() for f in fields}
+        if exts & {"jpg", "jpeg"}:
+            tips.append("the fast JPEG decoder (pip install simplejpeg)")
+        elif exts & {"png", "ppm", "bmp", "tif", "tiff"}:
+            tips.append("JPEG instead of lossless images, which decode several times slower")
+        tips.append("images stored at the size you train at")
         return "decoding", (
             f"Decoding: {100 * share:.0f}% of a worker's time ({one:,.0f} samples/s in one "
-            f"process); try {more}the fast JPEG decoder (pip install simplejpeg), or store "
-            "images at the size you train at."
+            f"process); try {', '.join(tips[:-1]) + ', or ' if len(tips) > 1 else ''}{tips[-1]}."
         )
     if name == COLLATE:
         return "main process", "Collation in the workers; try larger batches of tensors."

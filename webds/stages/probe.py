@@ -28,6 +28,8 @@ _now = time.perf_counter
 READING = "reading shards (waiting for storage or network)"
 COLLATE = "collate (DataLoader's collate_fn)"
 WAITING = "waiting for DataLoader workers"
+IDLE = "idle (batches ready, waiting to be taken)"
+_WAITS = (WAITING, IDLE)
 
 
 _FUNCTION = re.compile(r"<(?:function|bound method|built-in function) ([\w.<>]+)[^>]*>")
@@ -217,18 +219,18 @@ class PipelineStats:
     workers: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Shares of the time spent in stages; the main process's wait for workers is a
-        # symptom of theirs, not a stage of its own.
-        total = sum(s.seconds for s in self.stages if s.name != WAITING) or 1.0
+        # Shares of the time spent in stages; the main process's wait for workers and the
+        # workers' wait for it are symptoms, not stages.
+        total = sum(s.seconds for s in self.stages if s.name not in _WAITS) or 1.0
         for s in self.stages:
-            s.share = 0.0 if s.name == WAITING else s.seconds / total
+            s.share = 0.0 if s.name in _WAITS else s.seconds / total
 
     @property
     def slowest(self) -> Optional[str]:
         """The stage with the most time, summed over workers (None before any is measured)."""
         totals: Dict[str, float] = {}
         for s in self.stages:
-            if s.name != WAITING:
+            if s.name not in _WAITS:
                 totals[s.name] = totals.get(s.name, 0.0) + s.seconds
         return max(totals, key=totals.__getitem__) if totals else None
 
@@ -249,6 +251,7 @@ class PipelineStats:
             "batches_per_s": self.batches_per_s,
             "wait_s": self.wait_seconds,
             "slowest": self.slowest,
+            "verdict": self.verdict,
             "stages": [
                 {
                     "name": s.name,
@@ -308,7 +311,26 @@ class PipelineStats:
             )
         if self.slowest is not None:
             lines.append(f"largest share: {self.slowest}")
+        verdict = self.verdict
+        if verdict:
+            lines.append(verdict)
         return "\n".join(lines)
+
+    @property
+    def verdict(self) -> str:
+        """For a loader: whether the training loop waits for data, in one sentence."""
+        if self.wait_seconds is None or self.elapsed <= 0:
+            return ""
+        waited = self.wait_seconds / self.elapsed
+        if waited < 0.2:
+            return (
+                f"Data keeps up: the main process waited for batches {100 * waited:.0f}% of the "
+                "time; the training step is what bounds the rate."
+            )
+        return (
+            f"The loop is starved: it waited for batches {100 * waited:.0f}% of the time; the "
+            f"workers spend the most in {self.slowest}."
+        )
 
 
 def stats_of(probe: Probe, where: str = "main") -> PipelineStats:
@@ -335,8 +357,14 @@ def merged(main: Probe, workers: Dict[int, Dict[str, Any]]) -> PipelineStats:
     samples = 0
     per_worker: Dict[str, Dict[str, Any]] = {}
     for w, snap in sorted(workers.items()):
+        busy = 0.0
         for name, seconds, items, nbytes in snap["rows"]:
             rows.append(StageTime(name, seconds, items, nbytes, where=f"worker {w}"))
+            busy += seconds
+        # The rest of a worker's time: its batches queued, waiting for the main process (or
+        # pickled on their way there).
+        idle = max(0.0, snap["elapsed"] - busy)
+        rows.append(StageTime(IDLE, idle, 0, where=f"worker {w}"))
         samples += snap["samples"]
         per_worker[str(w)] = {
             "samples": snap["samples"],

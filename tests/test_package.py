@@ -1,0 +1,120 @@
+"""The package as users and packagers get it: the sdist and the wheel are built from this
+checkout, carry what they should (the licence, the changelog, the tests in the sdist), pass
+``twine check``, the sdist builds a wheel and its tests run, and the wheel installed into a
+fresh virtualenv (with constraints.txt) runs ``webds --help`` and reads a shard."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def run(*args: str, cwd: Path = ROOT, env: dict = None, timeout: int = 600) -> str:
+    out = subprocess.run(
+        list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert out.returncode == 0, f"{args}: {out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> Path:
+    pytest.importorskip("build", reason="pip install build (in the test extra)")
+    out = tmp_path_factory.mktemp("dist")
+    # A copy of the checkout without its build leftovers (egg-info, build/), as a clean clone.
+    src = out / "src"
+    ignore = shutil.ignore_patterns(".venv", ".git", "site", "build", "*.egg-info", "__pycache__")
+    shutil.copytree(ROOT, src, ignore=ignore)
+    run(sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src))
+    return out
+
+
+def _one(folder: Path, pattern: str) -> Path:
+    found = sorted(folder.glob(pattern))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_sdist_carries_licence_changelog_and_tests(dist: Path) -> None:
+    with tarfile.open(_one(dist, "webds-*.tar.gz")) as tf:
+        names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    for needed in (
+        "LICENSE",
+        "CHANGELOG.md",
+        "README.md",
+        "constraints.txt",
+        "setup.cfg",
+        "webds/__init__.py",
+        "webds/py.typed",
+        "tests/conftest.py",
+        "tests/test_tario.py",
+        "tests/data/pickles/fluent.pkl",
+        "examples/data/fashion-mnist/LICENSE",
+        "examples/demo.py",
+    ):
+        assert needed in names, needed
+    assert not any(n.startswith((".venv/", "site/", ".git/")) for n in names)
+    assert not any("__pycache__" in n for n in names)
+
+
+def test_wheel_carries_the_package_and_licence_only(dist: Path) -> None:
+    with zipfile.ZipFile(_one(dist, "webds-*.whl")) as zf:
+        names = zf.namelist()
+        metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "webds/py.typed" in names and "webds/cli/bench.py" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith("/LICENSE") for n in names)
+    assert not any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names)
+    assert "License-Expression: BSD-3-Clause" in metadata or "License: BSD-3-Clause" in metadata
+    assert "Requires-Python: >=3.9" in metadata
+
+
+def test_twine_check(dist: Path) -> None:
+    pytest.importorskip("twine", reason="pip install twine (in the test extra)")
+    files = [str(_one(dist, "webds-*.tar.gz")), str(_one(dist, "webds-*.whl"))]
+    out = run(sys.executable, "-m", "twine", "check", "--strict", *files)
+    assert out.count("PASSED") == 2
+
+
+def test_the_sdist_builds_and_its_tests_run(dist: Path, tmp_path: Path) -> None:
+    with tarfile.open(_one(dist, "webds-*.tar.gz")) as tf:
+        tf.extractall(tmp_path, filter="data")
+    src = _one(tmp_path, "webds-*")
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+        "-w", str(tmp_path / "wheels"), str(src))  # fmt: skip
+    assert list((tmp_path / "wheels").glob("webds-*.whl"))
+    env = dict(os.environ, PYTHONPATH=str(src))
+    out = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+              "tests/test_tario.py", "tests/test_writer.py", cwd=src, env=env)  # fmt: skip
+    assert " passed" in out and "failed" not in out
+
+
+def test_the_wheel_installs_into_a_fresh_virtualenv(dist: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", str(venv))
+    py = venv / "bin" / "python"
+    wheel = _one(dist, "webds-*.whl")
+    constraints = str(ROOT / "constraints.txt")
+    run(str(py), "-m", "pip", "install", "-q", "-c", constraints, str(wheel), timeout=900)
+    help_text = run(str(venv / "bin" / "webds"), "--help")
+    assert "bench" in help_text and "verify" in help_text
+    script = (
+        "import webds\n"
+        "with webds.TarWriter('a.tar') as w:\n"
+        "    for i in range(3): w.write({'__key__': f'{i:03d}', 'txt': f'sample {i}'})\n"
+        "print([s['txt'] for s in webds.WebDataset('a.tar', shardshuffle=False).decode()])\n"
+    )
+    out = run(str(py), "-c", script, cwd=tmp_path)
+    assert out.strip() == "['sample 0', 'sample 1', 'sample 2']"
+    out = run(str(venv / "bin" / "webds"), "ls", "a.tar", cwd=tmp_path)
+    assert out.splitlines()[0].startswith("000")
