@@ -48,6 +48,7 @@ def url_opener(
 #: ``tar_file_expander``'s default end-of-shard marker: a fresh empty dict per shard.
 _EOF: Any = object()
 
+
 def tar_file_expander(
     data: Iterable[Dict[str, Any]],
     handler: Handler = reraise_exception,
