@@ -14,8 +14,9 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Iterator, Optional
 
 import pytest
 
@@ -54,28 +55,54 @@ def run(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(list(args), capture_output=True, text=True, timeout=600, **kw)
 
 
+def check(version: str, python: str, folder: Path) -> str:
+    """Set up a virtualenv for ``python`` and run the torch-free tests there; "" if they
+    passed, else what went wrong."""
+    venv = folder / "venv"
+    made = run(python, "-m", "venv", str(venv))
+    if made.returncode != 0:
+        return f"venv: {made.stderr}"
+    py = str(venv / "bin" / "python")
+    # No constraints.txt: its pins are those of the suite's Python; pip picks what fits here.
+    installed = run(py, "-m", "pip", "install", "-q", *DEPENDENCIES, *TEST_TOOLS)
+    if installed.returncode != 0:
+        return f"pip install: {installed.stderr[-3000:]}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    no_torch = run(py, "-c", "import webds, sys; assert 'torch' not in sys.modules", cwd=ROOT,
+                   env=env)  # fmt: skip
+    if no_torch.returncode != 0:
+        return f"import webds imported torch: {no_torch.stderr}"
+    out = run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TORCH_FREE, cwd=ROOT,
+              env=env)  # fmt: skip
+    last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    if out.returncode != 0 or " passed" not in last or "skipped" in last:
+        return out.stdout[-3000:] + out.stderr[-2000:]
+    return ""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Iterator[Dict[str, Future]]:
+    """Every version's check, started at once two at a time: pytest runs on one core, and
+    the checks are mostly CPU work, so the second core takes half of them."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures: Dict[str, Future] = {}
+    for version in VERSIONS:
+        python = interpreter(version)
+        if python is not None and version != f"{sys.version_info[0]}.{sys.version_info[1]}":
+            folder = tmp_path_factory.mktemp(f"python{version}")
+            futures[version] = pool.submit(check, version, python, folder)
+    yield futures
+    pool.shutdown(wait=True)
+
+
 @pytest.mark.parametrize("version", VERSIONS)
-def test_the_torch_free_part_on_python(version: str, tmp_path: Path) -> None:
+def test_the_torch_free_part_on_python(version: str, results: Dict[str, Future]) -> None:
     if f"{sys.version_info[0]}.{sys.version_info[1]}" == version:
         pytest.skip("the whole suite runs on this Python")
-    python = interpreter(version)
-    if python is None:
+    if version not in results:
         message = f"python{version} is not installed (pyenv install {version})"
         if os.environ.get("WEBDS_REQUIRE_PYTHONS", "") not in ("", "0"):
             pytest.fail(message)
         pytest.skip(message)
-    venv = tmp_path / "venv"
-    made = run(python, "-m", "venv", str(venv))
-    assert made.returncode == 0, made.stderr
-    py = str(venv / "bin" / "python")
-    # No constraints.txt: its pins are those of the suite's Python; pip picks what fits here.
-    installed = run(py, "-m", "pip", "install", "-q", *DEPENDENCIES, *TEST_TOOLS)
-    assert installed.returncode == 0, installed.stderr[-3000:]
-    no_torch = run(py, "-c", "import webds, sys; assert 'torch' not in sys.modules", cwd=ROOT,
-                   env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
-    assert no_torch.returncode == 0, no_torch.stderr
-    out = run(py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TORCH_FREE, cwd=ROOT,
-              env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
-    tail = out.stdout[-3000:] + out.stderr[-2000:]
-    assert out.returncode == 0, tail
-    assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1], tail
+    problem = results[version].result(timeout=1200)
+    assert problem == "", problem
