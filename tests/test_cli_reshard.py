@@ -448,3 +448,21 @@ def test_count_stops_a_pipe_input_early(tmp_path: Path, monkeypatch) -> None:
     argv = ["cat", source, "a.tar", "--parallel", "2", "--count", "3", "-q", "-o", "p.tar"]
     assert main(argv) == 0
     assert tar_names(tmp_path / "p.tar") == ["000000.bin", "000000.bin", "000001.bin"]
+
+
+def test_stopping_interleave_ends_a_command_that_keeps_its_output_open(tmp_path: Path) -> None:
+    # The thread reading this shard has read the whole tar and waits for its output to end,
+    # which `sleep 60` keeps open: closing the iterator ends the command instead of waiting
+    # (it used to wait for the thread's 30 s join timeout).
+    import time
+
+    from webds.cli.reshard import interleave_shards
+
+    # Bigger than the reader's 1 MiB chunks, so the samples arrive before the command ends.
+    write_tar(tmp_path / "a.tar", [(f"{i:06d}.bin", bytes([i]) * 400_000) for i in range(8)])
+    it = interleave_shards([f"pipe:cat {tmp_path / 'a.tar'}; sleep 60", str(tmp_path / "a.tar")], 2)
+    assert [next(it)["__key__"] for _ in range(3)] == ["000000", "000000", "000001"]
+    time.sleep(0.5)  # the pipe's thread reaches the end of the tar and waits on the command
+    start = time.monotonic()
+    it.close()
+    assert time.monotonic() - start < 10

@@ -118,14 +118,17 @@ def input_urls(inputs: Sequence[str]) -> List[str]:
     return urls
 
 
-def read_samples(urls: Iterable[str]) -> Iterator[Sample]:
+def read_samples(urls: Iterable[Any]) -> Iterator[Sample]:
     """The raw samples of the shards, in order: ``{"__key__", "__url__", ext: bytes, ...}``,
-    extensions as in the tar.
+    extensions as in the tar. A shard is a URL, or a descriptor ``{"url", "stream"}`` with its
+    stream already open.
 
     A shard that cannot be opened or read raises (:class:`~webds.errors.OpenError`,
     :class:`~webds.errors.ShardReadError`) after every complete sample before the damage.
     """
-    return tarfile_samples(({"url": url} for url in urls), lcase=False)
+    return tarfile_samples(
+        ({"url": url} if isinstance(url, str) else url for url in urls), lcase=False
+    )
 
 
 def open_output(output: str, **kw: Any) -> TarWriter:

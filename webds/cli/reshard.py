@@ -17,6 +17,8 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import ArgumentError
+from ..io.streams import abandon_stream
+from ..io.urls import open_url
 from ..shards.index import default_index_name
 from ..shardwriter import ShardWriter
 from ..stages.filters import shuffle
@@ -207,7 +209,7 @@ def run_cat(args: argparse.Namespace) -> int:
 def interleave_shards(
     urls: List[str],
     parallel: int,
-    read: Callable[[List[str]], Iterator[Sample]] = read_samples,
+    read: Callable[[List[Any]], Iterator[Sample]] = read_samples,
     queue_size: int = 16,
 ) -> Iterator[Sample]:
     """Samples of ``parallel`` shards at a time, one from each in turn (round robin).
@@ -215,16 +217,21 @@ def interleave_shards(
     Each shard is read on its own thread into a queue of ``queue_size`` samples; when a shard
     ends, the next input takes its place. The order depends only on the inputs and ``parallel``,
     not on thread timing. An error in a shard is raised here, when its turn comes. Closing the
-    iterator stops the threads (and closes their shards).
+    iterator stops the threads (and closes their shards); a ``pipe:`` command a thread still
+    waits on is ended first (it may keep its output open after the tar).
     """
     stop = threading.Event()
     pending = iter(urls)
     slots: List[Tuple["queue.Queue[Tuple[str, Any]]", threading.Thread]] = []
+    streams: List[Any] = []  # the threads' open shards, appended as they open them
 
     def start(url: str) -> Tuple["queue.Queue[Tuple[str, Any]]", threading.Thread]:
         q: "queue.Queue[Tuple[str, Any]]" = queue.Queue(queue_size)
         thread = threading.Thread(
-            target=_pump, args=(read, url, q, stop), name=f"webds-cat {url}", daemon=True
+            target=_pump,
+            args=(read, url, q, stop, streams),
+            name=f"webds-cat {url}",
+            daemon=True,
         )
         thread.start()
         return q, thread
@@ -249,15 +256,20 @@ def interleave_shards(
                 raise value
     finally:
         stop.set()
+        for stream in list(streams):
+            interrupt = getattr(stream, "interrupt", None)
+            if interrupt is not None and not stream.closed:
+                interrupt()  # a thread blocked reading this command's output wakes up
         for _, thread in slots:
             thread.join(timeout=30)
 
 
 def _pump(
-    read: Callable[[List[str]], Iterator[Sample]],
+    read: Callable[[List[Any]], Iterator[Sample]],
     url: str,
     q: "queue.Queue[Tuple[str, Any]]",
     stop: threading.Event,
+    streams: List[Any],
 ) -> None:
     """Thread body: put ("sample", s)... then ("end", None) or ("error", exn) on ``q``."""
 
@@ -271,13 +283,17 @@ def _pump(
         return False
 
     try:
-        samples = read([url])
+        stream = open_url(url)
+        streams.append(stream)
+        samples = read([{"url": url, "stream": stream}])
         try:
             for sample in samples:
                 if not put(("sample", sample)):
                     return
         finally:
             close_iterator(samples)
+            if not getattr(stream, "closed", True):
+                abandon_stream(stream)  # stopped before the reader took the stream over
         put(("end", None))
     except BaseException as exn:  # handed to the reading thread, which raises it
         put(("error", exn))

@@ -269,6 +269,12 @@ class PipeStream(ReadStream):
             url=f"pipe:{self.command}",
         )
 
+    def interrupt(self) -> None:
+        """End the command now, from any thread, without closing the stream: a read waiting
+        for output (in another thread) sees the end of it. Its exit status is not checked."""
+        self._checked = True
+        self._kill()
+
     def abandon(self) -> None:
         """Stop reading on purpose (the rest of the output is not wanted): end the command now,
         without reading its remaining output or checking its status, and close the stream."""
