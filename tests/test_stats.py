@@ -144,3 +144,21 @@ def test_loader_verdict_says_who_waits(shards):
     assert sum(1 for _ in slow_loader) == 16
     assert "starved" in slow_loader.stats().verdict
     assert "map(slow)" in slow_loader.stats().verdict
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_loader_stats_cover_every_epoch(shards, persistent):
+    # Workers that are new processes every epoch, or the same ones: two epochs count twice.
+    ds = wds.WebDataset(shards, shardshuffle=False).to_tuple("txt", "cls").batched(5)
+    loader = wds.WebLoader(
+        ds, batch_size=None, num_workers=2, persistent_workers=persistent, stats=True
+    )
+    for _ in range(2):
+        assert sum(len(b[0]) for b in loader) == 80
+    stats = loader.stats()
+    assert stats.samples == 160 and stats.batches == 32
+    assert sorted(stats.workers) == ["0", "1"]
+    assert sum(w["samples"] for w in stats.workers.values()) == 160
+    parsing = [s for s in stats.stages if s.name.endswith("tar parsing")]
+    assert sorted(s.where for s in parsing) == ["worker 0", "worker 1"]
+    assert sum(s.items for s in parsing) == 160

@@ -55,7 +55,8 @@ class WebLoader(DataPipeline, FluentMixin):
             self.probe = Probe()
             if isinstance(dataset, DataPipeline):
                 dataset.probe = Probe()
-        self._worker_stats: Dict[int, Dict[str, Any]] = {}
+        # The latest probe snapshot of each worker process: {(worker id, pid): snapshot}.
+        self._worker_stats: Dict[Any, Dict[str, Any]] = {}
         if hasattr(dataset, "loader_hint"):
             # Lets a balanced dataset align its workers' shares to the loader's batches.
             dataset.loader_hint = (max(1, self.loader.num_workers), self.loader.batch_size)
@@ -264,7 +265,7 @@ class WebLoader(DataPipeline, FluentMixin):
                 }
             m["ledger"].apply(x.delta)
             if x.stats is not None:
-                self._worker_stats[x.worker] = x.stats
+                self._worker_stats[(x.worker, x.stats.get("pid"))] = x.stats
             m["items"] = x.items
             if x.problem is not None:
                 m["problem"] = x.problem

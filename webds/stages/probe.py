@@ -15,6 +15,7 @@ hundred bytes, beside the batch), and the main process adds the time it waited f
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -180,6 +181,7 @@ class Probe:
             "rows": [r.as_tuple() for r in self.rows()],
             "elapsed": self.elapsed(),
             "samples": samples,
+            "pid": os.getpid(),  # a new process per epoch unless the workers persist
         }
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -343,9 +345,10 @@ def stats_of(probe: Probe, where: str = "main") -> PipelineStats:
     return PipelineStats(rows, probe.elapsed(), samples or items, items)
 
 
-def merged(main: Probe, workers: Dict[int, Dict[str, Any]]) -> PipelineStats:
+def merged(main: Probe, workers: Dict[Any, Dict[str, Any]]) -> PipelineStats:
     """A WebLoader's report: the main process's stages (the DataLoader, its source, is the wait
-    for workers) and each worker's latest snapshot."""
+    for workers) and the workers' snapshots, keyed ``(worker id, pid)``: the latest of each
+    process, added up per worker id (non-persistent workers are new processes every epoch)."""
     rows: List[StageTime] = []
     wait = None
     for i, r in enumerate(main.rows()):
@@ -354,23 +357,34 @@ def merged(main: Probe, workers: Dict[int, Dict[str, Any]]) -> PipelineStats:
             r.name = WAITING
         r.where = "main"
         rows.append(r)
+    by_worker: Dict[Any, List[Dict[str, Any]]] = {}
+    for key, snap in workers.items():
+        by_worker.setdefault(key[0] if isinstance(key, tuple) else key, []).append(snap)
     samples = 0
     per_worker: Dict[str, Dict[str, Any]] = {}
-    for w, snap in sorted(workers.items()):
-        busy = 0.0
-        for name, seconds, items, nbytes in snap["rows"]:
-            rows.append(StageTime(name, seconds, items, nbytes, where=f"worker {w}"))
-            busy += seconds
+    for w, snaps in sorted(by_worker.items()):
+        where = f"worker {w}"
+        own: Dict[str, StageTime] = {}
+        for snap in snaps:
+            for name, seconds, items, nbytes in snap["rows"]:
+                row = own.get(name)
+                if row is None:
+                    row = own[name] = StageTime(name, 0.0, 0, 0, where=where)
+                row.seconds += seconds
+                row.items += items
+                row.nbytes += nbytes
+        rows.extend(own.values())
+        elapsed = sum(snap["elapsed"] for snap in snaps)
+        done = sum(snap["samples"] for snap in snaps)
         # The rest of a worker's time: its batches queued, waiting for the main process (or
         # pickled on their way there).
-        idle = max(0.0, snap["elapsed"] - busy)
-        rows.append(StageTime(IDLE, idle, 0, where=f"worker {w}"))
-        samples += snap["samples"]
+        busy = sum(row.seconds for row in own.values())
+        rows.append(StageTime(IDLE, max(0.0, elapsed - busy), 0, where=where))
+        samples += done
         per_worker[str(w)] = {
-            "samples": snap["samples"],
-            "elapsed_s": snap["elapsed"],
-            "samples_per_s": snap["samples"] / snap["elapsed"] if snap["elapsed"] else 0.0,
+            "samples": done,
+            "elapsed_s": elapsed,
+            "samples_per_s": done / elapsed if elapsed else 0.0,
         }
     batches = main.items[-1] if main.items else 0
-    stats = PipelineStats(rows, main.elapsed(), samples, batches, wait, per_worker)
-    return stats
+    return PipelineStats(rows, main.elapsed(), samples, batches, wait, per_worker)
