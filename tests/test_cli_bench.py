@@ -44,7 +44,7 @@ def check_report(report: dict, shards: int, local: bool = True) -> None:
     if local:  # over a network, reading may take longer
         assert next(iter(report["decode"]["shares"])) == "decode('pil')"
     assert report["bottleneck"] and report["bottleneck_kind"] in {
-        "storage", "parsing", "decoding", "stage", "main process", "cpus",
+        "shards", "storage", "parsing", "decoding", "stage", "main process", "cpus",
     }  # fmt: skip
     assert report["machine"]["cpus"] >= 1 and report["settings"]["workers"] == 2
     assert report["fields"] == ["cls", "jpg"]
@@ -132,3 +132,10 @@ def test_decoding_advice_follows_the_image_format():
     assert "simplejpeg" in bottleneck(*args, ["jpg", "cls"])[1]
     png = bottleneck(*args, ["png", "cls"])[1]
     assert "simplejpeg" not in png and "lossless" in png and "more workers (up to 8)" in png
+
+
+def test_too_few_shards_for_the_workers_comes_first():
+    decode = run(1000, {"decode('pil')": 0.9})
+    kind, sentence = bottleneck(run(20000, {}), decode, run(900, {}), 4, 8, ["jpg"], shards=1)
+    assert kind == "shards" and "1 for 4 workers" in sentence and "3 of them have" in sentence
+    assert bottleneck(run(20000, {}), decode, run(3900, {}), 4, 8, ["jpg"], shards=4)[0] != "shards"

@@ -228,7 +228,7 @@ def run_bench(
     dataset = _dataset(urls, options, False).decode(decode).batched(batch_size, collation_fn=None)
     loader = WebLoader(dataset, batch_size=None, num_workers=workers, stats=True)
     loader_run = _run_one(loader, seconds, f"loader ({workers} workers)", quiet)
-    kind, sentence = bottleneck(read, decode_run, loader_run, workers, cpus, fields)
+    kind, sentence = bottleneck(read, decode_run, loader_run, workers, cpus, fields, len(urls))
     return {
         "shards": len(urls),
         "settings": {
@@ -262,10 +262,19 @@ def bottleneck(
     workers: int,
     cpus: int,
     fields: Iterable[str] = (),
+    shards: Optional[int] = None,
 ) -> Tuple[str, str]:
     """``(kind, sentence)``: what bounds the loader's rate, and what to try. ``kind`` is one of
-    ``storage``, ``parsing``, ``decoding``, ``stage``, ``main process``, ``cpus``; ``fields``
-    are the samples' field names (the advice for decoding JPEGs is not the one for PNGs)."""
+    ``shards``, ``storage``, ``parsing``, ``decoding``, ``stage``, ``main process``, ``cpus``;
+    ``fields`` are the samples' field names (the advice for decoding JPEGs is not the one for
+    PNGs); ``shards`` how many shards there are (each worker reads whole shards)."""
+    if shards is not None and shards < workers:
+        idle = workers - shards
+        return "shards", (
+            f"Too few shards: {shards} for {workers} workers, so {idle} of them "
+            f"{'has' if idle == 1 else 'have'} nothing to read; write more, smaller shards "
+            f"(at least one per worker: webds split), or use --workers {shards}."
+        )
     one = decode["samples_per_s"]
     got = loader["samples_per_s"]
     usable = min(workers, cpus)
