@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from time import perf_counter
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
@@ -56,7 +56,7 @@ class WebLoader(DataPipeline, FluentMixin):
             if isinstance(dataset, DataPipeline):
                 dataset.probe = Probe()
         # The latest probe snapshot of each worker process: {(worker id, pid): snapshot}.
-        self._worker_stats: Dict[Any, Dict[str, Any]] = {}
+        self._worker_stats: Dict[Tuple[int, Any], Dict[str, Any]] = {}
         if hasattr(dataset, "loader_hint"):
             # Lets a balanced dataset align its workers' shares to the loader's batches.
             dataset.loader_hint = (max(1, self.loader.num_workers), self.loader.batch_size)
@@ -307,9 +307,11 @@ class _EnvelopeCollate:
         info = get_worker_info()
         dataset = info.dataset if info is not None else self.dataset
         probe = getattr(dataset, "probe", None)
-        start = perf_counter()
-        batch = self.collate(data)
-        if probe is not None:
+        if probe is None:
+            batch = self.collate(data)
+        else:
+            start = perf_counter()
+            batch = self.collate(data)
             probe.collate_seconds += perf_counter() - start
         stream = getattr(dataset, "_stream", None)
         if stream is None or not stream["ledger"].tracking:

@@ -19,7 +19,7 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 __all__ = ["Probe", "PipelineStats", "StageTime"]
 
@@ -174,13 +174,17 @@ class Probe:
             rows.append(StageTime(COLLATE, self.collate_seconds, 0))
         return rows
 
+    @property
+    def samples(self) -> int:
+        """The samples out of the tar stage (0 without one)."""
+        return self.items[self.tar_index] if self.tar_index is not None else 0
+
     def snapshot(self) -> Dict[str, Any]:
         """What a worker sends: its rows, elapsed time and the samples out of the tar stage."""
-        samples = self.items[self.tar_index] if self.tar_index is not None else 0
         return {
             "rows": [r.as_tuple() for r in self.rows()],
             "elapsed": self.elapsed(),
-            "samples": samples,
+            "samples": self.samples,
             "pid": os.getpid(),  # a new process per epoch unless the workers persist
         }
 
@@ -270,23 +274,10 @@ class PipelineStats:
 
     def summary(self) -> List[StageTime]:
         """The rows with the workers' rows of each stage added up (``where`` = ``workers``)."""
-        rows: List[StageTime] = []
-        merged_rows: Dict[str, StageTime] = {}
-        for s in self.stages:
-            if s.name == WAITING:
-                continue
-            if not s.where.startswith("worker"):
-                rows.append(s)
-                continue
-            row = merged_rows.get(s.name)
-            if row is None:
-                row = merged_rows[s.name] = StageTime(s.name, 0.0, 0, 0, "workers", 0.0)
-                rows.append(row)
-            row.seconds += s.seconds
-            row.items += s.items
-            row.nbytes += s.nbytes
-            row.share += s.share
-        return rows
+        shown = [s for s in self.stages if s.name != WAITING]
+        mains = [s for s in shown if not s.where.startswith("worker")]
+        workers = [s for s in shown if s.where.startswith("worker")]
+        return mains + list(_totals(workers, "workers").values())
 
     def __str__(self) -> str:
         lines = [
@@ -335,17 +326,30 @@ class PipelineStats:
         )
 
 
+def _totals(rows: Iterable[StageTime], where: str) -> Dict[str, StageTime]:
+    """``rows`` added up by stage name, in the order of first appearance, placed ``where``."""
+    totals: Dict[str, StageTime] = {}
+    for r in rows:
+        total = totals.get(r.name)
+        if total is None:
+            total = totals[r.name] = StageTime(r.name, 0.0, 0, 0, where)
+        total.seconds += r.seconds
+        total.items += r.items
+        total.nbytes += r.nbytes
+        total.share += r.share
+    return totals
+
+
 def stats_of(probe: Probe, where: str = "main") -> PipelineStats:
     """One process's report: its probe's rows."""
     rows = probe.rows()
     for r in rows:
         r.where = where
-    samples = probe.items[probe.tar_index] if probe.tar_index is not None else 0
     items = probe.items[-1] if probe.items else 0
-    return PipelineStats(rows, probe.elapsed(), samples or items, items)
+    return PipelineStats(rows, probe.elapsed(), probe.samples or items, items)
 
 
-def merged(main: Probe, workers: Dict[Any, Dict[str, Any]]) -> PipelineStats:
+def merged(main: Probe, workers: Dict[Tuple[int, Any], Dict[str, Any]]) -> PipelineStats:
     """A WebLoader's report: the main process's stages (the DataLoader, its source, is the wait
     for workers) and the workers' snapshots, keyed ``(worker id, pid)``: the latest of each
     process, added up per worker id (non-persistent workers are new processes every epoch)."""
@@ -357,22 +361,14 @@ def merged(main: Probe, workers: Dict[Any, Dict[str, Any]]) -> PipelineStats:
             r.name = WAITING
         r.where = "main"
         rows.append(r)
-    by_worker: Dict[Any, List[Dict[str, Any]]] = {}
-    for key, snap in workers.items():
-        by_worker.setdefault(key[0] if isinstance(key, tuple) else key, []).append(snap)
+    by_worker: Dict[int, List[Dict[str, Any]]] = {}
+    for (worker, _pid), snap in workers.items():
+        by_worker.setdefault(worker, []).append(snap)
     samples = 0
     per_worker: Dict[str, Dict[str, Any]] = {}
     for w, snaps in sorted(by_worker.items()):
         where = f"worker {w}"
-        own: Dict[str, StageTime] = {}
-        for snap in snaps:
-            for name, seconds, items, nbytes in snap["rows"]:
-                row = own.get(name)
-                if row is None:
-                    row = own[name] = StageTime(name, 0.0, 0, 0, where=where)
-                row.seconds += seconds
-                row.items += items
-                row.nbytes += nbytes
+        own = _totals((StageTime(*row) for snap in snaps for row in snap["rows"]), where)
         rows.extend(own.values())
         elapsed = sum(snap["elapsed"] for snap in snaps)
         done = sum(snap["samples"] for snap in snaps)
