@@ -15,12 +15,13 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from ..errors import ArgumentError
 from ..shards.shardlists import expand_urls
 from ..stages.probe import COLLATE, READING, WAITING, PipelineStats
 from .common import add_inputs, add_quiet, positive_int, show_progress
+from .shardio import close_iterator
 
 __all__ = ["register", "run_bench", "bottleneck"]
 
@@ -156,24 +157,20 @@ class _Clock:
 
 
 def _run_one(
-    dataset: Any, seconds: float, label: str, quiet: bool, fields: Optional[Dict[str, int]] = None
+    dataset: Any, seconds: float, label: str, quiet: bool, fields: Optional[Set[str]] = None
 ) -> Dict[str, Any]:
-    """Iterate ``dataset`` for ``seconds``; ``fields`` counts the field names of the first
+    """Iterate ``dataset`` for ``seconds``; ``fields`` collects the field names of the first
     samples (what the advice about decoding depends on)."""
     clock = _Clock(seconds, label, quiet)
     it = iter(dataset)
     try:
         for item in it:
             if fields is not None and clock.samples < 200 and isinstance(item, dict):
-                for name in item:
-                    if not name.startswith("__"):
-                        fields[name] = fields.get(name, 0) + 1
+                fields.update(name for name in item if not name.startswith("__"))
             if not clock.tick(len(item) if isinstance(item, list) else 1):
                 break
     finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
+        close_iterator(it)
     return clock.result(dataset.stats())
 
 
@@ -221,7 +218,7 @@ def run_bench(
     cpus = _cpus()
     workers = workers or min(cpus, 8)
     options = options or {}
-    fields: Dict[str, int] = {}
+    fields: Set[str] = set()
     read = _run_one(_dataset(urls, options, True), seconds, "read", quiet, fields)
     decoded = _dataset(urls, options, True).decode(decode)
     decode_run = _run_one(decoded, seconds, "read+decode", quiet)
