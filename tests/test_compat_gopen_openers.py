@@ -109,6 +109,7 @@ def test_set_options_on_pipes_only():
     p = G.Pipe("exit 5", mode="rb", shell=True)
     assert G.set_options(p, timeout=2.5, ignore_status=[5], handler=print)
     assert p.timeout == 2.5 and p.ignore_status == [5] and p.handler is print
+    assert not p.ignore_errors and G.set_options(p, ignore_errors=True) and p.ignore_errors
     assert p.read() == b""
     p.close()
     q = wds.gopen("pipe:exit 6")

@@ -80,8 +80,7 @@ class Pipe(PipeStream):
             command = [command]  # Popen runs a lone string as a program name
         elif not isinstance(command, str) and shell:
             command = " ".join(command)
-        self.args = (args, dict(kw, shell=shell))
-        self.ignore_errors = ignore_errors
+        self.args = (args, {"shell": shell})
         extra = {} if timeout is None else {"drain_seconds": timeout}
         super().__init__(
             command,
@@ -90,6 +89,10 @@ class Pipe(PipeStream):
             check_status=not ignore_errors,
             **extra,
         )
+
+    @property
+    def ignore_errors(self) -> bool:
+        return not self.check_status
 
     @property
     def ignore_status(self) -> List[int]:
