@@ -88,7 +88,9 @@ class WebLoader(DataPipeline, FluentMixin):
         """Where the time went since the loader was made (``WebLoader(..., stats=True)``): the
         time the main process waited for batches, the main process's stages, and each worker's
         stages (tar parsing, reading shards, decoding, your maps, batching, collation), with
-        samples/s and batches/s. ``print(loader.stats())`` shows a table."""
+        samples/s and batches/s. ``print(loader.stats())`` shows a table. A worker reports
+        with each batch it sends, so what it read after its last batch (samples a stage
+        dropped at the end of its share) is not counted."""
         if self.probe is None:
             raise ArgumentError("stats() needs a loader made with WebLoader(..., stats=True)")
         return merged(self.probe, self._worker_stats)
