@@ -164,3 +164,85 @@ def test_gopen_rewrite_and_secure_mode_refuses_it(tmp_path, shard, monkeypatch):
     monkeypatch.setattr(security, "enforce_security", True)
     with pytest.raises(SecureModeError, match="GOPEN_REWRITE"):
         wds.gopen.rewrite_url("/nowhere/a.tar")
+
+
+def local_spellings(path: Path) -> list:
+    """Every spelling of a local file that fsspec (or open_url) would open."""
+    return [f"local://{path}", f"local:{path}", f"file:{path}", f"simplecache::file://{path}"]
+
+
+def test_local_files_in_fsspec_spellings_are_refused(secure, tmp_path, shard, capfd):
+    for url in local_spellings(shard):
+        with pytest.raises(SecureModeError) as info:
+            list(webds.WebDataset(url))
+        assert_refused(info, "local files")
+        with pytest.raises(SecureModeError):
+            wds.gopen(url)
+        with pytest.raises(SecureModeError):
+            list(webds.WebDataset(url, cache_dir=str(tmp_path / "cache")))
+        with pytest.raises(SecureModeError):
+            webds.io.urls.deferred_open(url)()
+    # Writing, and listing a folder, through fsspec's local filesystem.
+    out = tmp_path / "out"
+    for url in (f"local://{out}.tar", f"local:{out}.tar"):
+        with pytest.raises(SecureModeError):
+            webds.TarWriter(url)
+    assert not list(tmp_path.glob("out*")), "nothing may be written"
+    with pytest.raises(SecureModeError):
+        webds.shards.expand_urls(f"local://{tmp_path}/")
+    # An archive filesystem over a local zip: refused before fsspec opens the zip.
+    with pytest.raises(SecureModeError):
+        webds.io.urls.open_url(f"zip://a.tar::{tmp_path}/none.zip")
+
+
+def test_names_with_a_colon_in_the_current_folder_are_refused(secure, tmp_path, shard, monkeypatch):
+    # fsspec opens these as files of the current folder: ab:y.tar, " pipe:x.tar", "PIPE:x.tar".
+    monkeypatch.chdir(tmp_path)
+    for name in ("ab:y.tar", " pipe:x.tar", "PIPE:x.tar"):
+        (tmp_path / name).write_bytes(shard.read_bytes())
+        with pytest.raises(SecureModeError) as info:
+            list(webds.WebDataset(name))
+        assert_refused(info, "pipe: URLs" if "pipe" in name.lower() else "local files")
+        with pytest.raises(SecureModeError):
+            wds.gopen(name)
+    # Without secure mode they are files of those names, as fsspec opens them.
+    security.enforce_security = False
+    assert len(list(webds.WebDataset("ab:y.tar"))) == 4
+
+
+def test_the_command_line_refuses_fsspec_spellings(tmp_path, shard):
+    env = dict(cli_env(), WDS_SECURE="1")
+    for args in (
+        ["cat", f"local://{shard}"],
+        ["cat", f"local:{shard}"],
+        ["ls", f"local://{shard}"],
+    ):
+        out = run_webds(*args, cwd=tmp_path, env=env)
+        assert out.returncode != 0, args
+        assert "secure mode is on" in out.stderr, out.stderr
+        assert b"a-000000" not in out.stdout
+
+
+def test_xdecode_refuses_pickles_even_when_allowed(secure, tmp_path, s3):
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (ran,))
+
+    payload = pickle.dumps(Payload())
+    write_tar(tmp_path / "p.tar", [("k.pyd", payload), ("k.txt", b"x")])
+    url = s3.put("p.tar", (tmp_path / "p.tar").read_bytes())
+    with pytest.raises(SecureModeError) as info:
+        list(webds.WebDataset(url).xdecode(allow_pickle=True))
+    assert_refused(info, "unpickling")
+    assert info.value.member == "k.pyd" and info.value.url == url
+    with pytest.raises(SecureModeError):
+        webds.stages.xdecode.decode_pickle(io.BytesIO(payload))
+    with pytest.raises(SecureModeError):
+        wds.filters.decode_pickle(io.BytesIO(payload))  # webdataset 1.x's spelling
+    assert not ran.exists()
+    # Off, the opt-in works as before (and runs the payload: that is what a pickle is).
+    security.enforce_security = False
+    out = list(webds.WebDataset(url).xdecode(allow_pickle=True))
+    assert ran.exists() and out[0]["pyd"] is None and out[0]["txt"] == "x"

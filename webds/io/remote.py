@@ -14,7 +14,7 @@ import logging
 from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
-from ..errors import NotFoundError, OpenError, ShardReadError, WebdsError
+from ..errors import NotFoundError, OpenError, SecureModeError, ShardReadError, WebdsError
 from .ranged import DEFAULT_READ_TIMEOUT, check_read_timeout, open_ranged
 from .retrying import (
     _HUNG_UP_NAMES,
@@ -23,6 +23,7 @@ from .retrying import (
     ResumableStream,
     _close_quietly,
 )
+from .security import url_to_fs
 
 log = logging.getLogger("webds")
 
@@ -126,7 +127,6 @@ def fsspec_opener(
     (:mod:`webds.io.ranged`); other backends, or a caller who chose block reads, read ahead in
     :data:`REMOTE_BLOCK_SIZE` blocks where the backend takes them.
     """
-    import fsspec
 
     scheme = urlparse(url).scheme.lower()
     options = dict(storage_options)
@@ -135,7 +135,9 @@ def fsspec_opener(
     backoff = options.pop("retry_backoff", None)
     read_timeout = check_read_timeout(options.pop("read_timeout", DEFAULT_READ_TIMEOUT))
     try:
-        fs, path = fsspec.core.url_to_fs(url, **_with_read_timeout(scheme, options, read_timeout))
+        fs, path = url_to_fs(url, **_with_read_timeout(scheme, options, read_timeout))
+    except SecureModeError:
+        raise
     except ImportError as exn:
         raise _missing_backend(url, scheme, exn) from None
     except ValueError as exn:
@@ -426,11 +428,12 @@ def _remote_error(
 def read_range(url: str, start: int, end: int, storage_options: Dict[str, Any]) -> bytes:
     """Bytes ``[start, end)`` of a remote object in one ranged request (s3 ``get_object`` with
     a Range, a GET with ``Range: bytes=start-(end-1)``...), failures as webds errors."""
-    import fsspec
 
     scheme = urlparse(url).scheme.lower()
     try:
-        fs, path = fsspec.core.url_to_fs(url, **filesystem_options(storage_options))
+        fs, path = url_to_fs(url, **filesystem_options(storage_options))
+    except SecureModeError:
+        raise
     except ImportError as exn:
         raise _missing_backend(url, scheme, exn) from None
     except Exception as exn:
@@ -516,10 +519,11 @@ def open_resumable(
     >>> with open_resumable("https://host/a.tar", retries=5, backoff=Backoff(initial=1)) as s:
     ...     members = list(read_members(s, "https://host/a.tar"))
     """
-    import fsspec
 
     try:
-        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        fs, path = url_to_fs(url, **storage_options)
+    except SecureModeError:
+        raise
     except ImportError as exn:
         raise OpenError(
             f"no fsspec backend installed for this URL's scheme ({exn}); for S3 install "

@@ -5,10 +5,15 @@ True`` in webdataset's spelling, or ``WDS_SECURE=1`` in the environment) refuses
 a URL or a field run code or read this machine's files:
 
 - ``pipe:`` URLs (a shell command);
-- local files and ``file:`` URLs (only remote ones are opened: http(s), s3, gs, other fsspec
-  protocols, and schemes with an opener you registered yourself);
+- local files in any spelling: paths, ``file:`` URLs, fsspec's ``local://`` and ``local:``, a
+  name with a colon that fsspec would open from the current folder (``ab:y.tar``,
+  `` pipe:x.tar``), and chained URLs with a local link (``zip://m::/path/a.zip``). What is
+  checked is the filesystem fsspec resolves, at every door (reading, writing, listing, the
+  cache, the ``webds`` command); only remote URLs are opened: http(s), s3, gs, other fsspec
+  protocols, and schemes with an opener you registered yourself;
 - URL rewriting from the environment (``GOPEN_REWRITE``);
-- decoding pickles and ``torch.load`` (``.pyd .pickle .pkl .pth``), even with ``allow_pickle``.
+- decoding pickles and ``torch.load`` (``.pyd .pickle .pkl .pth``), even with ``allow_pickle``,
+  through ``decode``, ``xdecode`` and the decoder functions alike.
 
 Each refusal is a :class:`~webds.errors.SecureModeError` that names the setting. It is a
 process-wide switch, as in webdataset: the module attribute and the environment variable are
@@ -18,10 +23,18 @@ read at each check, and either one turns secure mode on.
 from __future__ import annotations
 
 import os
+from typing import Any, Tuple
 
 from ..errors import SecureModeError
 
-__all__ = ["enforce_security", "secure", "refuse"]
+__all__ = [
+    "enforce_security",
+    "secure",
+    "refuse",
+    "refuse_local_fsspec",
+    "refuse_local_filesystem",
+    "url_to_fs",
+]
 
 #: Secure mode, as webdataset's ``utils.enforce_security`` (also on with ``WDS_SECURE=1``).
 enforce_security: bool = False
@@ -49,3 +62,64 @@ def refuse(what: str, url: object = None) -> None:
             "for URLs and data you trust",
             url=None if url is None else str(url),
         )
+
+
+_LOCAL_FILES = "local files (only remote URLs are opened)"
+
+
+def refuse_local_fsspec(url: str) -> None:
+    """In secure mode, refuse an fsspec URL any link of whose chain fsspec would open on this
+    machine's filesystem: ``local://``, ``local:``, a name with a colon but no ``://`` (fsspec
+    opens ``ab:y.tar`` from the current folder), ``zip://m::/path/a.zip``. Decided from the
+    protocols' classes, before any filesystem is made (making one may already read the file)."""
+    if secure() and _fsspec_reads_local(url):
+        refuse(_LOCAL_FILES, url)
+
+
+def refuse_local_filesystem(fs: object, url: str) -> None:
+    """In secure mode, refuse a resolved fsspec filesystem that is, or wraps, fsspec's local
+    one (a cache or directory filesystem over local files)."""
+    if not secure():
+        return
+    from fsspec.implementations.local import LocalFileSystem
+
+    seen = 0
+    while fs is not None and seen < 8:  # wrappers nest a few deep at most
+        if isinstance(fs, LocalFileSystem):
+            refuse(_LOCAL_FILES, url)
+        fs = getattr(fs, "fs", None)
+        seen += 1
+
+
+def _fsspec_reads_local(url: str) -> bool:
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    try:
+        # fsspec's own reading of a URL: the links of a "::" chain, each with its protocol
+        # ("file" where a link has none). Private, so a change of it falls back to the rule.
+        protocols = [protocol for _, protocol, _ in fsspec.core._un_chain(url, {})]
+    except Exception:
+        links = url.split("::")
+        protocols = [fsspec.core.split_protocol(link)[0] or "file" for link in links]
+    for protocol in protocols:
+        for name in protocol if isinstance(protocol, (tuple, list)) else (protocol,):
+            try:
+                cls = fsspec.get_filesystem_class(name)
+            except (ImportError, ValueError):
+                continue  # not installed or unknown: opening it will say so, reading nothing
+            if issubclass(cls, LocalFileSystem):
+                return True
+    return False
+
+
+def url_to_fs(url: str, **options: Any) -> Tuple[Any, str]:
+    """``fsspec.core.url_to_fs``, the one door through which webds resolves an fsspec URL, with
+    secure mode's check on what it resolves to: refused before the filesystem is made when a
+    link of the URL is local, and after, when the filesystem made wraps a local one."""
+    import fsspec
+
+    refuse_local_fsspec(url)
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    refuse_local_filesystem(fs, url)
+    return fs, path

@@ -28,11 +28,11 @@ from typing import Any, BinaryIO, Callable, Dict, Optional, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
-from ..errors import ArgumentError, NotFoundError, OpenError, WebdsError
+from ..errors import ArgumentError, NotFoundError, OpenError, SecureModeError, WebdsError
 from .pipes import PIPE_IDLE_SECONDS, PipeStream
 from .ranged import check_read_timeout
 from .remote import _open_fsspec, filesystem_options, fsspec_opener
-from .security import refuse, secure
+from .security import refuse, refuse_local_fsspec, secure, url_to_fs
 from .streams import AtomicFile, _Unclosable
 
 log = logging.getLogger("webds")
@@ -146,10 +146,11 @@ def existing_size(
             return None
     if url == "-" or url_scheme(url) == "pipe":
         return None
-    import fsspec
 
     try:
-        fs, fspath = fsspec.core.url_to_fs(url, **filesystem_options(dict(storage_options or {})))
+        fs, fspath = url_to_fs(url, **filesystem_options(dict(storage_options or {})))
+    except SecureModeError:
+        raise
     except (ImportError, ValueError):
         return None
     fs.invalidate_cache(fspath)
@@ -255,17 +256,19 @@ def rewrite_url(url: str) -> str:
 
 def check_secure(url: PathOrURL) -> None:
     """Raise :class:`~webds.errors.SecureModeError` if secure mode (:mod:`webds.io.security`)
-    refuses ``url``: a ``pipe:`` command or a local file. ``-`` and schemes with a registered
-    opener are the caller's own choice, and pass."""
+    refuses ``url``: a ``pipe:`` command (``PIPE:`` and `` pipe:`` too, which would otherwise
+    open files of those names) or a local file in any spelling fsspec takes. ``-`` and schemes
+    with a registered opener are the caller's own choice, and pass."""
     if not secure():
         return
     name = os.fspath(url)
     if not isinstance(name, str) or name == "-" or _registered_opener(name) is not None:
         return
-    if name.startswith("pipe:"):
+    if url_scheme(name) == "pipe":
         refuse("pipe: URLs (they run a shell command)", name)
     elif local_path(name) is not None:
         refuse("local files (only remote URLs are opened)", name)
+    refuse_local_fsspec(name)
 
 
 def _check_offset(url: str, mode: str, offset: Any) -> None:

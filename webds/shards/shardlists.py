@@ -42,8 +42,9 @@ from urllib.parse import urlparse
 
 import braceexpand
 
-from ..errors import ArgumentError, OpenError, WebdsError
+from ..errors import ArgumentError, OpenError, SecureModeError, WebdsError
 from ..io.remote import filesystem_options
+from ..io.security import url_to_fs
 from ..io.urls import local_path, url_scheme
 from ..stages.core import stage
 
@@ -275,11 +276,12 @@ def _list_local(url: str, path: str, kind: str) -> List[str]:
 
 
 def _list_remote(url: str, kind: str, storage_options: Dict[str, Any]) -> List[str]:
-    import fsspec
 
     scheme = url_scheme(url) or ""
     try:
-        fs, root = fsspec.core.url_to_fs(url, **filesystem_options(storage_options))
+        fs, root = url_to_fs(url, **filesystem_options(storage_options))
+    except SecureModeError:
+        raise
     except ImportError as exn:
         raise OpenError(
             f"listing '{scheme}://' URLs needs an fsspec backend ({exn}); for S3 install "

@@ -13,7 +13,8 @@ import re
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
 
-from ..errors import ArgumentError, DecodeError
+from ..errors import ArgumentError, DecodeError, SecureModeError
+from ..io.security import refuse
 from .core import SAME, stage
 from .decode import _BYTES_LIKE, _decode_error
 from .handlers import Handler, apply_each, reraise_exception
@@ -40,7 +41,8 @@ def decode_text(stream: Any) -> str:
 
 def decode_pickle(stream: Any) -> Any:
     """``pickle.load``: only for data you trust. :func:`xdecode` uses it only with
-    ``allow_pickle=True``."""
+    ``allow_pickle=True``; secure mode (:mod:`webds.io.security`) refuses it always."""
+    refuse("unpickling fields, even with allow_pickle=True")
     return pickle.load(stream)
 
 
@@ -116,6 +118,11 @@ def xdecode(
                     )
                 stream = io.BytesIO(data) if isinstance(data, _BYTES_LIKE) else data
                 result[path] = fn(stream)
+            except SecureModeError as exn:
+                # A refusal, not bad data: raised as it is, saying where (as decode does).
+                exn.url = exn.url or (url if isinstance(url, str) else None)
+                exn.member = exn.member or (f"{skey}.{path}" if isinstance(skey, str) else None)
+                raise
             except Exception as exn:
                 raise _decode_error(exn, url, skey, path) from exn
         return result
