@@ -88,7 +88,18 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and 
         torch_loads,
         torch_video,
     )
-    from .stages.core import BATCH, REORDER, SAME, UNBATCH, Count, Stage, pipelinefilter, stage
+    from .stages.core import (
+        BATCH,
+        REORDER,
+        SAME,
+        UNBATCH,
+        Count,
+        Stage,
+        pipelinefilter,
+        resume_kind,
+        stage,
+        stateless,
+    )
     from .stages.crop import CenterCropDecoder, RandomResizedCropDecoder
     from .stages.decode import (
         Continue,
@@ -236,7 +247,9 @@ _EXPORTS: Dict[str, List[str]] = {
         "Count",
         "Stage",
         "pipelinefilter",
+        "resume_kind",
         "stage",
+        "stateless",
     ],
     "stages.tenbin": ["tenbin=."],
     "io.urls": ["open_url"],
@@ -310,6 +323,8 @@ __all__ = [
     "warn_and_stop",
     # engine
     "stage",
+    "stateless",
+    "resume_kind",
     "pipelinefilter",
     "Stage",
     "DataPipeline",

@@ -5,7 +5,8 @@ This module owns what follows from the stages' count rules (:class:`~webds.stage
 - how many items a pipeline yields per stream, its ``len()`` (:func:`source_counts`,
   :func:`forward_counts`);
 - whether a saved position still fits the pipeline and can be resumed exactly
-  (:func:`check_state`; what was consumed is recorded by :mod:`webds.stages.ledger`);
+  (:func:`check_state`; what was consumed is recorded by :mod:`webds.stages.ledger`), and
+  whether every stage says what it owes a resume (:func:`unresumable`);
 - the count a rank must yield (:func:`exact_count`), and holding a stream to exactly that
   count, so that every rank yields as many items (:func:`_exactly`).
 
@@ -22,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .errors import ArgumentError, LengthError, ResumeError
 from .shards.elastic import consumed_spans
-from .stages.core import Count, Length
+from .stages.core import Count, Length, resume_kind
 
 __all__ = [
     "source_counts",
@@ -37,6 +38,8 @@ __all__ = [
     "random_parts",
     "exact_count",
     "remaining_count",
+    "unresumable",
+    "refuse_unresumable",
 ]
 
 log = logging.getLogger("webds")
@@ -97,6 +100,74 @@ def stage_name(s: Any) -> str:
     if factory is not None:
         return str(getattr(factory, "__name__", type(s).__name__))
     return type(s).__name__
+
+
+def _inner_pipelines(pipeline: Any) -> List[Any]:
+    """The pipelines a pipeline's source reads: a DataLoader's dataset, a mix's datasets."""
+    source = pipeline.pipeline[0] if pipeline.pipeline else None
+    inner = [getattr(source, "dataset", None)] + list(getattr(source, "datasets", None) or [])
+    return [x for x in inner if isinstance(getattr(x, "pipeline", None), list)]
+
+
+def unresumable(pipeline: Any, where: str = "") -> List[str]:
+    """The stages of ``pipeline`` (and of the pipelines it reads) that do not say what they
+    owe a resume (:func:`~webds.stages.core.resume_kind` is None), each described with where
+    it is and what to do."""
+    owner = where or type(pipeline).__name__
+    out = []
+    for i, s in enumerate(pipeline.pipeline[1:], 1):
+        if resume_kind(s) is None:
+            out.append(f"{_describe(s)} (stage {i} of {owner}){_hint(s)}")
+    for inner in _inner_pipelines(pipeline):
+        out += unresumable(inner, f"{owner}'s {type(inner).__name__}")
+    return out
+
+
+def _describe(s: Any) -> str:
+    factory = getattr(s, "factory", None)
+    if factory is not None:
+        return f"the stage {s!r}"
+    name = getattr(s, "__qualname__", None)
+    return f"the function {name}" if name else f"the stage object {s!r}"
+
+
+def _hint(s: Any) -> str:
+    from .stages.replay import Cached, LMDBCached
+
+    name = getattr(getattr(s, "factory", None), "__name__", "")
+    if isinstance(s, (Cached, LMDBCached)):
+        return (
+            ": a cache stage replays a recording made in one pass, which a saved position "
+            "does not hold"
+        )
+    if name in ("tar_file_expander", "group_by_keys"):
+        return ": it splits shards into samples without numbering them; use tarfile_to_samples()"
+    return ""
+
+
+#: What to do about a stage that does not say what it owes a resume.
+_UNRESUMABLE_HINT = (
+    "Such a stage does not say what it holds at a checkpoint, so resuming could lose or "
+    "repeat those items. A stage that passes each item on (or drops it) before it pulls the "
+    "next: declare it with webds.stateless(fn), or @webds.stage(stateless=True). One that holds "
+    "items: give it a `ledger` parameter and record them (docs/architecture.md, 'A resumable "
+    "stage'). Or save at an epoch's end, or call state_dict(strict=False) to resume "
+    "approximately"
+)
+
+
+def refuse_unresumable(pipeline: Any, state: Dict[str, Any], strict: bool) -> None:
+    """Raise :class:`~webds.errors.ResumeError` if ``state`` (a pass in progress) was taken
+    through stages that do not say what they owe a resume; with ``strict=False``, record why
+    in the state instead (loading it then needs ``strict=False`` too)."""
+    in_progress = state.get("ledger") is not None or bool(state.get("workers"))
+    stages = unresumable(pipeline) if in_progress else []
+    if not stages:
+        return
+    why = f"cannot save an exact position mid-pass through {'; '.join(stages)}. {_UNRESUMABLE_HINT}"
+    if strict:
+        raise ResumeError(why)
+    state["problem"] = "; ".join(p for p in (state.get("problem"), why) if p)
 
 
 def random_parts(pipeline: Any) -> Iterator[Any]:

@@ -6,17 +6,10 @@ iterator first, and used both ways::
     DataPipeline(source, select(f), ...)  # composable style
     dataset.select(f)                     # fluent style, derived from the same definition
 
-A stage function that declares a keyword parameter named ``epoch`` receives the pipeline's current
-epoch (see :meth:`DataPipeline.set_epoch`); that is how shuffles reshuffle every epoch without any
-global state. One that declares ``pipeline_seed`` receives the pipeline's ``seed`` (for instance
-``WebDataset(..., seed=s)``), so a seeded dataset's sample shuffle follows the same seed as its
-shard shuffle.
-
-A stage may also say how it changes the number of items (``@stage(count=SAME)``: one out for one
-in; ``REORDER``: the same number, reordered; ``BATCH``/``UNBATCH``). From those rules a pipeline
-whose source knows its size computes a truthful ``len()``, and a pipeline resumed mid-epoch
-(:meth:`DataPipeline.load_state_dict`) skips already consumed items as far upstream as it can
-(that arithmetic is in :mod:`webds.counting`; the stage machinery in :mod:`webds.stages.core`).
+Stages declare what they need and owe (the epoch, the pipeline's seed, the ledger; a count rule
+from which ``len()`` follows; what they owe a resume): see :mod:`webds.stages.core`. A pipeline
+resumed mid-epoch (:meth:`DataPipeline.load_state_dict`) reads each sample not yet consumed once
+(the arithmetic is in :mod:`webds.counting`, the record in :mod:`webds.stages.ledger`).
 """
 
 from __future__ import annotations
@@ -39,14 +32,13 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     gather_states,
     own_state,
     random_parts,
+    refuse_unresumable,
     remaining_count,
     repeated,
     restore_entropy,
     source_counts,
 )
-from .counting import (
-    stage_name as _stage_name,
-)
+from .counting import stage_name as _stage_name
 from .errors import ArgumentError, LengthError
 from .shards.shardlists import worker_info
 
@@ -55,16 +47,21 @@ from .shards.shardlists import worker_info
 # factory refers to webds.pipeline._import_object).
 from .stages.core import (  # noqa: F401
     BATCH,
+    LEDGER,
     REORDER,
     SAME,
+    STATELESS,
     UNBATCH,
     Count,
     Length,
     Stage,
     StageFactory,
+    Stateless,
     _import_object,
     pipelinefilter,
+    resume_kind,
     stage,
+    stateless,
 )
 from .stages.ledger import LEAF, Ledger, unconsumed
 from .stages.probe import Probe
@@ -275,7 +272,7 @@ class DataPipeline(IterableDataset):
             state.update(stream=stream["pass"], ledger=ledger.state(), problem=ledger.problem)
         return state
 
-    def state_dict(self, all_ranks: bool = False) -> Any:
+    def state_dict(self, all_ranks: bool = False, strict: bool = True) -> Any:
         """Where this pipeline stands: the epoch in progress, how many items it has yielded, and
         which source samples it has consumed (a plain dict of lists and ints: JSON will do).
         After an epoch has run to its end, that is the next epoch with nothing consumed.
@@ -283,12 +280,17 @@ class DataPipeline(IterableDataset):
         Each rank of a distributed job reads other samples, so each rank's state is its own.
         ``all_ranks=True`` gathers every rank's into one list (a collective: call it on every
         rank at the same step); any rank can load that list, so rank 0 can save it alone.
+
+        Mid-pass, a stage that does not say what it owes a resume (a plain generator, a cache:
+        :func:`~webds.stages.core.resume_kind`) raises :class:`~webds.errors.ResumeError`;
+        ``strict=False`` saves anyway, and loading that needs ``strict=False`` too.
         """
         where = worker_info()
         state = {"version": 2, "rank": where.rank, "world_size": where.world_size}
         state.update(seed=self.effective_seed(), config=self._resume_config())
         state["entropy"] = [x._entropy for x in random_parts(self)]
         state.update(self._stream_state())
+        refuse_unresumable(self, state, strict)
         return gather_states(state) if all_ranks else state
 
     def load_state_dict(self, state: Any, strict: bool = True) -> None:
@@ -326,11 +328,9 @@ class DataPipeline(IterableDataset):
     # -- running -----------------------------------------------------------------------------
 
     def _source_items(self, ledger: Ledger) -> Iterator[Any]:
-        """The source's items, numbered in the ledger (item ``k`` has the id ``k << 32 | LEAF``).
-
-        When a stage reads samples out of each item and records them itself
-        (``tarfile_to_samples``), numbering is all; otherwise each item is recorded as read.
-        """
+        """The source's items, numbered in the ledger (item ``k`` has the id ``k << 32 | LEAF``)
+        and recorded as read, unless a stage reads samples out of each item and records them
+        itself (``tarfile_to_samples``)."""
         it = _as_iterator(self.pipeline[0]) if self.pipeline else iter(())
         if any(getattr(getattr(s, "factory", None), "expands", False) for s in self.pipeline):
             for k, item in enumerate(it):
@@ -507,8 +507,7 @@ class DataPipeline(IterableDataset):
 
 
 def _is_worker_dataset(pipeline: "DataPipeline") -> bool:
-    """Whether this process is a DataLoader worker and ``pipeline`` is its dataset (not a
-    pipeline nested in it, nor one in the main process)."""
+    """Whether this process is a DataLoader worker and ``pipeline`` its dataset (not nested)."""
     from torch.utils.data import get_worker_info
 
     info = get_worker_info()

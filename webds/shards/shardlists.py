@@ -46,7 +46,7 @@ from ..errors import ArgumentError, OpenError, SecureModeError, WebdsError
 from ..io.remote import filesystem_options
 from ..io.security import url_to_fs
 from ..io.urls import local_path, url_scheme
-from ..stages.core import stage
+from ..stages.core import stage, stateless
 
 __all__ = [
     "WorkerInfo",
@@ -327,6 +327,7 @@ def _list_remote(url: str, kind: str, storage_options: Dict[str, Any]) -> List[s
     return sorted(fs.unstrip_protocol(name) for name in names)
 
 
+@stateless
 def split_by_node(src: Iterable[Any], group: Any = None) -> Iterator[Any]:
     """Keep every ``world_size``-th shard, starting at this node's rank."""
     info = worker_info(group)
@@ -335,6 +336,7 @@ def split_by_node(src: Iterable[Any], group: Any = None) -> Iterator[Any]:
     return iter(src)
 
 
+@stateless
 def split_by_worker(src: Iterable[Any]) -> Iterator[Any]:
     """Keep every ``num_workers``-th shard, starting at this DataLoader worker's id."""
     info = worker_info()
@@ -343,6 +345,7 @@ def split_by_worker(src: Iterable[Any]) -> Iterator[Any]:
     return iter(src)
 
 
+@stateless
 def single_node_only(src: Iterable[Any], group: Any = None) -> Iterator[Any]:
     """Pass shards through, but refuse to run in a multi-node job (it would repeat data)."""
     if worker_info(group).world_size > 1:
@@ -353,6 +356,7 @@ def single_node_only(src: Iterable[Any], group: Any = None) -> Iterator[Any]:
     return iter(src)
 
 
+@stateless
 def non_empty(src: Iterable[Any]) -> Iterator[Any]:
     """Pass items through; raise ArgumentError at the end if there were none.
 

@@ -1,7 +1,8 @@
 """Stages: the machinery (:mod:`webds.stages.core`) and the stages users chain.
 
-- :mod:`~webds.stages.core`: ``@stage``, :class:`Stage`, and the count rules (``SAME``,
-  ``REORDER``, ``BATCH``, ``UNBATCH``) from which a pipeline computes ``len()`` and resumes.
+- :mod:`~webds.stages.core`: ``@stage``, :class:`Stage`, the count rules (``SAME``,
+  ``REORDER``, ``BATCH``, ``UNBATCH``) from which a pipeline computes ``len()``, and what each
+  stage owes a resume (``STATELESS``, ``LEDGER``, :func:`stateless`).
 - :mod:`~webds.stages.handlers`: what a stage does with an exception (``warn_and_continue``, ...).
 - :mod:`~webds.stages.filters`: shuffle, select, map, slice, info, ...
 - :mod:`~webds.stages.fields`: to_tuple, rename, map_dict, map_tuple, extract_keys, ...
@@ -20,19 +21,24 @@ reader's stages included) builds on them. This package serves the names the flat
 from . import core
 from .core import (  # noqa: F401 (the private names: pickles written by webds 0.1 name them)
     BATCH,
+    LEDGER,
     REORDER,
     SAME,
+    STATELESS,
     UNBATCH,
     Count,
     Length,
     Stage,
     StageFactory,
+    Stateless,
     _Batch,
     _import_object,
     _Reorder,
     _Unbatch,
     pipelinefilter,
+    resume_kind,
     stage,
+    stateless,
 )
 
 # The package's public names are the machinery's: the stages live in their own modules.

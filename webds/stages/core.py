@@ -19,6 +19,13 @@ stages that hold items back keep up to date so that resuming is exact. A stage m
 how it changes the number of items (``@stage(count=SAME)``, ``REORDER``, ``BATCH``, ``UNBATCH``),
 from which a pipeline computes ``len()`` and where to resume (see :mod:`webds.pipeline`).
 
+Every stage says what it owes a resume (:func:`resume_kind`): :data:`STATELESS` (it passes each
+item on, or drops it, before it pulls the next: ``@stage(stateless=True)``, or
+:func:`stateless` around a plain function), or :data:`LEDGER` (it holds items across its yields
+and records them: a ``ledger`` parameter). A pipeline with a stage that says neither refuses to
+save a position mid-pass (``state_dict()`` raises :class:`~webds.errors.ResumeError`), since
+resuming could lose or repeat what that stage held.
+
 This module does not import torch, so the modules that only define stages (samples, filters,
 decode, cache) and everything built on them without a ``DataPipeline`` (the ``webds`` command,
 the writers) start fast. :mod:`webds.pipeline` re-exports every name here.
@@ -44,7 +51,19 @@ __all__ = [
     "REORDER",
     "BATCH",
     "UNBATCH",
+    "STATELESS",
+    "LEDGER",
+    "Stateless",
+    "stateless",
+    "resume_kind",
 ]
+
+#: What a stage owes a resume: nothing, as it passes each item on (or drops it) before it pulls
+#: the next, so that the id of the item it yields is the ledger's current one.
+STATELESS = "stateless"
+#: What a stage owes a resume: it holds items across its yields and records them in the ledger
+#: it declares as a parameter (see :mod:`webds.stages.ledger`).
+LEDGER = "ledger"
 
 
 class Length(NamedTuple):
@@ -110,7 +129,12 @@ UNBATCH = _Unbatch("UNBATCH")
 class StageFactory:
     """What :func:`stage` returns: call it with the stage's parameters to get a :class:`Stage`."""
 
-    def __init__(self, fn: Callable[..., Iterator[Any]], count: Optional[Count] = None) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Iterator[Any]],
+        count: Optional[Count] = None,
+        stateless: bool = False,
+    ) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.count = count
@@ -123,6 +147,15 @@ class StageFactory:
         self.wants_epoch = "epoch" in sig.parameters
         self.wants_seed = "pipeline_seed" in sig.parameters
         self.wants_ledger = "ledger" in sig.parameters
+        if stateless and self.wants_ledger:
+            raise ArgumentError(
+                f"stage function {fn.__qualname__} takes a ledger, so it records what it holds: "
+                "it is not stateless (drop one of the two)"
+            )
+        #: What the stage owes a resume: LEDGER, STATELESS, or None (undeclared: refused).
+        self.resume: Optional[str] = (
+            LEDGER if self.wants_ledger else STATELESS if stateless else None
+        )
         # The public signature is the function's without the source and the injected values.
         injected = ("epoch", "pipeline_seed", "ledger")
         self.__signature__ = sig.replace(
@@ -202,15 +235,81 @@ class Stage:
 
 
 def stage(
-    fn: Optional[Callable[..., Iterator[Any]]] = None, *, count: Optional[Count] = None
+    fn: Optional[Callable[..., Iterator[Any]]] = None,
+    *,
+    count: Optional[Count] = None,
+    stateless: bool = False,
 ) -> Any:
     """Turn a generator function ``fn(src, *params)`` into a curried stage factory.
 
-    Use as ``@stage`` or ``@stage(count=SAME)`` (see :class:`Count`).
+    Use as ``@stage``, ``@stage(count=SAME)`` (see :class:`Count`) or
+    ``@stage(stateless=True)``: the function passes each item on (or drops it) before it pulls
+    the next, so a pipeline can save its position mid-pass. A function that holds items across
+    its yields declares a ``ledger`` parameter instead and records them (see
+    :mod:`webds.stages.ledger`); one that does neither is refused by ``state_dict()``.
     """
     if fn is None:
-        return lambda f: StageFactory(f, count)
-    return StageFactory(fn, count)
+        return lambda f: StageFactory(f, count, stateless)
+    return StageFactory(fn, count, stateless)
+
+
+class Stateless:
+    """A plain stage function ``fn(src, ...) -> iterator`` declared stateless (see
+    :func:`stateless`); calling it calls ``fn``."""
+
+    resume = STATELESS
+
+    def __init__(self, fn: Callable[..., Iterator[Any]]) -> None:
+        if not callable(fn):
+            raise ArgumentError(f"stateless() takes a stage function, got {fn!r}")
+        functools.update_wrapper(self, fn)
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        # A module-level @stateless function pickles by reference (its name is this object).
+        module, name = getattr(self, "__module__", None), getattr(self, "__qualname__", None)
+        try:
+            if module and name and _import_object(module, name) is self:
+                return (_import_object, (module, name))
+        except (ImportError, AttributeError):
+            pass
+        return (Stateless, (self.fn,))
+
+    def __repr__(self) -> str:
+        return f"stateless({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+def stateless(fn: Callable[..., Iterator[Any]]) -> Stateless:
+    """Declare a plain stage function stateless: it passes each item on, or drops it, before it
+    pulls the next (it holds nothing across its yields), so a pipeline that runs it can save
+    its position mid-pass.
+
+    >>> ds = webds.WebDataset(url).compose(webds.stateless(my_filter))
+
+    A function that holds items (a buffer, a window, pairs) must not be declared so: make it a
+    ``@stage`` with a ``ledger`` parameter that records what it holds (docs/architecture.md).
+    """
+    if isinstance(fn, Stateless):
+        return fn
+    if isinstance(fn, (Stage, StageFactory)):
+        raise ArgumentError(
+            f"{fn!r} is a @stage: declare it with @stage(stateless=True) where it is defined"
+        )
+    return Stateless(fn)
+
+
+def resume_kind(s: Any) -> Optional[str]:
+    """What stage ``s`` of a pipeline owes a resume: :data:`LEDGER`, :data:`STATELESS`, or
+    None when it does not say (a plain function, a generator stage without a declaration, a
+    cache stage): a pipeline refuses to save a position mid-pass through such a stage."""
+    if isinstance(s, Stage):
+        return s.factory.resume
+    if isinstance(s, Stateless):
+        return STATELESS
+    return None
 
 
 def pipelinefilter(f: Callable[..., Any]) -> "StageFactory":

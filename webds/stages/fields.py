@@ -116,7 +116,7 @@ def transform_with(sample: Sequence[Any], transformers: Optional[Sequence[Any]])
 # -- field stages ----------------------------------------------------------------------------------
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def map_dict(
     src: Iterable[Any], handler: Handler = reraise_exception, **kw: Callable[[Any], Any]
 ) -> Iterator[Any]:
@@ -186,7 +186,7 @@ def _check_dict_sample(stage_name: str, sample: Any) -> None:
         raise SampleError(f"{stage_name} needs dict samples, got a {type(sample).__name__}")
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def rename(
     src: Iterable[Any], handler: Handler = reraise_exception, keep: bool = True, **kw: Fields
 ) -> Iterator[Any]:
@@ -216,7 +216,7 @@ def rename(
     return apply_each(src, apply, handler, "rename")
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def to_tuple(
     src: Iterable[Any],
     *args: Fields,
@@ -282,7 +282,7 @@ def _matches(key: str, patterns: List[str]) -> bool:
     return any(fnmatchcase(key, p) or fnmatchcase("." + key, p) for p in patterns)
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def extract_keys(
     src: Iterable[Any],
     *patterns: Fields,
@@ -321,7 +321,7 @@ def extract_keys(
         yield tuple(result)
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def rename_keys(
     src: Iterable[Any],
     *args: Sequence[str],
@@ -383,7 +383,7 @@ def rename_keys(
         yield result
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def associate(src: Iterable[Any], associator: Any, **kw: Any) -> Iterator[Any]:
     """Add fields looked up by ``__key__``: from a dict (``associator.get(key, {})``) or a
     function (``associator(key, **kw)``, which may return ``None`` for nothing)."""

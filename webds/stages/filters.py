@@ -331,7 +331,7 @@ def rsample(
 # -- selecting and transforming --------------------------------------------------------------------
 
 
-@stage
+@stage(stateless=True)
 def select(src: Iterable[Any], predicate: Callable[[Any], Any]) -> Iterator[Any]:
     """Keep the items for which ``predicate(item)`` is true."""
     _check_callable("select", "predicate", predicate)
@@ -398,7 +398,7 @@ def map(
     )
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def info(
     src: Iterable[Any],
     fmt: Optional[str] = None,
@@ -437,7 +437,7 @@ def info(
         yield sample
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def log_keys(src: Iterable[Any], logfile: Optional[str] = None) -> Iterator[Any]:
     """Append ``index, worker, rank, __key__`` per sample to ``logfile`` (tab-separated), to audit
     which process saw which sample; ``None`` does nothing.

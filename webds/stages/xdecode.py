@@ -66,7 +66,7 @@ def find_decoder(decoders: Sequence[tuple], path: str) -> Optional[StreamDecoder
     return None
 
 
-@stage(count=SAME)
+@stage(count=SAME, stateless=True)
 def xdecode(
     src: Iterable[Mapping[str, Any]],
     *args: tuple,

@@ -39,7 +39,7 @@ def complete_tar(copy: BinaryIO, url: str) -> None:
         pass
 
 
-@stage
+@stage(stateless=True)
 def cached_shards(
     src: Iterable[Dict[str, Any]],
     cache_dir: str,

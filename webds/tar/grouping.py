@@ -214,7 +214,7 @@ def _duplicate(key: str, ext: str, url: Optional[str], fname: str, offset: Any) 
     )
 
 
-@stage
+@stage(stateless=True)
 def url_opener(
     src: Iterable[Any], handler: Handler = reraise_exception, **storage_options: Any
 ) -> Iterator[Dict[str, Any]]:
