@@ -26,9 +26,9 @@ MAX_LINES = 550
 MAX_TOP_LEVEL = 14
 
 #: The rooms in the order of the data flow: a module may import only from its own room and the
-#: rooms before it. The foundation (errors, the stage machinery and handlers, the ledger that
-#: resuming is built on, progress bars) imports nothing of webds but errors, so every room may
-#: build on it.
+#: rooms before it. The foundation (errors, the stage machinery and handlers, the ledger and
+#: slots that resuming is built on, progress bars) imports nothing of webds but errors, so every
+#: room may build on it.
 ROOMS: List[List[str]] = [
     [
         "webds.errors",
@@ -36,6 +36,7 @@ ROOMS: List[List[str]] = [
         "webds.stages.core",
         "webds.stages.handlers",
         "webds.stages.ledger",
+        "webds.stages.slots",
     ],
     ["webds.io"],
     ["webds.tar"],

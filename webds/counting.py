@@ -22,7 +22,6 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .errors import ArgumentError, LengthError, ResumeError
-from .shards.elastic import consumed_spans
 from .stages.core import Count, Length, resume_kind
 
 __all__ = [
@@ -37,7 +36,6 @@ __all__ = [
     "gather_states",
     "random_parts",
     "exact_count",
-    "remaining_count",
     "unresumable",
     "refuse_unresumable",
 ]
@@ -319,27 +317,6 @@ def exact_count(pipeline: Any, epoch: Optional[int] = None) -> Optional[int]:
             )
         return None
     return lengths[origin[1].stream_index()]
-
-
-def remaining_count(pipeline: Any, epoch: int, saved: Dict[str, Any]) -> Optional[int]:
-    """The items left to yield in ``epoch`` from a saved ledger state, for a planned source: the
-    stages' count rules over the planned samples not consumed (held ones included: they are read
-    again). Used where some samples were held after this stream yielded them (by a WebLoader's
-    main-process stages), so the items yielded so far do not say what is left."""
-    origin = pipeline._origin()
-    if origin is None or not getattr(origin[1], "exact", False):
-        return None
-    at, source = origin
-    plan = source.plan(epoch)
-    consumed = sum(
-        max(0, stop - seg.start) - len(held)
-        for seg, stop, held in consumed_spans(plan.segments, saved)
-    )
-    left = Length(plan.samples - consumed)
-    try:
-        return forward_counts(pipeline.pipeline[at + 1 :], [left], "")[0].items
-    except LengthError:
-        return None
 
 
 def _exactly(

@@ -26,7 +26,7 @@ from .shards.elastic import every_rank, plan_elsewhere, topology_changed
 from .shards.shardlists import worker_info
 from .stages.batchbuffers import Packed, SlotPool, Unpacker
 from .stages.core import Length
-from .stages.ledger import Envelope, Ledger, qualify, unqualify
+from .stages.ledger import PAD, Envelope, Ledger, Restored, ids_of, qualify, unqualify
 from .stages.probe import PipelineStats, Probe, merged
 
 __all__ = ["WebLoader"]
@@ -71,6 +71,10 @@ class WebLoader(DataPipeline, FluentMixin):
         self._worker_resume: Optional[Dict[str, Any]] = None
         # Per DataLoader worker: the copy of its ledger, its pass and the items it has yielded.
         self._mirrors: Dict[int, Dict[str, Any]] = {}
+        # The worker whose batch came last: the DataLoader's turn order goes on after it.
+        self._last_worker: Optional[int] = None
+        # Resuming: the workers' Restored batches still to come (see _source_items).
+        self._restoring = 0
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # a WebLoader pickled by webds 0.1 lacks these
@@ -78,6 +82,8 @@ class WebLoader(DataPipeline, FluentMixin):
         self.__dict__.setdefault("_mirrors", {})
         self.__dict__.setdefault("_unpacker", None)
         self.__dict__.setdefault("_worker_stats", {})
+        self.__dict__.setdefault("_last_worker", None)
+        self.__dict__.setdefault("_restoring", 0)
 
     @property
     def loader(self) -> DataLoader:
@@ -125,7 +131,11 @@ class WebLoader(DataPipeline, FluentMixin):
         state = self._resume or {}
         workers = state.get("workers")
         self._worker_resume = (
-            {"pass": int(state.get("stream", state.get("epoch", 0))), "workers": workers}
+            {
+                "pass": int(state.get("stream", state.get("epoch", 0))),
+                "workers": workers,
+                "next_worker": int(state.get("next_worker", 0)),
+            }
             if workers
             else None
         )
@@ -180,20 +190,21 @@ class WebLoader(DataPipeline, FluentMixin):
             return state
         # The main process's own ledger only holds workers' samples (in its shuffle buffers
         # and batches): they are holes in those workers' records.
-        held: Dict[int, List[int]] = {}
+        held: Dict[int, List[Any]] = {}
         if self._stream is not None:
-            for qid in self._stream["ledger"].held_ids():
-                w, i = unqualify(qid)
-                held.setdefault(w, []).append(i)
-        state.pop("ledger", None)
+            for ids in self._stream["ledger"].held_items():
+                for w, part in _by_worker(ids).items():
+                    held.setdefault(w, []).append(part)
+        # Kept for its slots: the main process's stages put their buffers back from it.
         pass_ = self._stream["pass"] if self._stream is not None else state["epoch"]
+        if self._last_worker is not None and self._mirrors:
+            state["next_worker"] = (self._last_worker + 1) % max(1, self.loader.num_workers)
         state["workers"] = {
             str(w): {
                 "epoch": pass_,
                 "items": m["items"],
                 "stream": m["pass"],
                 "ledger": m["ledger"].state(held.get(w, ())),
-                "downstream": len(held.get(w, ())),  # samples held here, read again
                 "problem": m["problem"],
             }
             for w, m in sorted(self._mirrors.items())
@@ -230,7 +241,21 @@ class WebLoader(DataPipeline, FluentMixin):
                     "items": int(saved.get("items", 0)),
                     "problem": saved.get("problem"),
                 }
-            dataset._resume = {"epoch": epoch, "for_workers": resume["workers"]}
+            # Each worker's first batch brings back what this process held (Restored); then
+            # those whose turn came before the next one's pad once, as the DataLoader starts
+            # its turns at worker 0 again (see webds.stages.ledger.PAD).
+            batch = self.loader.batch_size or 1
+            first = resume.get("next_worker", 0)
+            for_workers = {
+                str(w): dict(
+                    resume["workers"].get(str(w), {}),
+                    restore=batch,
+                    pad=batch if w < first else 0,
+                )
+                for w in range(max(1, self.loader.num_workers))
+            }
+            dataset._resume = {"epoch": epoch, "for_workers": for_workers}
+            self._restoring = len(for_workers)
         return super()._one_pass(epoch, ledger)
 
     def _source_items(self, ledger: Ledger) -> Iterator[Any]:
@@ -248,14 +273,26 @@ class WebLoader(DataPipeline, FluentMixin):
         # Only while the DataLoader starts (its workers copy the dataset; without workers it
         # calls iter(dataset) now): the same dataset used elsewhere yields plain items.
         dataset._envelopes = True
+        self._last_worker = None  # the DataLoader's turns start at worker 0
         try:
             it = iter(self.loader)
         finally:
             dataset._envelopes = False
             dataset._resume = None  # the workers (or this process's iterator) have their copy
+        restored: List[Tuple[Any, Any]] = []
         for x in it:
             if type(x) is not Envelope:  # not tracked (see _EnvelopeCollate): nothing to note
                 yield x
+                continue
+            if x.item is PAD:
+                continue  # only keeps the DataLoader's turn order
+            if self._restoring and type(x.item) is not Restored:
+                self._restoring = 0  # a worker sent none: go on with what came
+                yield from self._take_back(restored, ledger, keeps)
+            if x.pass_ is None:  # a Restored of a worker that read nothing
+                self._restoring -= 1
+                if not self._restoring:
+                    yield from self._take_back(restored, ledger, keeps)
                 continue
             m = mirrors.get(x.worker)
             if m is None or m["pass"] != x.pass_:
@@ -271,6 +308,13 @@ class WebLoader(DataPipeline, FluentMixin):
             m["items"] = x.items
             if x.problem is not None:
                 m["problem"] = x.problem
+            if type(x.item) is Restored:
+                restored += [(item, qualify(x.worker, i)) for item, i in zip(*x.item)]
+                self._restoring -= 1
+                if not self._restoring:
+                    yield from self._take_back(restored, ledger, keeps)
+                continue
+            self._last_worker = x.worker
             if keeps:  # a stage here holds or batches items: it needs their ids
                 ledger.current = qualify(x.worker, x.ids)
             item = x.item
@@ -279,6 +323,17 @@ class WebLoader(DataPipeline, FluentMixin):
                     self._unpacker = Unpacker()
                 item = self._unpacker.unpack(x.worker, item)
             yield item
+
+    def _take_back(self, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool) -> Any:
+        """The samples this process held at the checkpoint, made again by the workers, in the
+        order its stages take them back (see webds.stages.ledger.Slot.restore)."""
+        plan = ledger._restore_plan()
+        restored.sort(key=lambda pair: plan.sort_key(next(ids_of(pair[1]), -1)))
+        for item, qids in restored:
+            if keeps:
+                ledger.current = qids
+            yield item
+        restored.clear()
 
 
 class _EnvelopeCollate:
@@ -308,6 +363,19 @@ class _EnvelopeCollate:
 
         info = get_worker_info()
         dataset = info.dataset if info is not None else self.dataset
+        first = data[0] if isinstance(data, list) and data else data
+        if first is PAD:
+            return Envelope(PAD, info.id if info is not None else 0, None, _NO_DELTA, 0, 0)
+        if type(first) is Restored:
+            # Each sample the main process held, collated as a batch of one, as it was split.
+            items = [self.collate(x if self.single else [x]) for x in first.items]
+            ids = [i if self.single else [i] for i in first.ids]
+            worker, stream = info.id if info is not None else 0, dataset._stream
+            if stream is None:  # nothing read: this worker's stream had ended
+                return Envelope(Restored(items, ids), worker, None, _NO_DELTA, 0, None)
+            ledger, pass_ = stream["ledger"], stream["pass"]
+            delta, problem, sent = ledger.take_delta(), ledger.problem, dataset._sent
+            return Envelope(Restored(items, ids), worker, None, delta, sent, pass_, problem)
         probe = getattr(dataset, "probe", None)
         if probe is None:
             batch = self.collate(data)
@@ -334,6 +402,22 @@ class _EnvelopeCollate:
             batch = self.pool.pack(batch)
         snapshot = None if probe is None else probe.snapshot()
         return Envelope(batch, worker, ids, delta, items, stream["pass"], ledger.problem, snapshot)
+
+
+def _by_worker(ids: Any) -> Dict[int, Any]:
+    """An item's qualified ids (an id or a bundle) split by worker, as that worker's ids."""
+    if not isinstance(ids, list):
+        w, i = unqualify(ids)
+        return {w: i}
+    out: Dict[int, List[Any]] = {}
+    for x in ids:
+        for w, part in _by_worker(x).items():
+            out.setdefault(w, []).append(part)
+    return out
+
+
+#: The ledger change a PAD envelope carries: none.
+_NO_DELTA = ({}, [], [], [], None)
 
 
 class _LoaderOrigin:

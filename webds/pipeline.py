@@ -33,7 +33,6 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     own_state,
     random_parts,
     refuse_unresumable,
-    remaining_count,
     repeated,
     restore_entropy,
     source_counts,
@@ -63,7 +62,7 @@ from .stages.core import (  # noqa: F401
     stage,
     stateless,
 )
-from .stages.ledger import LEAF, Ledger, unconsumed
+from .stages.ledger import LEAF, PAD, Ledger, Restored, unconsumed
 from .stages.probe import Probe
 
 __all__ = ["stage", "pipelinefilter", "Stage", "StageFactory", "DataPipeline", "Count"]
@@ -90,10 +89,8 @@ class DataPipeline(IterableDataset):
     Every ``iter()`` runs one epoch: the pipeline's epoch number is handed to every stage that
     has ``set_epoch`` and then advances by one; :meth:`set_epoch` chooses it explicitly.
     :meth:`state_dict` says where the epoch in progress stands and :meth:`load_state_dict`
-    makes the next ``iter()`` continue from there, in this process or a new one.
-
-    In a DataLoader worker, the end of each epoch hands the C heap's free pages back to the
-    operating system (glibc's ``malloc_trim``), so persistent workers do not keep growing.
+    makes the next ``iter()`` continue from there, in this process or a new one. A DataLoader
+    worker trims its C heap at the end of each epoch (see :func:`_release_free_heap`).
     """
 
     def __init__(self, *stages: Any, **kwargs: Any) -> None:
@@ -124,6 +121,7 @@ class DataPipeline(IterableDataset):
         # A WebLoader's dataset tracks its ledger, and notes the ids of the items it yields
         # (_pending) and how many were collated (_sent), for loader._EnvelopeCollate.
         self._envelopes, self._pending, self._sent, self._warned_inexact = False, [], 0, False
+        self._restored: List[Any] = []  # see _divert_held_after
         self.probe: Optional[Probe] = None  # stats=True: where the time goes (stages.probe)
 
     # -- composition -------------------------------------------------------------------------
@@ -164,12 +162,10 @@ class DataPipeline(IterableDataset):
         self._position = [self.epoch, 0]
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> "DataPipeline":
-        """Make each epoch exactly ``nsamples`` items long, repeating the data as needed.
-
-        The underlying stream continues where the previous epoch stopped (it is not restarted),
-        within one process. Counts items at this point of the pipeline: samples, or batches
-        after ``batched``. Changes and returns ``self``, as webdataset did.
-        """
+        """Make each epoch exactly ``nsamples`` items long, repeating the data as needed. The
+        stream continues where the previous epoch stopped (it is not restarted), within one
+        process. Counts items at this point of the pipeline: samples, or batches after
+        ``batched``. Changes and returns ``self``, as webdataset did."""
         n = max(nsamples, nbatches)
         if n < 0:
             raise ArgumentError("with_epoch needs a positive nsamples (or nbatches)")
@@ -294,15 +290,14 @@ class DataPipeline(IterableDataset):
         return gather_states(state) if all_ranks else state
 
     def load_state_dict(self, state: Any, strict: bool = True) -> None:
-        """Make the next ``iter()`` continue where :meth:`state_dict` was taken: the samples of
-        that epoch not consumed yet, each once (those that sat in a shuffle buffer come in a new
-        order), then the epochs after as usual.
+        """Make the next ``iter()`` continue where :meth:`state_dict` was taken: the rest of that
+        epoch, the same items in the same order as if never stopped (the buffers are put back as
+        they were), then the epochs after as usual.
 
         The configuration (seed, shards, stages, world size, workers, batch size) must be the
         same, and the pipeline able to resume exactly, else this raises
         :class:`~webds.errors.ResumeError` saying why; ``strict=False`` resumes anyway, which is
-        then only approximately the rest of the epoch.
-        """
+        then only approximately the rest of the epoch."""
         where = worker_info()
         state = own_state(state, where.rank, where.world_size, strict)
         check_state(state, self._resume_config(), strict)
@@ -343,17 +338,16 @@ class DataPipeline(IterableDataset):
 
     def _one_pass(self, epoch: int, ledger: Ledger) -> Iterator[Any]:
         """Run the stages once over the source, closing every stage when done or abandoned.
-
-        When resuming, consumed items are left out before the first stage that keeps the ledger
-        (the tar stage skips consumed samples itself), not at the source: stages before may pick
+        Resuming, consumed items are left out before the first stage that keeps the ledger (the
+        tar stage skips consumed samples itself), not at the source: stages before may pick
         items by their place in the stream (``split_by_worker``)."""
         seed = self.effective_seed()
-        for s in self.pipeline:
+        for i, s in enumerate(self.pipeline):
             if hasattr(s, "set_epoch"):
                 s.set_epoch(epoch)
             if isinstance(s, Stage):
                 s.set_seed(seed)
-                s.set_ledger(ledger)
+                s.set_ledger(ledger.at(i))
         skip_at = -1
         if ledger.resuming:
             keeps = [isinstance(s, Stage) and s.factory.wants_ledger for s in self.pipeline]
@@ -369,11 +363,11 @@ class DataPipeline(IterableDataset):
         its: List[Any] = [it]
         for i, s in enumerate(self.pipeline[1:], 1):
             if i == skip_at and not getattr(s.factory, "expands", False):
-                it = unconsumed(it, ledger)
+                it = ledger.restore_order(unconsumed(it, ledger))
             it = iter(s(it)) if probe is None else probe.wrap(iter(s(it)), i)
             its.append(it)
         if skip_at == len(self.pipeline):
-            it = unconsumed(it, ledger)
+            it = ledger.restore_order(unconsumed(it, ledger))
         try:
             yield from it
         finally:
@@ -401,7 +395,11 @@ class DataPipeline(IterableDataset):
             saved = None
             self._stream = {"pass": epoch, "ledger": ledger}
             empty = True
-            for item in self._one_pass(epoch, ledger):
+            items = self._one_pass(epoch, ledger)
+            if track and ledger.resuming:
+                # What a WebLoader's main process held: for this worker's first batch.
+                items = ledger.divert_held_after(items, self._restored)
+            for item in items:
                 empty = False
                 yield item
             if empty and not ledger.resuming:
@@ -419,9 +417,6 @@ class DataPipeline(IterableDataset):
             exact = exact_count(self, epoch) if self.repetitions == 1 else None
             if exact is not None:
                 left = exact - done if resume else exact
-                if resume and resume.get("downstream") and resume.get("ledger"):
-                    # Samples it yielded were held in the main process: see remaining_count.
-                    left = remaining_count(self, epoch, resume["ledger"]) or left
                 refill = (lambda: self._one_pass(epoch, Ledger())) if resume else None
                 it = _exactly(it, left, self, refill)
         elif self.repetitions == sys.maxsize:
@@ -437,7 +432,7 @@ class DataPipeline(IterableDataset):
             it = itertools.islice(it, drop, None)
         position = self._position = [epoch, done]
         if track:
-            return self._tracked(it, position)
+            return self._tracked(it, position, resume)
         return self._counted(it, position)
 
     def _counted(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
@@ -446,11 +441,22 @@ class DataPipeline(IterableDataset):
             yield item
         self._epoch_done(position)
 
-    def _tracked(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
+    def _tracked(
+        self, it: Iterator[Any], position: List[int], resume: Optional[Dict[str, Any]] = None
+    ) -> Iterator[Any]:
         """:meth:`_counted` for a WebLoader's dataset: each item's ids are noted, for the
-        DataLoader's collate function to send with the batch (see loader._EnvelopeCollate)."""
+        DataLoader's collate function to send with the batch (see loader._EnvelopeCollate).
+        Resumed, the first batch is what the main process held (``Restored``), then ``PAD``
+        if this worker's turn came before the checkpoint's next one (the DataLoader's order)."""
         pending = self._pending = []
         self._sent = position[1]  # items in the batches collated so far this epoch
+        batch = int(resume.get("restore", 0)) if resume else 0
+        if batch:
+            first = next(it, PAD)  # reads again, first, what the main process held
+            held, self._restored = self._restored, []
+            yield Restored([x for x, _ in held], [j for _, j in held])
+            yield from [PAD] * (batch - 1 + int(resume.get("pad", 0)))
+            it = itertools.chain([] if first is PAD else [first], it)  # (its id still current)
         for item in it:
             position[1] += 1
             stream = self._stream
@@ -465,9 +471,7 @@ class DataPipeline(IterableDataset):
             if self._carry is None and not keep_stream:
                 self._stream = None  # with_epoch's stream goes on; otherwise the epoch is over
         if _is_worker_dataset(self):
-            # A persistent worker idles until the next epoch holding all the heap its epoch
-            # fragmented (decoded images and tensors of mixed sizes); see _release_free_heap.
-            _release_free_heap()
+            _release_free_heap()  # (a persistent worker idles until the next epoch)
 
     def __iter__(self) -> Iterator[Any]:
         return self.iterator()
@@ -526,13 +530,10 @@ def _malloc_trim() -> Any:
 
 
 def _release_free_heap() -> bool:
-    """Hand the free pages of the C heap back to the OS: glibc's ``malloc_trim(0)``.
-
-    Why: glibc raises its mmap threshold to the largest block freed so far, so decoded images
-    and tensors of mixed sizes (0.2-2 MB) come from the heap, and their freed holes are kept:
-    a persistent 2-worker loader of the image benchmark grew 10-13% over 10 epochs with flat
-    Python and malloc in-use figures. Trimming once per worker epoch (a few ms) keeps them at
-    their floor. False where there is no glibc."""
+    """Hand the free pages of the C heap back to the OS: glibc's ``malloc_trim(0)``. glibc keeps
+    the holes of freed images and tensors of mixed sizes: a persistent 2-worker loader grew
+    10-13% over 10 epochs; trimming once per worker epoch (a few ms) keeps it at its floor.
+    False where there is no glibc."""
     trim = _malloc_trim()
     if trim is None:
         return False

@@ -23,7 +23,18 @@ alive) and every column must have one entry per sample.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generator,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+)
 
 import numpy as np
 import torch
@@ -222,6 +233,8 @@ def _batches(
         return
     # The items of the list being filled need not be recorded as held: whenever a checkpoint
     # can be taken, this generator is suspended at its yield, holding nothing.
+    if ledger.resuming:
+        src = yield from _regroup(src, ledger)
     ids: List[Any] = []
     for item in src:
         buf.append(item)
@@ -234,6 +247,44 @@ def _batches(
         ledger.current = ids  # a short last batch dropped by partial=False is consumed too
         if partial:
             yield buf
+
+
+def _regroup(src: Iterable[Any], ledger: Any) -> Generator[List[Any], None, Iterator[Any]]:
+    """Resuming: the samples that stages after this one held come first (see
+    :meth:`~webds.stages.ledger.Slot.restore`); each item they held is batched again on its
+    own, as it was (a batch held whole, or one sample of a batch split later), so that the
+    batches after them start where the uninterrupted run's did. Returns the rest of ``src``."""
+    plan = ledger._restore_plan()
+    it = iter(src)
+    group: Any = None
+    buf: List[Any] = []
+    ids: List[Any] = []
+    for item in it:
+        i = ledger.current
+        where = plan.where(i)
+        if where is None or where[0] <= ledger.position:
+            if buf:
+                ledger.current = ids
+                yield buf
+            return _then(item, i, it, ledger)
+        if where[:2] != group and buf:
+            ledger.current = ids
+            yield buf
+            buf, ids = [], []
+        group = where[:2]
+        buf.append(item)
+        ids.append(i)
+    if buf:
+        ledger.current = ids
+        yield buf
+    return iter(())
+
+
+def _then(item: Any, i: Any, rest: Iterator[Any], ledger: Any) -> Iterator[Any]:
+    """``item`` (whose id is ``i``), then ``rest``."""
+    ledger.current = i
+    yield item
+    yield from rest
 
 
 @stage(count=BATCH)
@@ -264,9 +315,10 @@ def listed(
     yield from _batches(src, batchsize, partial, ledger)
 
 
-def _split(items: Iterable[Any], n: int, ledger: Any) -> Iterator[Any]:
+def _split(items: Iterable[Any], n: int, ledger: Any, slot: Any) -> Iterator[Any]:
     """Yield the ``n`` items of one batch; with a ``ledger``, the batch's bundle of ids is split
-    too: the items not yet yielded are held, and each yielded one's id becomes current."""
+    too: the items not yet yielded are held in ``slot``, and each yielded one's id becomes
+    current."""
     if ledger is None:
         yield from items
         return
@@ -282,15 +334,28 @@ def _split(items: Iterable[Any], n: int, ledger: Any) -> Iterator[Any]:
                 )
             yield from items
             return
-    ledger.hold(bundle)
-    for i, item in zip(bundle, items):
-        ledger.release(i)
+    for i in bundle:
+        slot.hold(i)
+    for item in items:
+        slot.take_first()
         yield item
+
+
+def _splitter_slot(ledger: Any) -> Any:
+    """An unbatching stage's slot. Resuming, the rest of the batch it was splitting comes back
+    as ordinary input (re-batched before it, in its order), so it holds nothing at first."""
+    if ledger is None:
+        return None
+    slot = ledger.slot()
+    if ledger.resuming:
+        slot.forget_saved()
+    return slot
 
 
 @stage(count=UNBATCH)
 def unlisted(src: Iterable[Any], *, ledger: Any = None) -> Iterator[Any]:
     """Flatten lists of items (the inverse of :func:`listed`)."""
+    slot = _splitter_slot(ledger)
     for batch in src:
         if not isinstance(batch, list):
             raise SampleError(
@@ -298,7 +363,7 @@ def unlisted(src: Iterable[Any], *, ledger: Any = None) -> Iterator[Any]:
                 "use unbatched() for collated batches",
                 **_where(batch),
             )
-        yield from _split(batch, len(batch), ledger)
+        yield from _split(batch, len(batch), ledger, slot)
 
 
 def _column_len(value: Any, column: str) -> int:
@@ -345,17 +410,18 @@ def unbatched(src: Iterable[Any], *, ledger: Any = None) -> Iterator[Any]:
     A tuple or list batch gives tuples; a dict batch gives dicts, nested dicts included. Tensors
     and arrays are split along their first dimension; every column must have the same length.
     """
+    slot = _splitter_slot(ledger)
     for batch in src:
         if isinstance(batch, Mapping):
             lengths = {repr(k): _column_len(v, repr(k)) for k, v in batch.items()}
             n = _common_len(lengths, "")
             items = ({k: _column_item(v, i) for k, v in batch.items()} for i in range(n))
-            yield from _split(items, n, ledger)
+            yield from _split(items, n, ledger, slot)
         elif isinstance(batch, (tuple, list)):
             lengths = {f"#{j}": _column_len(v, f"#{j}") for j, v in enumerate(batch)}
             n = _common_len(lengths, "")
             items = (tuple(_column_item(v, i) for v in batch) for i in range(n))
-            yield from _split(items, n, ledger)
+            yield from _split(items, n, ledger, slot)
         else:
             raise SampleError(
                 f"unbatched expects tuple, list or dict batches, got a {type(batch).__name__}"

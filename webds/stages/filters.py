@@ -25,7 +25,18 @@ import numbers
 import os
 import random
 import sys
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, TextIO
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    TextIO,
+    Tuple,
+)
 
 from ..errors import ArgumentError, WebdsError
 from ..shards.shardlists import derive_seed, worker_info
@@ -122,57 +133,90 @@ def _worker_rng(tag: str, seed: Any, epoch: int) -> random.Random:
     return random.Random(derive_seed(tag, seed, epoch, where.rank, where.worker))
 
 
+def _randbelow(rng: random.Random, n: int) -> Tuple[int, int]:
+    """``rng.randrange(n)`` as CPython draws it (``_randbelow_with_getrandbits``), and how many
+    32-bit words of the generator it took (for ``n`` below 2**32)."""
+    k = n.bit_length()
+    r = rng.getrandbits(k)
+    words = 1
+    while r >= n:
+        r = rng.getrandbits(k)
+        words += 1
+    return r, words
+
+
+def _skip_words(rng: random.Random, words: int) -> None:
+    """Advance ``rng`` by ``words`` 32-bit words, as that many draws would (in C, by chunks)."""
+    while words > 0:
+        step = min(words, 1 << 20)
+        rng.getrandbits(32 * step)
+        words -= step
+
+
 def _buffer_shuffle(
-    src: Iterable[Any], bufsize: int, initial: int, rng: random.Random, ledger: Any = None
+    src: Iterable[Any],
+    bufsize: int,
+    initial: int,
+    rng: random.Random,
+    ledger: Any = None,
+    seeded: bool = True,
 ) -> Iterator[Any]:
     """Shuffle through a buffer of at most ``bufsize`` items (see :func:`shuffle`).
 
-    With a ``ledger``, the ids of the buffered items are kept beside them, in a list the ledger
-    reads at a checkpoint (these items were read but not yet consumed).
+    With a ``ledger``, the buffered items' ids are kept in the stage's slot, in the buffer's
+    order, with the count of the generator's words drawn; resuming puts the buffer back as it
+    was and, when ``rng`` was freshly ``seeded`` for this pass, draws on from where it stood
+    (see :meth:`~webds.stages.ledger.Slot.restore`).
     """
     it = iter(src)
+    slot = ledger.slot() if ledger is not None else None
     buf: List[Any] = []
-    ids: Any = ledger.holder() if ledger is not None else None  # buf's items' ids, same places
-    # A tracking ledger (a DataLoader worker's) must hear of each hold and release.
-    log = ledger.log if ledger is not None and ledger.tracking else None
+    resumed = slot is not None and ledger.resuming
+    if resumed:
+        # The items of later stages go by; this stage's buffer comes back, in its order.
+        yield from slot.restore(it)
+        buf = slot.captured
+        it = slot.rest(it)
+        if seeded:
+            _skip_words(rng, slot.draws)
+        elif buf:
+            ledger.unordered = ledger.unordered or "shuffle(rng=...) draws afresh after a resume"
+    hold = slot.hold if slot is not None else None
     initial = max(1, min(initial, bufsize))
     end = object()
-    for item in it:
-        buf.append(item)
-        if ids is not None:
-            i = ledger.current
-            ids.append(i)
-            if log is not None:
-                log.append(i) if type(i) is int else ledger.hold(i)
-        if len(buf) >= initial:
-            break
-    else:
-        it = iter(())
-    while buf:
-        k = rng.randrange(len(buf))
+    if not resumed:
+        for item in it:
+            buf.append(item)
+            if hold is not None:
+                hold(ledger.current)
+            if len(buf) >= initial:
+                break
+        else:
+            it = iter(())
+    while True:
+        if resumed:
+            # Just after a yield: pull two per output while the buffer is below bufsize, so it
+            # grows from ``initial`` to ``bufsize`` without delaying the first outputs; one
+            # per output after that.
+            for _ in range(2):
+                if len(buf) >= bufsize:
+                    break
+                item = next(it, end)
+                if item is end:
+                    it = iter(())
+                    break
+                buf.append(item)
+                if hold is not None:
+                    hold(ledger.current)
+        resumed = True
+        if not buf:
+            return
+        k, words = _randbelow(rng, len(buf))
         buf[k], buf[-1] = buf[-1], buf[k]
         item = buf.pop()
-        if ids is not None:
-            ids[k], ids[-1] = ids[-1], ids[k]
-            i = ledger.current = ids.pop()
-            if log is not None:
-                log.append(~i) if type(i) is int else ledger.release(i)
+        if slot is not None:
+            slot.take(k, words)
         yield item
-        # Pull two per output while the buffer is below bufsize, so it grows from ``initial``
-        # to ``bufsize`` without delaying the first outputs; one per output after that.
-        for _ in range(2):
-            if len(buf) >= bufsize:
-                break
-            item = next(it, end)
-            if item is end:
-                it = iter(())
-                break
-            buf.append(item)
-            if ids is not None:
-                i = ledger.current
-                ids.append(i)
-                if log is not None:
-                    log.append(i) if type(i) is int else ledger.hold(i)
 
 
 @stage(count=REORDER)
@@ -214,8 +258,9 @@ def shuffle(
         return
     if seed is None:
         seed = pipeline_seed
+    seeded = rng is None and seed is not None
     rng = rng or _worker_rng("shuffle", seed, epoch)
-    yield from _buffer_shuffle(src, bufsize, initial, rng, ledger)
+    yield from _buffer_shuffle(src, bufsize, initial, rng, ledger, seeded)
 
 
 class _DetShuffleFactory(StageFactory):
@@ -320,8 +365,15 @@ def rsample(
     where = worker_info()
     base = derive_seed("rsample", seed, epoch, where.rank, where.worker)
     threshold = int(p * 2.0**64)
+    # Resuming, what stages after this one held comes back first: it was kept before.
+    plan = ledger._restore_plan() if ledger.resuming else None
     for item in src:
         i = ledger.current
+        if plan is not None:
+            if plan.owner(i) > ledger.position:
+                yield item
+                continue
+            plan = None
         if not isinstance(i, int):
             i = next(ids_of(i), 0)  # a batch: drawn by its first sample
         if _mix64(base ^ i) < threshold:

@@ -15,11 +15,19 @@ the consumer: it does not predict counts, it records reads.
 
 How an item's id travels: the stage that produces an item sets :attr:`Ledger.current`, and stages
 that pass items straight on (map, select, decode, to_tuple, ...) leave it alone, so when a stage
-pulls an item, ``ledger.current`` is that item's id. A stage that holds items back records the ids
-it holds (:meth:`Ledger.hold`) and, when it yields one, releases it and sets ``current`` back to
-that item's id; a stage that combines items (``batched``) sets ``current`` to the list of their
-ids, a *bundle*, which ``unbatched`` takes apart again. Stages receive the ledger by declaring a
-keyword parameter named ``ledger`` (see :mod:`webds.stages.core`); outside a pipeline it is None.
+pulls an item, ``ledger.current`` is that item's id. A stage that combines items (``batched``)
+sets ``current`` to the list of their ids, a *bundle*, which ``unbatched`` takes apart again.
+
+A stage that holds items between its yields keeps their ids in its :class:`Slot`
+(``ledger.slot()``, named by the stage's place in the pipeline), in the order it keeps the items:
+:meth:`Slot.hold` as it takes one in, :meth:`Slot.take` / :meth:`Slot.take_first` as one leaves
+(which makes that id current). That is the one way to record a held item. A saved state holds
+each slot's ids in order, with its count of random draws, so that a resumed pass can put every
+buffer back as it was (:meth:`Slot.restore`): the held samples are read again first, each is
+handed to the stage that held it, and the stages go on as if never stopped, in the same order.
+Stages receive the ledger by declaring a keyword parameter named ``ledger`` (see
+:mod:`webds.stages.core`): a :class:`StageLedger`, the pipeline's ledger as that stage sees it;
+outside a pipeline it is None.
 
 :meth:`Ledger.state` is the JSON-able record; a ledger made with ``Ledger(resume=state)`` answers
 :meth:`Ledger.consumed` so that the source skips what was consumed and reads the holes again. A
@@ -32,10 +40,15 @@ This module does not import torch.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
+
+from .slots import BEYOND, RestorePlan, Slot, StageLedger, ids_of
 
 __all__ = [
     "Ledger",
+    "StageLedger",
+    "Slot",
+    "RestorePlan",
     "LEAF",
     "item_id",
     "shard_of",
@@ -45,6 +58,9 @@ __all__ = [
     "qualify",
     "unqualify",
     "Envelope",
+    "PAD",
+    "Restored",
+    "BEYOND",
 ]
 
 #: The sample number of an id that stands for a whole source item (not a sample inside it).
@@ -60,15 +76,6 @@ def item_id(k: int, j: int = LEAF) -> int:
 def shard_of(i: int) -> int:
     """The source item (shard) number of id ``i``."""
     return i >> _SHIFT
-
-
-def ids_of(ids: Any) -> Iterator[int]:
-    """The plain ids in an id or a bundle (nested lists of ids)."""
-    if isinstance(ids, list):
-        for x in ids:
-            yield from ids_of(x)
-    elif ids is not None:
-        yield ids
 
 
 def _ranges(ks: Iterable[int]) -> List[List[int]]:
@@ -105,8 +112,11 @@ class Ledger:
         self.probe: Any = None  # the pipeline's Probe, when it measures (stats=True)
         self.complete: Set[int] = set()  # source items produced entirely
         self.partial: Dict[int, int] = {}  # shard -> last sample number produced
-        self.held: Dict[int, int] = {}  # id -> how many times held (a bundle may repeat one)
         self.problem: Optional[str] = None  # why a resume from here cannot be exact
+        #: Why a resumed pass could not put every buffer back as it was (it then goes on with the
+        #: same samples, each once, in another order); None while it could.
+        self.unordered: Optional[str] = None
+        self._slots: Dict[int, Slot] = {}  # by the position of the stage that holds the items
         self.resuming = resume is not None
         # What was consumed before the resume: all of _old_complete, samples up to _old_partial,
         # except the _holes (held at the checkpoint; read again now).
@@ -119,15 +129,23 @@ class Ledger:
             self._old_complete = set(self.complete)
             self._old_partial = dict(self.partial)
             self._hole_shards = {shard_of(i) for i in self._holes}
-        # Tracking (a DataLoader worker's ledger): changes since the last take_delta(); holds and
-        # releases go to one log (i held, ~i released) instead of ``held``, which the main
-        # process keeps.
+            for pos, saved in (resume.get("slots") or {}).items():
+                slot = self.slot(int(pos))
+                slot.ids[:] = saved.get("ids") or []
+                slot.draws = int(saved.get("draws", 0))
+                slot.saved = list(slot.ids)
+        # Who held what at the checkpoint, made before the source reads anything again.
+        self._plan: Optional[RestorePlan] = None
+        if resume is not None:
+            saved = {pos: slot.saved for pos, slot in self._slots.items() if slot.saved}
+            self._plan = RestorePlan(saved, self._holes, resume.get("held_after") or ())
+        # Tracking (a DataLoader worker's ledger): changes since the last take_delta(); the
+        # slots' operations go to one log, which the main process replays on its copy.
         self._track = track
         self._d_partial: Dict[int, int] = {}
         self._d_complete: List[int] = []
-        self._log: List[int] = []
+        self._ops: List[Tuple[int, int, Any]] = []
         self._d_reread: List[int] = []
-        self._holders: List[List[Any]] = []  # lists in which stages keep the ids they hold
         #: [shard, last sample read] of the shard the tar stage is reading (not resuming), which
         #: it updates for each sample instead of calling produce(); read by _fold_reading().
         self.reading: List[int] = [-1, -1]
@@ -136,13 +154,6 @@ class Ledger:
     def tracking(self) -> bool:
         """Whether changes are recorded for :meth:`take_delta` (a WebLoader's dataset)."""
         return self._track
-
-    @property
-    def log(self) -> List[int]:
-        """Where a tracking ledger notes holds (``i``) and releases (``~i``) of plain ids: a
-        stage that holds many items may append to it directly instead of calling :meth:`hold`
-        and :meth:`release` (it must still set :attr:`current`)."""
-        return self._log
 
     # -- the source side -------------------------------------------------------------------------
 
@@ -173,9 +184,9 @@ class Ledger:
             self._d_complete.append(k)
             self._d_partial.pop(k, None)
 
-    def consumed(self, i: int) -> bool:
+    def consumed(self, i: Any) -> bool:
         """Whether id ``i`` was consumed before the resume (so it must not be read again)."""
-        if not self.resuming or i in self._holes:
+        if not self.resuming or type(i) is not int or i in self._holes:
             return False
         k = i >> _SHIFT
         return k in self._old_complete or (i & LEAF) <= self._old_partial.get(k, -1)
@@ -200,40 +211,77 @@ class Ledger:
 
     # -- stages that hold items ------------------------------------------------------------------
 
-    def holder(self) -> List[Any]:
-        """A list for a stage to keep the ids of the items it holds in, which :meth:`state`
-        reads: cheaper than :meth:`hold` and :meth:`release` for every item (a shuffle buffer).
-        A tracking ledger must still be told with those (see :attr:`tracking`)."""
-        ids: List[Any] = []
-        self._holders.append(ids)
-        return ids
+    def slot(self, position: int) -> "Slot":
+        """The :class:`Slot` of the stage at ``position`` in the pipeline (made on first use)."""
+        slot = self._slots.get(position)
+        if slot is None:
+            slot = self._slots[position] = Slot(self, position)
+        return slot
 
-    def hold(self, ids: Any) -> None:
-        """Record that the item with ``ids`` (an id or a bundle) is held in a buffer."""
-        if type(ids) is not int:
-            for i in ids_of(ids):
-                self.hold(i)
-        elif self._track:
-            self._log.append(ids)
-        else:
-            held = self.held
-            held[ids] = held.get(ids, 0) + 1
+    def at(self, position: int) -> "StageLedger":
+        """This ledger as the stage at ``position`` sees it."""
+        return StageLedger(self, position)
 
-    def release(self, ids: Any) -> None:
-        """Record that the item with ``ids`` left its buffer; it becomes :attr:`current`."""
-        if type(ids) is not int:
-            for i in ids_of(ids):
-                self.release(i)
-        elif self._track:
-            self._log.append(~ids)
-        else:
-            held = self.held
-            n = held.get(ids, 0) - 1
-            if n > 0:
-                held[ids] = n
-            else:
-                held.pop(ids, None)
-        self.current = ids
+    def _restore_plan(self) -> "RestorePlan":
+        if self._plan is None:
+            self._plan = RestorePlan({}, ())
+        return self._plan
+
+    def restore_order(self, items: Iterator[Any]) -> Iterator[Any]:
+        """The source's items when resuming (each with its id current), the samples held at
+        the checkpoint put in the order the stages take them back (:meth:`Slot.restore`): those
+        held by later stages first, each stage's in the order it kept them. They are all read
+        before any new sample, so they are gathered until the last is read, or a new one."""
+        plan = self._restore_plan()
+        holes = set(plan.holes)
+        if not holes:
+            yield from items
+            return
+        left = len(holes)
+        held: List[Tuple[Any, Any]] = []
+        for item in items:
+            i = self.current
+            if left and type(i) is int and i in holes:
+                holes.discard(i)
+                held.append((item, i))
+                left -= 1
+                if left:
+                    continue
+                yield from self._in_order(held, plan)
+                held = []
+                continue
+            if held:
+                yield from self._in_order(held, plan)
+                held = []
+                self.current = i
+            left = 0
+            yield item
+        yield from self._in_order(held, plan)
+
+    def divert_held_after(self, items: Iterator[Any], into: List[Any]) -> Iterator[Any]:
+        """A resumed WebLoader worker's items without those its main process held at the
+        checkpoint (which come first): they go to ``into``, as (item, ids), for the worker's
+        first batch, and are not this stream's items."""
+        left = self._restore_plan().beyond
+        if not left:
+            yield from items
+            return
+        plan = self._restore_plan()
+        for item in items:
+            i = self.current
+            if left > 0 and plan.owner(i) == BEYOND:
+                into.append((item, i))
+                left -= sum(1 for _ in ids_of(i))
+                continue
+            left = 0
+            self.current = i
+            yield item
+
+    def _in_order(self, held: List[Tuple[Any, Any]], plan: "RestorePlan") -> Iterator[Any]:
+        held.sort(key=lambda pair: plan.sort_key(pair[1]))
+        for item, i in held:
+            self.current = i
+            yield item
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -250,26 +298,41 @@ class Ledger:
             if self._track:
                 self._d_partial[k] = j
 
+    def held_items(self) -> List[Any]:
+        """The ids of every item held now (ids or bundles), slot by slot."""
+        return [i for _, slot in sorted(self._slots.items()) for i in slot.ids]
+
     def held_ids(self) -> Dict[int, int]:
-        """Every id held now (by :meth:`hold` or in a :meth:`holder` list), and how often."""
-        held = dict(self.held)
-        for ids in self._holders:
-            for i in ids_of(ids):
+        """Every id held now in a stage's slot, and how often."""
+        held: Dict[int, int] = {}
+        for slot in self._slots.values():
+            for i in ids_of(slot.ids):
                 held[i] = held.get(i, 0) + 1
         return held
 
-    def state(self, extra_holes: Iterable[int] = ()) -> Dict[str, Any]:
-        """The JSON-able record of what was consumed (``extra_holes``: held elsewhere)."""
+    def state(self, held_after: Sequence[Any] = ()) -> Dict[str, Any]:
+        """The JSON-able record of what was consumed; ``held_after``: the ids of the items that
+        the stages after this stream held (a WebLoader's, of a worker's items)."""
         self._fold_reading()
         held = self.held_ids()
         self._check_held(held)
         holes = set(held) | self._holes
-        holes.update(extra_holes)
-        return {
+        holes.update(ids_of(list(held_after)))
+        state: Dict[str, Any] = {
             "complete": _ranges(self.complete),
             "partial": {str(k): j for k, j in sorted(self.partial.items())},
             "holes": sorted(holes),
+            "slots": {
+                str(pos): {"ids": list(slot.ids), "draws": slot.draws}
+                for pos, slot in sorted(self._slots.items())
+                if slot.ids or slot.draws
+            },
         }
+        if held_after:
+            state["held_after"] = list(held_after)
+        if self.unordered is not None:
+            state["unordered"] = self.unordered
+        return state
 
     def _check_held(self, held: Dict[int, int]) -> None:
         """Two items held at once with the same id of a whole source item: something split it."""
@@ -285,32 +348,24 @@ class Ledger:
     def take_delta(self) -> Tuple[Any, ...]:
         """What changed since the last call (a worker sends it along with its items)."""
         self._fold_reading()
-        d = (self._d_partial, self._d_complete, self._log[:], self._d_reread)
-        self._d_partial, self._d_complete, self._d_reread = {}, [], []
-        self._log.clear()  # in place: stages may keep it (see log)
+        d = (self._d_partial, self._d_complete, self._ops, self._d_reread, self.unordered)
+        self._d_partial, self._d_complete, self._ops, self._d_reread = {}, [], [], []
         return d
 
     def apply(self, delta: Tuple[Any, ...]) -> None:
         """Apply a worker's :meth:`take_delta` to this copy of its ledger."""
-        partial, complete, log, reread = delta
+        partial, complete, ops, reread, unordered = delta
         for k, j in partial.items():
             if j > self.partial.get(k, -1):
                 self.partial[k] = j
         for k in complete:
             self.complete.add(k)
             self.partial.pop(k, None)
-        held = self.held
-        for i in log:
-            if i >= 0:
-                held[i] = held.get(i, 0) + 1
-            else:
-                i = ~i
-                n = held.get(i, 0) - 1
-                if n > 0:
-                    held[i] = n
-                else:
-                    held.pop(i, None)
+        for pos, op, arg in ops:
+            self.slot(pos)._replay(op, arg)
         self._holes.difference_update(reread)
+        if unordered is not None:
+            self.unordered = unordered
 
 
 def unconsumed(it: Iterable[Any], ledger: Ledger) -> Iterator[Any]:
@@ -339,6 +394,31 @@ def qualify(worker: int, ids: Any) -> Any:
 def unqualify(qid: int) -> Tuple[int, int]:
     """(worker, id) of a :func:`qualify` id."""
     return qid >> _WORKER_SHIFT, qid & _LOW
+
+
+class Restored(NamedTuple):
+    """What a resumed DataLoader worker yields first: the samples the main process held at the
+    checkpoint (in its shuffle buffer, a batch being split), read and made again, each as a
+    batch of one, with their ids; the main process takes them back (see
+    :meth:`Slot.restore`) without counting them as batches."""
+
+    items: List[Any]
+    ids: List[Any]
+
+
+class _Pad:
+    """What a resumed DataLoader worker yields first when its turn came before the checkpoint's
+    next one: an item the main process drops, so that the DataLoader, whose workers take turns
+    from worker 0 again, hands the batches over in the uninterrupted run's order."""
+
+    def __reduce__(self) -> str:
+        return "PAD"  # the same object in every process
+
+    def __repr__(self) -> str:
+        return "webds.stages.ledger.PAD"
+
+
+PAD = _Pad()
 
 
 class Envelope(NamedTuple):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Deque, Iterable, Iterator, Optional, Tuple
+from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
 from ..errors import ArgumentError
 from .handlers import ErrorPolicy, Handler, apply_each, log
@@ -89,18 +89,29 @@ def apply_threaded(
     """
     policy = ErrorPolicy(handler, stage)
     window = 2 * threads
-    # The ids of the items in flight, in order, in a list the ledger reads at a checkpoint; a
-    # tracking ledger (a DataLoader worker's) must also hear of each hold and release.
-    ids: Any = ledger.holder() if ledger is not None else None
-    tlog = ledger.log if ledger is not None and ledger.tracking else None
+    # The ids of the items in flight, in order, in the stage's slot (see the module doc).
+    slot = ledger.slot() if ledger is not None else None
     pending: Deque[Tuple[Future, Any]] = collections.deque()
     it = iter(src)
     end = object()
     exhausted = False
     dropped = 0
-    # Made here, when the first item is asked for: in a DataLoader worker, not before the fork.
+    restored: List[Any] = []
+    if slot is not None and ledger.resuming:
+        # The items of later stages are computed and go by; the ones in flight come back.
+        for item in slot.restore(it):
+            i = ledger.current
+            result = _apply_one(fn, item, policy, stage, annotate)
+            if result is not _DROPPED and not (drop_none and result is None):
+                ledger.current = i
+                yield result
+        restored = slot.captured
+        it = slot.rest(it)
     pool = ThreadPoolExecutor(threads, thread_name_prefix=f"webds-{stage}")
     try:
+        for item in restored:
+            pending.append((pool.submit(fn, item), item))
+        del restored
         while True:
             while not exhausted and len(pending) < window:
                 item = next(it, end)
@@ -108,14 +119,13 @@ def apply_threaded(
                     exhausted = True
                     break
                 pending.append((pool.submit(fn, item), item))
-                if ids is not None:
-                    i = ledger.current
-                    ids.append(i)
-                    if tlog is not None:
-                        tlog.append(i) if type(i) is int else ledger.hold(i)
+                if slot is not None:
+                    slot.hold(ledger.current)
             if not pending:
                 break
             future, item = pending.popleft()
+            if slot is not None:
+                slot.take_first()  # the oldest item in flight leaves: its id is current
             try:
                 result = future.result()
             except Exception as exn:
@@ -124,11 +134,8 @@ def apply_threaded(
                 if not policy(exn):
                     # Stopped: this item is consumed, as in the serial loop; the ones read
                     # ahead stay held, as if never read (the serial loop would not have).
-                    _release(ledger, ids, tlog)
                     break
-                _release(ledger, ids, tlog)
                 continue
-            _release(ledger, ids, tlog)
             if drop_none and result is None:
                 dropped += 1
                 continue
@@ -146,15 +153,23 @@ def apply_threaded(
             log.debug("webds: %s returned None for %d item(s), which were dropped", stage, dropped)
 
 
-def _release(ledger: Any, ids: Any, tlog: Any) -> None:
-    """The oldest item in flight leaves the stage: its id becomes the ledger's current one."""
-    if ids is None:
-        return
-    i = ids.pop(0)
-    if tlog is not None and type(i) is int:
-        tlog.append(~i)
-        ledger.current = i
-    elif tlog is not None:
-        ledger.release(i)
-    else:
-        ledger.current = i
+#: What :func:`_apply_one` returns for an item whose error the handler skipped.
+_DROPPED = object()
+
+
+def _apply_one(
+    fn: Callable[[Any], Any],
+    item: Any,
+    policy: ErrorPolicy,
+    stage: str,
+    annotate: Optional[Callable[[BaseException, str, Any], None]],
+) -> Any:
+    """``fn(item)`` in this thread, its error through the policy (re-raised if it stops)."""
+    try:
+        return fn(item)
+    except Exception as exn:
+        if annotate is not None:
+            annotate(exn, stage, item)
+        if not policy(exn):
+            raise
+        return _DROPPED

@@ -21,7 +21,7 @@ from ..io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead, fetch_ahea
 from ..io.urls import url_scheme
 from ..stages.core import stage
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
-from ..stages.ledger import LEAF
+from ..stages.ledger import LEAF, StageLedger
 from .grouping import (  # noqa: F401  (the one-step stages: importable from here too)
     META_PATTERN,
     _close_quietly,
@@ -86,6 +86,34 @@ def tarfile_to_samples(
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
     :mod:`webds.stages.ledger`); when resuming, the samples consumed before are skipped.
     """
+    shared = ledger.ledger if isinstance(ledger, StageLedger) else ledger
+    samples = _read_samples(
+        src, handler, select_files, rename_files, lcase, max_member_size=max_member_size,
+        readahead=readahead, readahead_shards=readahead_shards, sample_starts=sample_starts,
+        ledger=shared, **storage_options,
+    )  # fmt: skip
+    if shared is not None and shared.resuming:
+        # The samples held at the checkpoint, read again first, in the order their stages
+        # take them back (see webds.stages.ledger.Slot.restore).
+        return shared.restore_order(samples)
+    return samples
+
+
+def _read_samples(
+    src: Iterable[Any],
+    handler: Handler = reraise_exception,
+    select_files: Optional[Callable[[str], bool]] = None,
+    rename_files: Optional[Callable[[str], Optional[str]]] = None,
+    lcase: bool = True,
+    *,
+    max_member_size: Optional[int] = None,
+    readahead: Union[bool, int, None] = None,
+    readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
+    sample_starts: Optional[List[int]] = None,
+    ledger: Any = None,
+    **storage_options: Any,
+) -> Iterator[Dict[str, Any]]:
+    """The generator behind :func:`tarfile_to_samples` (``ledger``: the pipeline's)."""
     policy = ErrorPolicy(handler, "tarfile_to_samples")
     filtering = select_files is not None or rename_files is not None
     base = -1  # the ledger id of this shard's sample 0, or -1 outside a pipeline
@@ -325,4 +353,4 @@ def _stale_index(url: str, indexed: int, more: bool, seen: int = 0) -> ShardRead
 tarfile_to_samples.expands = True  # type: ignore[attr-defined]
 
 #: webdataset's name for the plain generator function behind :func:`tarfile_to_samples`.
-tarfile_samples = tarfile_to_samples.fn
+tarfile_samples = _read_samples
