@@ -33,9 +33,10 @@ def index(tmp_path_factory):
     return str(root / "index.json")
 
 
-def run_ranks(script, tmp_path, tag, world, args):
+def run_ranks(script, tmp_path, tag, world, args, killed=False):
     """Run ``script`` as ``world`` gloo ranks (``args`` plus --rank, --world, --port, --out);
-    fail on a rank that hangs or errs; return what each rank wrote to its --out file."""
+    fail on a rank that hangs or errs; return what each rank wrote to its --out file.
+    ``killed``: every rank must end by SIGKILL instead (nothing is returned)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "WDS_SEED")}
     env["PYTHONPATH"] = os.pathsep.join([str(JOB.parents[1]), env.get("PYTHONPATH", "")])
     port = free_port()
@@ -58,10 +59,10 @@ def run_ranks(script, tmp_path, tag, world, args):
             for q in procs:
                 q.kill()
             pytest.fail("a DDP rank hung")
-        if p.returncode != 0:
-            errors.append(err[-3000:])
+        if p.returncode != (-9 if killed else 0):
+            errors.append(f"exit status {p.returncode}: {err[-3000:]}")
     assert not errors, "\n".join(errors)
-    return [json.loads(o.read_text()) for o in outs]
+    return [] if killed else [json.loads(o.read_text()) for o in outs]
 
 
 def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, resume_at=3):
@@ -91,12 +92,9 @@ def test_every_rank_same_batches_union_is_the_dataset_resume_exact(
             assert max(seen.values()) == 1 and len(ALL) - len(seen) < world
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]  # a new order every epoch
     for r in ranks:
-        # Each rank resumed from its own state: the rest of its epoch, each sample once, in as
-        # many batches (samples that sat in the shuffle buffer come again in another order).
-        assert len(r["resumed"]) == len(r["epochs"][1])
-        assert Counter(k for b in r["resumed"] for k in b) == Counter(
-            k for b in r["epochs"][1] for k in b
-        )
+        # Each rank resumed from its own state: the rest of its epoch, the same batches in the
+        # same order (the samples that sat in the shuffle buffer are put back in their places).
+        assert r["resumed"] == r["epochs"][1]
 
 
 def test_same_seed_same_order_across_runs(index, tmp_path):
@@ -139,3 +137,57 @@ def test_four_gloo_ranks_resume_on_another_topology(
     assert all(r["epochs"][0]["batches"] == r["len"] for r in ranks)
     whole = Counter(key for r in ranks for key in r["epochs"][1]["read"])
     assert set(whole) == ALL and sum(whole.values()) - len(ALL) < world
+
+
+KILL_JOB = Path(__file__).with_name("resume_job.py")
+BIG = [120, 97, 133, 88, 150, 101, 77, 134]  # 900 samples: a pass is about 57 batches per rank
+
+
+@pytest.fixture(scope="module")
+def big_index(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp-big")
+    urls = [
+        str(write_tar(root / f"train-{i:03d}.tar", sample_members(n, prefix=f"b{i}-")))
+        for i, n in enumerate(BIG)
+    ]
+    ShardIndex.build(urls).save(str(root / "index.json"))
+    return str(root / "index.json")
+
+
+def run_kill_job(index, tmp_path, phase, epoch_len, epochs, stop_epoch=0, stop_batch=0):
+    args = ["--index", index, "--phase", phase, "--state", tmp_path / "state"]
+    args += ["--epoch-len", epoch_len, "--epochs", epochs]
+    args += ["--stop-epoch", stop_epoch, "--stop-batch", stop_batch]
+    return run_ranks(KILL_JOB, tmp_path, f"{phase}-", 2, args, killed=phase == "save")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(big_index, tmp_path_factory):
+    """Every rank's batches, epoch by epoch, of the uninterrupted runs (by epoch length)."""
+    runs = {}
+    for epoch_len in (40, 70):
+        tmp_path = tmp_path_factory.mktemp(f"whole{epoch_len}")
+        runs[epoch_len] = [
+            r["epochs"] for r in run_kill_job(big_index, tmp_path, "whole", epoch_len, 3)
+        ]
+    return runs
+
+
+@pytest.mark.parametrize(
+    "epoch_len,stop_epoch,stop_batch",
+    [(40, 0, 7), (40, 1, 20), (70, 0, 60)],  # inside a pass, across one, and longer than one
+)
+def test_killed_ranks_resume_with_epoch_batch_for_batch(
+    big_index, tmp_path, uninterrupted, epoch_len, stop_epoch, stop_batch
+):
+    # 2 gloo ranks x 2 workers, with_epoch on the loader: SIGKILL after a batch, then resume
+    # from the saved states. The rest of that epoch and every epoch after are the
+    # uninterrupted run's, batch for batch (they used to hold other samples: issue 35).
+    whole = uninterrupted[epoch_len]
+    run_kill_job(big_index, tmp_path, "save", epoch_len, 3, stop_epoch, stop_batch)
+    resumed = run_kill_job(big_index, tmp_path, "resume", epoch_len, 3, stop_epoch, stop_batch)
+    for rank, r in enumerate(resumed):
+        epochs = r["epochs"]
+        assert whole[rank][stop_epoch][:stop_batch] + epochs[0] == whole[rank][stop_epoch]
+        assert epochs[1:] == whole[rank][stop_epoch + 1 :]
+        assert all(len(e) == epoch_len for e in whole[rank])

@@ -319,18 +319,38 @@ def exact_count(pipeline: Any, epoch: Optional[int] = None) -> Optional[int]:
     return lengths[origin[1].stream_index()]
 
 
+def _repeated(refill: Callable[[Any], Iterator[Any]], ids: Any) -> Any:
+    """The item of a new pass whose ids are ``ids`` (the first if none is), or _NONE."""
+    from .stages.ledger import Ledger
+
+    ledger = Ledger()
+    items = iter(refill(ledger))
+    found = _NONE
+    try:
+        for item in items:
+            if found is _NONE or ledger.current == ids:
+                found = item
+            if ids is None or ledger.current == ids:
+                break
+    finally:
+        getattr(items, "close", lambda: None)()
+    return found
+
+
 def _exactly(
     it: Iterator[Any],
     count: int,
     where: Any,
-    refill: Optional[Callable[[], Iterator[Any]]] = None,
+    refill: Optional[Callable[[Any], Iterator[Any]]] = None,
+    last_ids: Any = None,
 ) -> Iterator[Any]:
     """Yield exactly ``count`` items: pad a short stream by repeating its last item, cut a long one.
 
     Every rank must yield the same number of batches or DDP hangs; a sample dropped by an error
     handler (or a shard shorter than its index says, under a skipping handler) must not break
-    that, so the shortfall is made up, and said. A resumed stream may owe padding and have no
-    item left to repeat: ``refill`` then gives the epoch's items again, to repeat the first.
+    that, so the shortfall is made up, and said. A stream resumed inside its padding has no item
+    left to repeat: ``refill(ledger)`` then gives the epoch's items again, and the one whose ids
+    are ``last_ids`` (the item the padding repeated; else the first) is repeated.
     """
     n = 0
     last: Any = None
@@ -348,7 +368,7 @@ def _exactly(
         yield item
     if n < count:
         if n == 0 and refill is not None:
-            last = next(iter(refill()), _NONE)
+            last = _repeated(refill, last_ids)
             if last is not _NONE:
                 n = 1  # what follows pads with it, as if the stream had yielded it
                 count += 1

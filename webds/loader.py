@@ -206,6 +206,7 @@ class WebLoader(DataPipeline, FluentMixin):
                 "stream": m["pass"],
                 "ledger": m["ledger"].state(held.get(w, ())),
                 "problem": m["problem"],
+                "last": m.get("last"),
             }
             for w, m in sorted(self._mirrors.items())
         }
@@ -315,6 +316,8 @@ class WebLoader(DataPipeline, FluentMixin):
                     yield from self._take_back(restored, ledger, keeps)
                 continue
             self._last_worker = x.worker
+            if x.ids is not None:  # what its epoch's padding repeats (see counting._exactly)
+                m["last"] = x.ids if self.loader.batch_size is None else x.ids[-1]
             if keeps:  # a stage here holds or batches items: it needs their ids
                 ledger.current = qualify(x.worker, x.ids)
             item = x.item

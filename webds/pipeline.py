@@ -266,6 +266,7 @@ class DataPipeline(IterableDataset):
         if stream is not None:
             ledger = stream["ledger"]
             state.update(stream=stream["pass"], ledger=ledger.state(), problem=ledger.problem)
+            state["last"] = ledger.current  # what a padded epoch repeats (see _exactly)
         return state
 
     def state_dict(self, all_ranks: bool = False, strict: bool = True) -> Any:
@@ -417,8 +418,8 @@ class DataPipeline(IterableDataset):
             exact = exact_count(self, epoch) if self.repetitions == 1 else None
             if exact is not None:
                 left = exact - done if resume else exact
-                refill = (lambda: self._one_pass(epoch, Ledger())) if resume else None
-                it = _exactly(it, left, self, refill)
+                refill = (lambda ledger: self._one_pass(epoch, ledger)) if resume else None
+                it = _exactly(it, left, self, refill, resume.get("last") if resume else None)
         elif self.repetitions == sys.maxsize:
             # with_epoch: continue the same endless stream across epochs.
             if self._carry is None:
@@ -445,9 +446,8 @@ class DataPipeline(IterableDataset):
         self, it: Iterator[Any], position: List[int], resume: Optional[Dict[str, Any]] = None
     ) -> Iterator[Any]:
         """:meth:`_counted` for a WebLoader's dataset: each item's ids are noted, for the
-        DataLoader's collate function to send with the batch (see loader._EnvelopeCollate).
-        Resumed, the first batch is what the main process held (``Restored``), then ``PAD``
-        if this worker's turn came before the checkpoint's next one (the DataLoader's order)."""
+        collate function to send with the batch (loader._EnvelopeCollate). Resumed, the first
+        batch is what the main process held (``Restored``), then ``PAD`` where the turn was."""
         pending = self._pending = []
         self._sent = position[1]  # items in the batches collated so far this epoch
         batch = int(resume.get("restore", 0)) if resume else 0

@@ -186,8 +186,8 @@ class Ledger:
 
     def consumed(self, i: Any) -> bool:
         """Whether id ``i`` was consumed before the resume (so it must not be read again)."""
-        if not self.resuming or type(i) is not int or i in self._holes:
-            return False
+        if not self.resuming or type(i) is not int or i in self._plan.holes:
+            return False  # (all held at the checkpoint: produce() forgets those read again)
         k = i >> _SHIFT
         return k in self._old_complete or (i & LEAF) <= self._old_partial.get(k, -1)
 

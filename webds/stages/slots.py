@@ -12,12 +12,15 @@ This module imports nothing of webds.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 if TYPE_CHECKING:
     from .ledger import Ledger
 
 __all__ = ["Slot", "RestorePlan", "StageLedger", "BEYOND", "ids_of"]
+
+log = logging.getLogger("webds")
 
 
 def ids_of(ids: Any) -> Iterator[int]:
@@ -47,8 +50,8 @@ class Slot:
 
     ``draws`` counts the stage's random draws (:meth:`take`), so that a stage can make the same
     draws after a resume (``shuffle`` counts the 32-bit words its ``random.Random`` gave, and
-    skips as many to resume). ``saved`` is what
-    the slot held at the checkpoint resumed from (None when not resuming).
+    skips as many to resume). ``saved`` is what the slot held at the checkpoint resumed from
+    (None when not resuming).
     """
 
     __slots__ = ("ledger", "position", "ids", "draws", "saved", "captured", "_next")
@@ -158,10 +161,13 @@ class Slot:
         if missing:
             kept = [i for i, item in zip(saved, items) if item is not _END]
             self._set(kept)
-            ledger.unordered = ledger.unordered or (
-                f"{missing} item(s) a stage held at the checkpoint did not come back to it (a "
-                "stage before it changed or dropped them when read again)"
-            )
+            if ledger.unordered is None:
+                ledger.unordered = (
+                    f"{missing} item(s) the stage at position {self.position} held at the "
+                    "checkpoint did not come back to it (a stage before it dropped or changed "
+                    "them when read again): the rest of the epoch comes in another order"
+                )
+                log.warning("webds: resuming: %s", ledger.unordered)
         else:
             self.ids[:] = saved
         self.captured = [item for item in items if item is not _END]
