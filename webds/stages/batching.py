@@ -235,6 +235,7 @@ def _batches(
     # can be taken, this generator is suspended at its yield, holding nothing.
     if ledger.resuming:
         src = yield from _regroup(src, ledger)
+    ledger = getattr(ledger, "ledger", ledger)  # the pipeline's (its current, without the view)
     ids: List[Any] = []
     for item in src:
         buf.append(item)

@@ -182,13 +182,14 @@ def _buffer_shuffle(
         elif buf:
             ledger.unordered = ledger.unordered or "shuffle(rng=...) draws afresh after a resume"
     hold = slot.hold if slot is not None else None
+    shared = slot.ledger if slot is not None else None  # (ledger.current, without the view)
     initial = max(1, min(initial, bufsize))
     end = object()
     if not resumed:
         for item in it:
             buf.append(item)
             if hold is not None:
-                hold(ledger.current)
+                hold(shared.current)
             if len(buf) >= initial:
                 break
         else:
@@ -207,7 +208,7 @@ def _buffer_shuffle(
                     break
                 buf.append(item)
                 if hold is not None:
-                    hold(ledger.current)
+                    hold(shared.current)
         resumed = True
         if not buf:
             return

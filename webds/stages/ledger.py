@@ -97,7 +97,10 @@ def saved_reads(state: Dict[str, Any]) -> Tuple[Set[int], Dict[int, int], Set[in
     """What a saved :meth:`Ledger.state` says: (the source items read entirely, the last sample
     read of each item begun, the ids held at the checkpoint)."""
     partial = {int(k): int(j) for k, j in (state.get("partial") or {}).items()}
-    return _unranges(state.get("complete", ())), partial, {int(i) for i in state.get("holes", ())}
+    holes = {int(i) for i in state.get("holes", ())}
+    for saved in (state.get("slots") or {}).values():  # held by a stage: listed there only
+        holes.update(ids_of(saved.get("ids") or []))
+    return _unranges(state.get("complete", ())), partial, holes
 
 
 class Ledger:
@@ -117,6 +120,14 @@ class Ledger:
         #: same samples, each once, in another order); None while it could.
         self.unordered: Optional[str] = None
         self._slots: Dict[int, Slot] = {}  # by the position of the stage that holds the items
+        # Tracking (a DataLoader worker's ledger): changes since the last take_delta(); the
+        # slots' operations go to one log (kept: slots append to it), which the main process
+        # replays on its copy.
+        self._track = track
+        self._d_partial: Dict[int, int] = {}
+        self._d_complete: List[int] = []
+        self._ops: List[Tuple[int, int, Any]] = []
+        self._d_reread: List[int] = []
         self.resuming = resume is not None
         # What was consumed before the resume: all of _old_complete, samples up to _old_partial,
         # except the _holes (held at the checkpoint; read again now).
@@ -139,13 +150,6 @@ class Ledger:
         if resume is not None:
             saved = {pos: slot.saved for pos, slot in self._slots.items() if slot.saved}
             self._plan = RestorePlan(saved, self._holes, resume.get("held_after") or ())
-        # Tracking (a DataLoader worker's ledger): changes since the last take_delta(); the
-        # slots' operations go to one log, which the main process replays on its copy.
-        self._track = track
-        self._d_partial: Dict[int, int] = {}
-        self._d_complete: List[int] = []
-        self._ops: List[Tuple[int, int, Any]] = []
-        self._d_reread: List[int] = []
         #: [shard, last sample read] of the shard the tar stage is reading (not resuming), which
         #: it updates for each sample instead of calling produce(); read by _fold_reading().
         self.reading: List[int] = [-1, -1]
@@ -316,7 +320,7 @@ class Ledger:
         self._fold_reading()
         held = self.held_ids()
         self._check_held(held)
-        holes = set(held) | self._holes
+        holes = self._holes - set(held)  # (what the slots hold is read from them)
         holes.update(ids_of(list(held_after)))
         state: Dict[str, Any] = {
             "complete": _ranges(self.complete),
@@ -348,8 +352,9 @@ class Ledger:
     def take_delta(self) -> Tuple[Any, ...]:
         """What changed since the last call (a worker sends it along with its items)."""
         self._fold_reading()
-        d = (self._d_partial, self._d_complete, self._ops, self._d_reread, self.unordered)
-        self._d_partial, self._d_complete, self._ops, self._d_reread = {}, [], [], []
+        d = (self._d_partial, self._d_complete, self._ops[:], self._d_reread, self.unordered)
+        self._d_partial, self._d_complete, self._d_reread = {}, [], []
+        self._ops.clear()  # in place: the slots keep it
         return d
 
     def apply(self, delta: Tuple[Any, ...]) -> None:

@@ -54,11 +54,13 @@ class Slot:
     (None when not resuming).
     """
 
-    __slots__ = ("ledger", "position", "ids", "draws", "saved", "captured", "_next")
+    __slots__ = ("ledger", "position", "ids", "draws", "saved", "captured", "_next", "_ops")
 
     def __init__(self, ledger: "Ledger", position: int) -> None:
         self.ledger = ledger
         self.position = position
+        # Where a tracking ledger logs the operations for the main process; None otherwise.
+        self._ops: Optional[List[Any]] = ledger._ops if ledger._track else None
         self.ids: List[Any] = []
         self.draws = 0
         self.saved: Optional[List[Any]] = None
@@ -68,9 +70,8 @@ class Slot:
     def hold(self, i: Any) -> None:
         """The item with id ``i`` (an id or a bundle) is kept, after those already held."""
         self.ids.append(i)
-        ledger = self.ledger
-        if ledger._track:
-            ledger._ops.append((self.position, _HOLD, i))
+        if self._ops is not None:
+            self._ops.append((self.position, _HOLD, i))
 
     def take(self, k: int, draws: int = 1) -> Any:
         """The item at place ``k`` leaves, the last one taking its place, chosen by ``draws``
@@ -80,19 +81,17 @@ class Slot:
         ids[k], ids[-1] = ids[-1], ids[k]
         i = ids.pop()
         self.draws += draws
-        ledger = self.ledger
-        ledger.current = i
-        if ledger._track:
-            ledger._ops.append((self.position, _TAKE, k if draws == 1 else (k, draws)))
+        self.ledger.current = i
+        if self._ops is not None:
+            self._ops.append((self.position, _TAKE, k if draws == 1 else (k, draws)))
         return i
 
     def take_first(self) -> Any:
         """The oldest item leaves; its id becomes the ledger's current one and is returned."""
         i = self.ids.pop(0)
-        ledger = self.ledger
-        ledger.current = i
-        if ledger._track:
-            ledger._ops.append((self.position, _FIRST, None))
+        self.ledger.current = i
+        if self._ops is not None:
+            self._ops.append((self.position, _FIRST, None))
         return i
 
     def forget_saved(self) -> None:
@@ -103,8 +102,8 @@ class Slot:
 
     def _set(self, ids: List[Any]) -> None:
         self.ids[:] = ids
-        if self.ledger._track:
-            self.ledger._ops.append((self.position, _SET, list(ids)))
+        if self._ops is not None:
+            self._ops.append((self.position, _SET, list(ids)))
 
     def _replay(self, op: int, arg: Any) -> None:
         """Do an operation a worker's slot logged (on the main process's copy)."""
