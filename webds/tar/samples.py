@@ -88,9 +88,8 @@ def tarfile_to_samples(
     """
     shared = ledger.ledger if isinstance(ledger, StageLedger) else ledger
     samples = _read_samples(
-        src, handler, select_files, rename_files, lcase, max_member_size=max_member_size,
-        readahead=readahead, readahead_shards=readahead_shards, sample_starts=sample_starts,
-        ledger=shared, **storage_options,
+        src, handler, select_files, rename_files, lcase, max_member_size, readahead,
+        readahead_shards, sample_starts, shared, storage_options,
     )  # fmt: skip
     if shared is not None and shared.resuming:
         # The samples held at the checkpoint, read again first, in the order their stages
@@ -101,17 +100,16 @@ def tarfile_to_samples(
 
 def _read_samples(
     src: Iterable[Any],
-    handler: Handler = reraise_exception,
-    select_files: Optional[Callable[[str], bool]] = None,
-    rename_files: Optional[Callable[[str], Optional[str]]] = None,
-    lcase: bool = True,
-    *,
-    max_member_size: Optional[int] = None,
-    readahead: Union[bool, int, None] = None,
-    readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
-    sample_starts: Optional[List[int]] = None,
-    ledger: Any = None,
-    **storage_options: Any,
+    handler: Handler,
+    select_files: Optional[Callable[[str], bool]],
+    rename_files: Optional[Callable[[str], Optional[str]]],
+    lcase: bool,
+    max_member_size: Optional[int],
+    readahead: Union[bool, int, None],
+    readahead_shards: int,
+    sample_starts: Optional[List[int]],
+    ledger: Any,
+    storage_options: Dict[str, Any],
 ) -> Iterator[Dict[str, Any]]:
     """The generator behind :func:`tarfile_to_samples` (``ledger``: the pipeline's)."""
     policy = ErrorPolicy(handler, "tarfile_to_samples")
@@ -352,5 +350,5 @@ def _stale_index(url: str, indexed: int, more: bool, seen: int = 0) -> ShardRead
 #: It reads samples out of each source item and records them in the pipeline's ledger.
 tarfile_to_samples.expands = True  # type: ignore[attr-defined]
 
-#: webdataset's name for the plain generator function behind :func:`tarfile_to_samples`.
-tarfile_samples = _read_samples
+#: webdataset's name for the plain function behind :func:`tarfile_to_samples`.
+tarfile_samples = tarfile_to_samples.fn
