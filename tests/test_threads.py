@@ -216,3 +216,36 @@ def test_a_random_augment_stays_per_sample_deterministic(spec):
 
     serial = list(webds.WebDataset(spec).map(augment))
     assert list(webds.WebDataset(spec).map(augment, threads=4)) == serial
+
+
+@pytest.mark.parametrize("threads", [0, 1, 2, 4])
+def test_an_upstream_error_comes_after_every_item_read_before_it(tmp_path, threads):
+    # A shard cut inside a member: the samples read before the cut are yielded, whatever the
+    # thread count, then the error (the results in flight were cancelled before: issue 36).
+    path = write_tar(tmp_path / "cut.tar", sample_members(12, exts=("bin", "cls")))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 + 100])
+    ds = webds.WebDataset(str(path), shardshuffle=False).map(
+        lambda s: s["__key__"], threads=threads
+    )
+    keys = []
+    with pytest.raises(webds.ShardReadError):
+        for key in ds:
+            keys.append(key)
+    serial = []
+    with pytest.raises(webds.ShardReadError):
+        for s in webds.WebDataset(str(path), shardshuffle=False):
+            serial.append(s["__key__"])
+    assert keys == serial and len(serial) >= 5
+
+
+@pytest.mark.parametrize("threads", [0, 4])
+def test_a_missing_shard_comes_after_the_samples_before_it(tmp_path, http_server, threads):
+    good = http_server.put("a.tar", write_tar(tmp_path / "a.tar", sample_members(20)).read_bytes())
+    urls = [good, http_server.url("missing.tar")]
+    ds = webds.WebDataset(urls, shardshuffle=False).map(lambda s: s["__key__"], threads=threads)
+    keys = []
+    with pytest.raises(webds.NotFoundError):
+        for key in ds:
+            keys.append(key)
+    assert len(keys) == 20

@@ -11,7 +11,7 @@ import json
 import random
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 from conftest import sample_members, write_tar
@@ -116,7 +116,9 @@ def test_http_a_segment_is_one_range_request_at_its_first_sample(http_server, tm
     http_server.log.clear()
     assert segment_reads(index, 17, 23) == whole[17:23]
     gets = [r for r in http_server.log if r[0] == "GET"]
-    assert [r[2] for r in gets] == [f"bytes={offsets[17]}-"]
+    # One range request, one sample early: the reader checks that sample 17 starts where the
+    # index says (a rewritten shard of the same size must not give half a sample).
+    assert [r[2] for r in gets] == [f"bytes={offsets[16]}-"]
 
 
 def test_http_a_server_that_ignores_ranges_is_read_from_the_start(flaky_http_server, tmp_path):
@@ -214,7 +216,8 @@ def test_a_resume_enters_a_half_read_shard_after_its_consumed_samples(http_serve
     rest = list(b)
     assert keys(before + rest) == keys(list(make()))
     gets = [r for r in http_server.log if r[0] == "GET"]
-    assert gets[0][1].endswith("r-0.tar") and gets[0][2] == f"bytes={index.shards[0].offsets[12]}-"
+    # (one sample early: the reader checks that sample 12 starts where the index says)
+    assert gets[0][1].endswith("r-0.tar") and gets[0][2] == f"bytes={index.shards[0].offsets[11]}-"
 
 
 @pytest.mark.parametrize("case", range(8))
@@ -291,12 +294,15 @@ def test_no_window_without_offsets_or_without_anything_to_skip(tmp_path):
     assert window(dict(base), 3) is None  # no offsets
     assert window(dict(base, offsets=d.offsets[:-1]), 3) is None  # not this shard's
     w = window(dict(base, offsets=d.offsets, stop=6), 3)
+    # Samples 3-5, entered one sample early and left one late (see the boundary checks).
     assert w is not None and (w.first, w.offset, w.end, w.size) == (
-        3,
-        d.offsets[3],
-        d.offsets[6],
+        2,
+        d.offsets[2],
+        d.offsets[7],
         d.offsets[10],
     )
+    w = window(dict(base, offsets=d.offsets, stop=10), 3)
+    assert w is not None and (w.first, w.end) == (2, d.offsets[10])  # the shard's last sample
 
 
 @pytest.mark.parametrize("case", range(4))
@@ -332,3 +338,65 @@ def test_entering_with_select_and_rename_files(tmp_path, case):
             )
 
         assert read(True) == read(False), (rank, worker)
+
+
+def rewritten_same_size(tmp_path) -> Tuple[str, List[Dict[str, bytes]]]:
+    """A shard indexed, then rewritten with the same size and other sample sizes, so that the
+    index's offset of sample 5 points at the header of ``k5.cls``, its second member (issue 36):
+    (the index's path, the samples the shard now holds)."""
+
+    def write(sizes: List[int]) -> List[Dict[str, bytes]]:
+        samples = [{"bin": bytes([i]) * n, "cls": str(i).encode()} for i, n in enumerate(sizes)]
+        members = [(f"k{i}.{ext}", s[ext]) for i, s in enumerate(samples) for ext in ("bin", "cls")]
+        write_tar(tmp_path / "s.tar", members)
+        return samples
+
+    sizes = [8192] * 5 + [1024] * 5
+    write(sizes)
+    ShardIndex.build([str(tmp_path / "s.tar")]).save(str(tmp_path / "index.json"))
+    before = (tmp_path / "s.tar").stat().st_size
+    moved = 512 + 1024  # k5.bin's header and data: k5.cls now starts where k5 started
+    now = write(sizes[:4] + [8192 - moved] + sizes[5:9] + [1024 + moved])
+    assert (tmp_path / "s.tar").stat().st_size == before
+    return str(tmp_path / "index.json"), now
+
+
+def test_a_same_size_rewrite_is_an_out_of_date_index_never_half_a_sample(tmp_path):
+    spec, now = rewritten_same_size(tmp_path)
+    d = ShardIndex.load(spec).shards[0]
+    raised = 0
+    for start in range(10):
+        for stop in range(start + 1, 11):
+            desc = {"url": d.url, "start": start, "stop": stop, "samples": 10, "offsets": d.offsets}
+            try:
+                got = list(tarfile_samples([desc]))
+            except ShardReadError as exn:
+                assert "out of date" in str(exn)
+                raised += 1
+                continue
+            # What a segment yields is whole samples of the shard as it is now.
+            assert [{"bin": s["bin"], "cls": s["cls"]} for s in got] == now[start:stop]
+    assert raised
+    desc = {"url": d.url, "start": 5, "stop": 10, "samples": 10, "offsets": d.offsets}
+    with pytest.raises(ShardReadError, match="sample 5 starts at byte"):
+        list(tarfile_samples([desc]))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_same_size_rewrite_never_gives_a_loader_half_a_sample(tmp_path, workers):
+    # One worker reads the whole shard from its start: whole samples. Two enter it at the
+    # index's offsets: the out-of-date index error (it was k5 with cls only, no error).
+    spec, now = rewritten_same_size(tmp_path)
+    ds = webds.WebDataset(spec, shardshuffle=False).batched(2, collation_fn=list)
+    loader = webds.WebLoader(ds, batch_size=None, num_workers=workers)
+
+    def read() -> List[Any]:
+        got = [s for batch in loader for s in batch]
+        assert all(set(s) >= {"bin", "cls"} for s in got)  # never one member of a sample
+        return got
+
+    if workers == 0:
+        assert [{"bin": s["bin"], "cls": s["cls"]} for s in read()] == now
+    else:
+        with pytest.raises(Exception, match="out of date"):
+            read()

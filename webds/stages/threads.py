@@ -9,6 +9,8 @@ and run :func:`apply_threaded` instead of :func:`~webds.stages.handlers.apply_ea
 What stays as in the serial loop:
 
 - order: results come out in input order, whichever thread finishes first;
+- an error of the source (a damaged shard, a failed read) comes after the results of the items
+  read before it, as in the serial loop;
 - errors: an exception from ``f`` goes to the stage's handler in the consuming thread, when its
   item's turn comes, through the same :class:`~webds.stages.handlers.ErrorPolicy` (skip, stop,
   raise, warn, counted and logged once); ``None`` drops the item where the serial stage does;
@@ -112,9 +114,15 @@ def apply_threaded(
         for item in restored:
             pending.append((pool.submit(fn, item), item))
         del restored
+        upstream: Optional[BaseException] = None  # an error of the source, raised in turn
         while True:
             while not exhausted and len(pending) < window:
-                item = next(it, end)
+                try:
+                    item = next(it, end)
+                except Exception as exn:
+                    # The items read before it are yielded first, as the serial loop would.
+                    upstream, exhausted = exn, True
+                    break
                 if item is end:
                     exhausted = True
                     break
@@ -122,6 +130,8 @@ def apply_threaded(
                 if slot is not None:
                     slot.hold(ledger.current)
             if not pending:
+                if upstream is not None:
+                    raise upstream
                 break
             future, item = pending.popleft()
             if slot is not None:

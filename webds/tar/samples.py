@@ -171,6 +171,8 @@ def _read_samples(
             first, last, indexed = _sample_range(shard)
             n = 0 if win is None else win.first  # samples of this shard seen so far
             entry = 0 if win is None else win.offset
+            # Entered by the index's offsets, every sample must start where the index says.
+            bounds = shard["offsets"] if win is not None else None
             unmarked: Optional[EndWithoutMarker] = None
             # With an index, samples are numbered as the index counted them: before
             # select_files/rename_files, a sample whose members are all filtered out included.
@@ -216,6 +218,8 @@ def _read_samples(
                             if not count_raw:
                                 sample_key = key
                         if sample_key != cur_key:
+                            if bounds is not None and (cur is not None or n == win.first):
+                                _check_start(url, bounds, n + (cur is not None), offset)
                             if cur is not None and count_raw and len(cur) <= fixed:
                                 cur = None  # every member filtered out: counted, not yielded
                                 n += 1
@@ -264,10 +268,10 @@ def _read_samples(
                         raise
                     unmarked = exn
                 except ShardReadError as exn:
-                    if win is not None and exn.offset == win.offset:
-                        # No member where the index says sample win.first starts.
-                        where = f"byte {win.offset}, where sample {win.first} starts"
-                        raise stale_index(url, f"no tar header at {where}") from exn
+                    if bounds is not None and exn.offset in bounds:
+                        # No member where the index says a sample starts.
+                        where = f"byte {exn.offset}, where sample {bounds.index(exn.offset)}"
+                        raise stale_index(url, f"no tar header at {where} starts") from exn
                     raise
                 if cur is not None and count_raw and len(cur) <= fixed:
                     cur = None
@@ -340,6 +344,14 @@ def _sample_range(shard: Any) -> Tuple[int, int, int]:
     if isinstance(shard, dict) and "stop" in shard:
         return int(shard.get("start", 0)), int(shard["stop"]), int(shard.get("samples", -1))
     return 0, _NO_RANGE, -1
+
+
+def _check_start(url: str, bounds: Any, n: int, offset: int) -> None:
+    """Raise the out-of-date index error if sample ``n`` does not start at ``bounds[n]``."""
+    if n < len(bounds) and offset != bounds[n]:
+        raise stale_index(
+            url, f"sample {n} starts at byte {offset}, and the index says at byte {bounds[n]}"
+        )
 
 
 def _stale_index(url: str, indexed: int, more: bool, seen: int = 0) -> ShardReadError:

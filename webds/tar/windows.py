@@ -10,7 +10,9 @@ them, a compressed shard) the tar stage reads from the start and drops the sampl
 
 The shard's size is checked against the index when it is opened: entering a rewritten shard at
 an old offset would read garbage, so a different size is reported as an out-of-date index. A
-server that ignores range requests is read from the start up to the offset instead.
+rewrite of the same size is caught by the reader: it enters one sample early and stops one
+sample late, and each sample must start at the byte the index says. A server that ignores range
+requests is read from the start up to the offset instead.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ Opened = Tuple[str, Any, Optional[str]]
 class Window(NamedTuple):
     """Where a read of a shard enters it and where it stops."""
 
-    first: int  # the sample the read begins with
+    first: int  # the sample the read begins with (the one before the first wanted)
     offset: int  # the byte its first header starts at
     end: int  # the byte after the last sample wanted (``size``: the shard's end)
     size: int  # the shard's size, as indexed
@@ -61,7 +63,12 @@ def window(shard: Any, first: int) -> Optional[Window]:
             return None
     elif not opens_at_offset(str(shard.get("url", ""))):
         return None
-    return Window(first, int(offsets[first]), int(offsets[stop]), int(offsets[samples]))
+    # One sample more on each side, read but not yielded, so that the reader finds each
+    # boundary of the wanted samples where the index puts it (see tarfile_to_samples): an
+    # offset of a rewritten shard that points inside a sample is an out-of-date index, never
+    # half a sample.
+    enter, past = max(0, first - 1), min(stop + 1, samples)
+    return Window(enter, int(offsets[enter]), int(offsets[past]), int(offsets[samples]))
 
 
 def _seekable(stream: Any) -> bool:
