@@ -8,7 +8,7 @@ is ``[gzfilter] + handlers + [basichandlers]``; the handlers themselves (the ext
 images by image spec, video, audio) are in :mod:`webds.stages.codecs`, and webdataset's
 stream-reading ``xdecode`` is in :mod:`webds.stages.xdecode`.
 
-Codec fields (``.gz``, ``.bz2``, ``.xz``) are decompressed to at most ``max_field_bytes`` (1 GiB
+Codec fields (``.gz``, ``.bz2``, ``.xz``) are decompressed to at most ``max_field_bytes`` (256 MiB
 by default) and images decoded up to ``max_pixels`` (89,478,485 by default): past either limit
 the field is a DecodeError that names it and the knob (see :mod:`webds.stages.limits`).
 
@@ -134,7 +134,7 @@ class Decoder:
     """Decode every field of a sample through a chain of handlers ``pre + handlers + post``.
 
     ``pre`` defaults to ``[Decompress(max_field_bytes)]`` (``.gz``, ``.bz2``, ``.xz`` fields, at
-    most 1 GiB each by default) and ``post`` to ``[BasicHandlers(allow_pickle, weights_only)]``.
+    most 256 MiB each by default) and ``post`` to ``[BasicHandlers(allow_pickle, weights_only)]``.
     ``only`` (a space-separated string or a list of exact field names) limits decoding to those
     fields. With ``partial=False`` every field must still be bytes; with
     ``partial=True`` fields that are not bytes pass through.
@@ -347,7 +347,7 @@ def decode(
     ``decode("rgb8")`` gives images as uint8 HxWx3 arrays, ``.cls`` as int, ``.json`` parsed...
     ``allow_pickle=True`` enables ``.pyd/.pickle/.pkl``; ``weights_only=False`` lets ``.pth``
     hold arbitrary objects. ``.gz``, ``.bz2`` and ``.xz`` fields are decompressed to at most
-    ``max_field_bytes`` (1 GiB), and images decoded up to ``max_pixels`` (89,478,485): a field
+    ``max_field_bytes`` (256 MiB), and images decoded up to ``max_pixels`` (89,478,485): a field
     past either is a DecodeError (None: no limit). Failures raise DecodeError unless
     ``handler`` says otherwise. Random decoders (``RandomResizedCropDecoder``) draw from the
     pipeline's seed and epoch. ``threads=N`` decodes in N threads, samples in input order (see

@@ -34,17 +34,19 @@ __all__ = [
     "open_image",
 ]
 
-#: Default of ``decode(max_field_bytes=...)``: 1 GiB. A field is one file of one sample and is
-#: held whole in memory (and, decoded, usually once more), so fields of real datasets stay far
-#: below this (a few hundred MB at the very most: a large ``.npy.gz`` volume); a bomb is stopped
-#: after 1 GiB instead of filling memory, and a worker can afford 1 GiB once.
-MAX_FIELD_BYTES = 1 << 30
+#: Default of ``decode(max_field_bytes=...)``: 256 MiB, the scale of Pillow's image limit (an
+#: ``rgb8`` image at ``MAX_PIXELS`` is 256 MiB). A field is one file of one sample and is held
+#: whole in memory (and, decoded, usually once more), so fields of real datasets stay below this;
+#: a bomb is stopped after 256 MiB, so a worker's memory peaks under 512 MB for any field bomb
+#: (measured in tests/test_bombs.py). Larger genuine fields (a big ``.npy.gz`` volume) need
+#: ``decode(..., max_field_bytes=N)``.
+MAX_FIELD_BYTES = 256 << 20
 
 #: Default of ``decode(max_pixels=...)``: 89,478,485 pixels (about 9459x9459), the number Pillow
 #: uses for its ``Image.MAX_IMAGE_PIXELS``, so no image that decodes quietly today is refused.
 #: Here it is an error rather than Pillow's warning (Pillow only refuses above twice that). At
-#: the limit an ``rgb8`` image takes 256 MiB and a float ``rgb`` one 1 GiB, the same order as the
-#: field limit; a lower default would refuse 100-megapixel photos, which real datasets hold.
+#: the limit an ``rgb8`` image takes 256 MiB (the field limit) and a float ``rgb`` one 1 GiB;
+#: a lower default would refuse 100-megapixel photos, which real datasets hold.
 MAX_PIXELS = 1024 * 1024 * 1024 // 4 // 3
 
 #: The codec extensions that decode undoes before the inner extension (``.txt.gz`` -> ``.txt``).
