@@ -53,9 +53,12 @@ def loader(spec, workers=2, **kw):
 
 
 def one_buffer(batch) -> bool:
-    """Whether the batch's tensors are views of one buffer (torch sends one segment each)."""
+    """Whether the batch's tensors lie side by side in one buffer (torch sends one segment
+    each): ``y`` starts where ``x`` ends, rounded up to 64 bytes. Each has a storage of its own
+    size over the buffer."""
     x, d, _ = batch
-    return x.untyped_storage().data_ptr() == d["y"].untyped_storage().data_ptr()
+    own = x.untyped_storage().nbytes() == x.nbytes
+    return own and d["y"].untyped_storage().data_ptr() == x.data_ptr() + -(-x.nbytes // 64) * 64
 
 
 def check(batch):
@@ -79,10 +82,11 @@ def test_a_batch_arrives_in_one_reused_buffer(spec):
         check(batch)
         x, d, k = batch
         keys += k
-        # every tensor of the batch is a view of one buffer
+        # every tensor of the batch lies in one buffer, over a storage of its own size
+        assert one_buffer(batch)
+        for t in (x, d["y"], d["b"]):
+            assert t.untyped_storage().nbytes() == t.nbytes
         ptr = x.untyped_storage().data_ptr()
-        assert d["y"].untyped_storage().data_ptr() == ptr
-        assert d["b"].untyped_storage().data_ptr() == ptr
         buffers.add(ptr)
         batches += 1
         del batch, x, d
@@ -180,3 +184,91 @@ def test_short_shared_memory_sends_batches_the_usual_way(monkeypatch):
     batch = (torch.ones(1000),)
     assert pool.pack(batch) is batch  # slot 0 is busy and no other can be made
     assert not pool.can_grow
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass with an attribute, as torchvision's tv_tensors are."""
+
+    @staticmethod
+    def __new__(cls, data, tag):
+        t = torch.Tensor._make_subclass(cls, data)
+        t.tag = tag
+        return t
+
+    def __reduce_ex__(self, protocol):
+        return (_tagged, (self.as_subclass(torch.Tensor).clone(), self.tag))
+
+
+def _tagged(data, tag):
+    return Tagged(data, tag)
+
+
+def test_tensor_subclasses_arrive_as_sent(spec):
+    # A subclass and its attributes would be lost in the shared buffer: such batches go torch's
+    # way (they came back as plain tensors: issue 36).
+    def boxes(samples):
+        c = torch.tensor([int(s["cls"]) for s in samples], dtype=torch.float32)
+        return Tagged(c.unsqueeze(1).repeat(1, 4), tag=(64, 48)), [s["__key__"] for s in samples]
+
+    ds = webds.WebDataset(spec, shardshuffle=False).batched(8, collation_fn=boxes)
+    got = list(webds.WebLoader(ds, batch_size=None, num_workers=2))
+    assert len(got) == 20
+    for b, keys in got:
+        assert type(b) is Tagged and b.tag == (64, 48)
+        assert b[:, 0].tolist() == [float(k[-6:]) for k in keys]
+    import importlib
+
+    from torchvision_cpu import import_torchvision
+
+    import_torchvision()
+    tv = importlib.import_module("torchvision.tv_tensors")
+
+    def tv_boxes(samples):
+        xyxy = torch.tensor([[0, 0, 4, int(s["cls"]) % 7 + 1] for s in samples])
+        return tv.BoundingBoxes(xyxy, format="XYXY", canvas_size=(64, 48))
+
+    ds = webds.WebDataset(spec, shardshuffle=False).batched(8, collation_fn=tv_boxes)
+    for b in webds.WebLoader(ds, batch_size=None, num_workers=2):
+        assert type(b) is tv.BoundingBoxes and tuple(b.canvas_size) == (64, 48)
+
+
+def test_a_tensor_of_a_batch_costs_its_own_bytes_to_save(spec):
+    # Labels out of a batch of images: saved, pickled or copied, one costs its own size (it was
+    # the whole batch's storage, 198 KB for 16 labels of 16 3x64x64 images: issue 36).
+    import copy
+    import io
+    import pickle
+
+    def images(samples):
+        c = torch.tensor([int(s["cls"]) for s in samples])
+        return torch.zeros(len(samples), 3, 64, 64), c
+
+    ds = webds.WebDataset(spec, shardshuffle=False).batched(16, collation_fn=images)
+    loader = webds.WebLoader(ds, batch_size=None, num_workers=2)
+    for x, labels in loader:
+        assert one_buffer((x, {"y": labels}, None))  # still carried in one shared buffer
+        buf = io.BytesIO()
+        torch.save(labels, buf)
+        assert len(buf.getvalue()) < 4096
+        assert len(pickle.dumps(labels)) < 4096
+        assert copy.deepcopy(labels).untyped_storage().nbytes() == labels.nbytes
+        break
+
+
+def test_two_live_iterators_of_one_loader(spec):
+    # zip(loader, loader) and two iterators advanced in turn (it raised "iterate from one
+    # process", which did not apply: issue 36).
+    lo = loader(spec)
+    pairs = list(zip(lo, lo))
+    assert len(pairs) == 20
+    for a, b in pairs:
+        check(a)
+        check(b)
+    first, second = iter(lo), iter(lo)
+    seen = []
+    for _ in range(6):
+        for it in (first, second):
+            batch = next(it)
+            check(batch)
+            seen.append(batch[2])
+    assert len(seen) == 12

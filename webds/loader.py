@@ -13,6 +13,7 @@ the samples that were still to come.
 from __future__ import annotations
 
 import sys
+import weakref
 from time import perf_counter
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -67,7 +68,8 @@ class WebLoader(DataPipeline, FluentMixin):
             # work per batch; a pinned copy is made from torch's own transfer instead.
             pack = batch_buffers and self.loader.num_workers > 0 and not self.loader.pin_memory
             self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn, dataset, single, pack)
-        self._unpacker: Optional[Unpacker] = None
+        # Per DataLoader iterator (one for persistent workers; two live iterators, two).
+        self._unpackers: "weakref.WeakKeyDictionary[Any, Unpacker]" = weakref.WeakKeyDictionary()
         self._worker_resume: Optional[Dict[str, Any]] = None
         # Per DataLoader worker: the copy of its ledger, its pass and the items it has yielded.
         self._mirrors: Dict[int, Dict[str, Any]] = {}
@@ -80,10 +82,14 @@ class WebLoader(DataPipeline, FluentMixin):
         super().__setstate__(state)  # a WebLoader pickled by webds 0.1 lacks these
         self.__dict__.setdefault("_worker_resume", None)
         self.__dict__.setdefault("_mirrors", {})
-        self.__dict__.setdefault("_unpacker", None)
+        if self.__dict__.get("_unpackers") is None:
+            self._unpackers = weakref.WeakKeyDictionary()
         self.__dict__.setdefault("_worker_stats", {})
         self.__dict__.setdefault("_last_worker", None)
         self.__dict__.setdefault("_restoring", 0)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_unpackers": None}  # (mapped memory: not sent)
 
     @property
     def loader(self) -> DataLoader:
@@ -322,9 +328,10 @@ class WebLoader(DataPipeline, FluentMixin):
                 ledger.current = qualify(x.worker, x.ids)
             item = x.item
             if type(item) is Packed:
-                if self._unpacker is None:
-                    self._unpacker = Unpacker()
-                item = self._unpacker.unpack(x.worker, item)
+                unpacker = self._unpackers.get(it)
+                if unpacker is None:
+                    unpacker = self._unpackers[it] = Unpacker()
+                item = unpacker.unpack(x.worker, item)
             yield item
 
     def _take_back(self, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool) -> Any:

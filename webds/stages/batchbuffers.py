@@ -14,10 +14,13 @@ the slot is marked free in a small shared flag array that the worker reads befor
 slot. No one waits: a worker with no free slot makes another (up to :data:`MAX_SLOTS`), then
 sends batches the usual way.
 
-Only plain containers (tuple, list, dict) of CPU tensors are packed; anything else in a batch
-travels as before. Not used with ``pin_memory=True`` (the pinned copy is made in the main process
-from the tensors as torch sends them). A batch the main process never takes out of the
-DataLoader's queues keeps its slot busy; the worker makes another, or sends as before.
+Only plain containers (tuple, list, dict) of plain CPU tensors are packed; a batch with anything
+else (a tensor subclass, whose type and attributes only torch's pickling keeps) travels as
+before. Each tensor the main process gets has a storage of its own size (over the slot), so
+saving, pickling or copying one costs its own bytes. Not used with ``pin_memory=True`` (the
+pinned copy is made in the main process from the tensors as torch sends them). A batch the main
+process never takes out of the DataLoader's queues keeps its slot busy; the worker makes another,
+or sends as before.
 
 This module imports torch: :mod:`webds.loader` uses it, and the workers it starts.
 """
@@ -64,6 +67,10 @@ class Packed(NamedTuple):
 def _tensors(tree: Any, out: List[torch.Tensor]) -> bool:
     """Collect the tensors of a batch; False if it holds a tensor that cannot be packed."""
     if isinstance(tree, torch.Tensor):
+        # A subclass (torchvision's tv_tensors, yours) keeps its type and attributes only
+        # through torch's own pickling: its batch travels that way.
+        if type(tree) is not torch.Tensor:
+            return False
         if tree.device.type != "cpu" or tree.requires_grad or tree.is_sparse:
             return False
         out.append(tree)
@@ -195,24 +202,26 @@ class Unpacker:
             shared[(len(shared) - 1) // 2 + packed.slot] = packed.generation
         region = slots[packed.slot][:]  # a new array object: its finalizer frees the slot
         weakref.finalize(region, _free, shared, packed.slot)
-        base = torch.from_numpy(region)
-        return _rebuild(packed.tree, base)
+        return _rebuild(packed.tree, region)
 
 
 def _free(flags: Any, slot: int) -> None:
     flags[slot] = 0
 
 
-def _rebuild(tree: Any, base: torch.Tensor) -> Any:
+def _rebuild(tree: Any, region: Any) -> Any:
     if type(tree) is _Ref:
         n = _numel(tree.shape) * _itemsize(tree.dtype)
         if n == 0:
             return torch.empty(tree.shape, dtype=tree.dtype)
-        return base[tree.offset : tree.offset + n].view(tree.dtype).view(tree.shape)
+        # Each tensor over a storage of its own size, which keeps the region (and so the slot)
+        # busy: torch.save, pickle and deepcopy of one cost its own bytes, not the batch's.
+        part = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=tree.offset)
+        return part.view(tree.dtype).view(tree.shape)
     if type(tree) in (tuple, list):
-        return type(tree)(_rebuild(x, base) for x in tree)
+        return type(tree)(_rebuild(x, region) for x in tree)
     if type(tree) is dict:
-        return {k: _rebuild(v, base) for k, v in tree.items()}
+        return {k: _rebuild(v, region) for k, v in tree.items()}
     return tree
 
 
