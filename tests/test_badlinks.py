@@ -20,6 +20,7 @@ from typing import Any, List, Tuple
 import pytest
 from conftest import write_tar
 
+import webds
 from webds.errors import ArgumentError, ShardReadError
 from webds.fluent import WebDataset
 from webds.io.retrying import ResumableStream
@@ -233,3 +234,82 @@ def test_object_store_reads_resume_with_an_open_ended_range(request, store):
     assert opened == [0, 200_000, 400_000, 600_000, 800_000]
     assert stream.retries == 4
     stream.close()
+
+
+@pytest.mark.parametrize("store", ["s3", "gcs"])
+def test_an_object_replaced_between_a_cut_and_the_resume_is_never_spliced(request, store):
+    # Version A is read, the link drops inside it, version B (same size) replaces it: the resumed
+    # request must not return B's bytes after A's (issue 36).
+    import fsspec
+
+    from webds.io.ranged import ObjectChanged, open_ranged
+
+    bucket = request.getfixturevalue(store)
+    a, b = random.Random(1).randbytes(300_000), random.Random(2).randbytes(300_000)
+    url = bucket.put("v.bin", a)
+    fs, path = fsspec.core.url_to_fs(url, **bucket.storage_options)
+    pin: dict = {}
+
+    def open_at(offset: int) -> Any:
+        if offset:
+            bucket.put("v.bin", b)  # replaced while the link was down
+            fs.invalidate_cache()
+        return _CutEvery(open_ranged(fs, path, offset, 5.0, pin), 100_000)
+
+    stream = ResumableStream(open_at, url=url, retries=2, backoff=0.001)
+    got = stream.read(100_000)
+    assert got == a[:100_000]
+    with pytest.raises(ObjectChanged, match="replaced while it was read"):
+        stream.read()
+    stream.close()
+
+
+def test_a_versioned_s3_bucket_resumes_the_version_it_began(s3):
+    import fsspec
+
+    from webds.io.ranged import open_ranged
+
+    s3.client.put_bucket_versioning(Bucket=s3.bucket, VersioningConfiguration={"Status": "Enabled"})
+    a, b = random.Random(1).randbytes(300_000), random.Random(2).randbytes(300_000)
+    url = s3.put("w.bin", a)
+    fs, path = fsspec.core.url_to_fs(url, **s3.storage_options)
+    pin: dict = {}
+
+    def open_at(offset: int) -> Any:
+        if offset:
+            s3.put("w.bin", b)
+        return _CutEvery(open_ranged(fs, path, offset, 5.0, pin), 100_000)
+
+    stream = ResumableStream(open_at, url=url, retries=2, backoff=0.001)
+    assert stream.read() == a  # the version the read began with, whole
+    assert pin.get("version")
+    stream.close()
+
+
+def test_an_http_object_replaced_during_a_read_stops_it_before_the_splice(
+    flaky_http_server, tmp_path
+):
+    # The server sends version A, drops the link inside sample 10, and then serves version B
+    # (same size, another ETag): webds yielded A's samples 0-9 and a sample 10 made of both
+    # (issue 36). Now the resumed request carries If-Range: the read stops with ObjectChanged.
+    from webds.io.ranged import ObjectChanged
+
+    def version(tag: bytes) -> bytes:
+        members = [(f"{i:04d}.{ext}", tag * 700) for i in range(20) for ext in ("bin", "cls")]
+        return write_tar(tmp_path / "v.tar", members).read_bytes()
+
+    a, b = version(b"A"), version(b"B")
+    assert len(a) == len(b)
+    url = flaky_http_server.put("v.tar", a)
+    whole = list(webds.WebDataset(url, shardshuffle=False))
+    offsets = webds.shards.index.ShardIndex.build([url]).shards[0].offsets
+    flaky_http_server.cut_after(offsets[10] + 1000)  # inside sample 10
+    flaky_http_server.after_cut = lambda: flaky_http_server.put("v.tar", b)
+    got = []
+    with pytest.raises(ObjectChanged, match="replaced while it was read"):
+        for sample in webds.WebDataset(url, shardshuffle=False, readahead=False):
+            got.append(sample)
+    # Samples 0-8 (sample 9 waits for the key of sample 10, which the cut withheld).
+    assert [s["__key__"] for s in got] == [s["__key__"] for s in whole[: len(got)]]
+    assert len(got) >= 9
+    assert all(s["bin"] == b"A" * 700 for s in got)  # nothing of version B

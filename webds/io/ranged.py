@@ -9,6 +9,12 @@ before a cut reaches the reader, so each attempt that delivers data makes progre
 cache, by contrast, asks for the same 8 MiB block again after a cut inside it, and a link that
 drops every connection part-way never gets past it).
 
+A resumed request asks for the same version of the object as the first: the first answer's
+validator is pinned (its ETag or Last-Modified over HTTP, sent as ``If-Range``; its VersionId
+on a versioned S3 bucket, else its ETag as ``If-Match``; its generation on GCS, as
+``ifGenerationMatch``), and an object replaced between two requests of one read is an
+:class:`ObjectChanged` error naming it, never a sample joined from two versions.
+
 Every request and every read is bounded by ``read_timeout`` seconds: a server that answers and then
 stalls raises :class:`~webds.io.retrying.ReadStalled`, which
 :class:`~webds.io.retrying.ResumableStream` retries like a dropped connection.
@@ -22,7 +28,7 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Awaitable, Callable, List, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from ..errors import ArgumentError, ShardReadError
 from .retrying import ReadStalled
@@ -32,6 +38,7 @@ log = logging.getLogger("webds")
 
 __all__ = [
     "DEFAULT_READ_TIMEOUT",
+    "ObjectChanged",
     "RangeUnsupported",
     "check_read_timeout",
     "open_ranged",
@@ -45,7 +52,8 @@ DEFAULT_READ_TIMEOUT = 30.0
 
 # A ranged GET's answer: (read(n) coroutine function, close(), the object's whole size or None).
 _Body = Tuple[Callable[[int], Awaitable[bytes]], Callable[[], None], Optional[int]]
-_RangedGet = Callable[[Any, str, int], Awaitable[_Body]]
+# (fs, path, offset, pin): ``pin`` holds the object's version, taken from the read's first answer.
+_RangedGet = Callable[[Any, str, int, Dict[str, Any]], Awaitable[_Body]]
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-\d+/(\d+|\*)$")
 
 
@@ -63,6 +71,30 @@ def check_read_timeout(value: Any) -> Optional[float]:
 class RangeUnsupported(ShardReadError):
     """The server ignored the range asked for: resuming there would duplicate or skip bytes (a
     reader that wanted to start there can still read from the start instead)."""
+
+
+class ObjectChanged(ShardReadError):
+    """The object was replaced between two requests of one read (another ETag, version or
+    generation): resuming would join two versions of it."""
+
+
+def _changed(offset: int, was: Any, now: Any) -> ObjectChanged:
+    return ObjectChanged(
+        f"the object was replaced while it was read (it was {was}, it is now {now}): a read "
+        f"resumed at byte offset {offset} would join two versions of it, so it stops here. "
+        "Replace shards only where no job reads them (write a new name, then switch to it)",
+        offset=offset,
+    )
+
+
+def _pinned(pin: Dict[str, Any], key: str, value: Any, offset: int, what: str) -> None:
+    """Pin ``value`` (the first answer's version) or check a later answer's against it."""
+    if value is None:
+        return
+    if key not in pin:
+        pin[key] = value
+    elif pin[key] != value:
+        raise _changed(offset, f"{what} {pin[key]}", f"{what} {value}")
 
 
 def _resume_error(offset: int, why: str) -> RangeUnsupported:
@@ -93,7 +125,7 @@ def _object_size(status: int, headers: Any, offset: int) -> Optional[int]:
     return int(length)
 
 
-async def _http_get(fs: Any, path: str, offset: int) -> _Body:
+async def _http_get(fs: Any, path: str, offset: int, pin: Dict[str, Any]) -> _Body:
     """GET through fsspec's HTTPFileSystem session (its headers, auth and client options)."""
     session = await fs.set_session()
     kwargs = dict(fs.kwargs)
@@ -102,9 +134,17 @@ async def _http_get(fs: Any, path: str, offset: int) -> _Body:
     headers.setdefault("Accept-Encoding", "identity")
     if offset:
         headers["Range"] = f"bytes={offset}-"
+        # The rest of this version only (a weak ETag can't say so: the date then).
+        etag = pin.get("etag")
+        validator = etag if etag and not etag.startswith("W/") else pin.get("modified")
+        if validator:
+            headers["If-Range"] = validator
     r = await session.get(fs.encode_url(path), headers=headers, **kwargs)
     try:
         r.raise_for_status()  # its status (404, 403, 503...) decides: retry, or say why
+        if not pin.get("etag"):
+            _pinned(pin, "modified", r.headers.get("Last-Modified"), offset, "last modified")
+        _pinned(pin, "etag", r.headers.get("ETag"), offset, "ETag")
         size = _object_size(r.status, r.headers, offset)
     except BaseException:
         r.close()
@@ -133,13 +173,24 @@ def _salvaging(content: Any) -> Callable[[int], Awaitable[bytes]]:
     return read
 
 
-async def _s3_get(fs: Any, path: str, offset: int) -> _Body:
+async def _s3_get(fs: Any, path: str, offset: int, pin: Dict[str, Any]) -> _Body:
     """get_object through s3fs's client (its credentials, endpoint, retries and errors)."""
     bucket, key, version = fs.split_path(path)
     kwargs = {"Range": f"bytes={offset}-"} if offset else {}
+    version = version or pin.get("version")  # a versioned bucket: the same version again
     if version:
         kwargs["VersionId"] = version
-    r = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
+    elif pin.get("etag"):
+        kwargs["IfMatch"] = pin["etag"]
+    try:
+        r = await fs._call_s3("get_object", Bucket=bucket, Key=key, **kwargs)
+    except Exception as exn:
+        if "IfMatch" in kwargs and _says(exn, "PreconditionFailed", "412"):
+            raise _changed(offset, f"ETag {pin['etag']}", "another ETag") from None
+        raise
+    if r.get("VersionId") not in (None, "null"):
+        _pinned(pin, "version", r["VersionId"], offset, "version")
+    _pinned(pin, "etag", r.get("ETag"), offset, "ETag")
     body = r["Body"]
     content = getattr(getattr(body, "_raw_stream", None), "content", None)  # aiobotocore's
     if content is not None:
@@ -156,17 +207,31 @@ async def _s3_get(fs: Any, path: str, offset: int) -> _Body:
     return read, body.close, size
 
 
-async def _gcs_get(fs: Any, path: str, offset: int) -> _Body:
+async def _gcs_get(fs: Any, path: str, offset: int, pin: Dict[str, Any]) -> _Body:
     """A media GET through gcsfs's session (its credentials, endpoint, user project)."""
     from gcsfs.retry import validate_response
 
     await fs._set_session()
     headers = fs._get_headers({"Range": f"bytes={offset}-"} if offset else None)
     params = fs._get_params({})
+    if pin.get("generation"):
+        params["ifGenerationMatch"] = pin["generation"]  # the same generation, or 412
+    elif offset and pin.get("md5"):
+        # No generation in the first answer (an emulator): the object's hash, asked again.
+        fs.invalidate_cache(path)
+        now = (await fs._info(path)).get("md5Hash")
+        if now and now != pin["md5"]:
+            raise _changed(offset, f"md5 {pin['md5']}", f"md5 {now}")
     r = await fs.session.get(
         fs.url(path), params=params, headers=headers, timeout=fs.requests_timeout
     )
     try:
+        if r.status == 412 and pin.get("generation"):
+            raise _changed(offset, f"generation {pin['generation']}", "another generation")
+        _pinned(pin, "generation", r.headers.get("x-goog-generation"), offset, "generation")
+        md5 = re.search(r"md5=([^,\s]+)", r.headers.get("x-goog-hash", ""))
+        if md5 and not offset:
+            pin.setdefault("md5", md5.group(1))
         if r.status >= 400:
             try:
                 validate_response(r.status, await r.read(), path)
@@ -179,6 +244,17 @@ async def _gcs_get(fs: Any, path: str, offset: int) -> _Body:
         r.close()
         raise
     return _salvaging(r.content), r.close, size
+
+
+def _says(exn: BaseException, *words: str) -> bool:
+    """Whether ``exn`` or its causes mention one of ``words`` (a botocore error code)."""
+    seen: Any = exn
+    while seen is not None:
+        text = f"{type(seen).__name__} {seen} {getattr(seen, 'response', '')}"
+        if any(w in text for w in words):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 # Backends webds can ask for an open-ended range, by class name (matched along the MRO, so a
@@ -271,13 +347,20 @@ class RangedStream(ReadStream):
     """A synchronous stream over one ranged GET; ``size`` is the whole object's, if known."""
 
     def __init__(
-        self, fs: Any, path: str, offset: int, get: _RangedGet, read_timeout: Optional[float]
+        self,
+        fs: Any,
+        path: str,
+        offset: int,
+        get: _RangedGet,
+        read_timeout: Optional[float],
+        pin: Optional[Dict[str, Any]] = None,
     ) -> None:
         self._loop = fs.loop
         self._limit = read_timeout
         self._read: Optional[Callable[[int], Awaitable[bytes]]] = None
+        answer = get(fs, path, offset, {} if pin is None else pin)
         self._read, self._close, self.size = _sync(
-            self._loop, _bounded, get(fs, path, offset), read_timeout, "waiting for the response"
+            self._loop, _bounded, answer, read_timeout, "waiting for the response"
         )
         self._eof = False
         self._pid = os.getpid()
@@ -344,16 +427,22 @@ class StreamedFile(ReadStream):
 
 
 def open_ranged(
-    fs: Any, path: str, offset: int, read_timeout: Optional[float]
+    fs: Any,
+    path: str,
+    offset: int,
+    read_timeout: Optional[float],
+    pin: Optional[Dict[str, Any]] = None,
 ) -> Optional[ReadStream]:
     """Stream ``path`` from ``offset`` to its end in one request, or None if the backend can't.
 
     http(s), s3 and gs take an open-ended range at any offset; another fsspec async filesystem with
     a streamed open is used from offset 0 only (None elsewhere: resume through block reads).
+    ``pin``, one dict for all the requests of one read, holds the version its first answer
+    had; a later answer of another version raises :class:`ObjectChanged`.
     """
     get = ranged_get_for(fs)
     if get is not None:
-        return RangedStream(fs, path, offset, get, read_timeout)
+        return RangedStream(fs, path, offset, get, read_timeout, pin)
     if offset:
         return None
     from fsspec.asyn import AsyncFileSystem

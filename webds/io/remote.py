@@ -194,9 +194,11 @@ def _open_resolved(
     # first byte not yet delivered. Otherwise read blocks, and resume by seeking.
     streams = not open_kw and not chose_blocks
 
+    pin: Dict[str, Any] = {}  # the object's version, the same for every request of this read
+
     def open_at(offset: int) -> Any:
         if streams:
-            stream = open_ranged(fs, path, offset, read_timeout)
+            stream = open_ranged(fs, path, offset, read_timeout, pin)
             if stream is not None:
                 return stream
         return seek_opener(open_file, url)(offset)
