@@ -129,15 +129,20 @@ def same_entropy(make: Callable[[], Any]) -> Callable[[], Any]:
     return made
 
 
-def check(make: Callable[[], Any], rng: random.Random, epochs: int = 2) -> None:
-    """Stopped at the first item, the last and one between, and resumed in a new pipeline:
-    the rest of the epoch and the epochs after are the uninterrupted run's, item for item."""
+def check(make: Callable[[], Any], rng: random.Random, epochs: int = 2, one: int = -1) -> None:
+    """Stopped at the first item, the last and one between (``one`` >= 0: only the first, the
+    last or one between, by ``one % 3``), and resumed in a new pipeline: the rest of the epoch
+    and the epochs after are the uninterrupted run's, item for item."""
     make = same_entropy(make)
     whole = make()
     runs = [[flat(x) for x in whole] for _ in range(epochs)]
     if not runs[0]:
         return
-    for k in stop_points(rng, len(runs[0])):
+    points = stop_points(rng, len(runs[0]))
+    if one >= 0:
+        n = len(runs[0])
+        points = [[1, n, rng.randint(1, n)][one % 3]]
+    for k in points:
         a = make()
         it = iter(a)
         before = [flat(x) for x in itertools.islice(it, k)]
@@ -170,7 +175,7 @@ def test_random_pipelines_resume_in_the_same_order(data, case):
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", range(9))
 def test_random_loaders_resume_in_the_same_order(data, case):
     spec, index = data
     rng = random.Random(1000 + case)
@@ -194,7 +199,7 @@ def test_random_loaders_resume_in_the_same_order(data, case):
             loader = loader.unlisted().shuffle(5).listed(3)
         return loader.with_epoch(epoch) if epoch else loader
 
-    check(make, rng)
+    check(make, rng, one=case)  # (worker processes are slow to start: one stop per case)
 
 
 @pytest.mark.slow
