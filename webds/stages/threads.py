@@ -17,8 +17,8 @@ What stays as in the serial loop:
 - the source is read by the consuming thread only, so the stages upstream and the ledger
   (:mod:`webds.stages.ledger`) see one thread, as always;
 - memory: at most ``2 * threads`` items are read and not yet yielded;
-- resume: those items are held in the ledger, so a checkpoint counts them as not consumed and a
-  resumed pass reads them again.
+- resume: those items are held in the stage's slot, so a checkpoint counts them as not consumed,
+  and a resumed pass reads them again and puts them back in flight, in their order.
 
 ``f`` runs in several threads at once: it must not keep unguarded state of its own (a
 ``random.Random`` shared by the threads is safe, but the order of its draws then follows the
