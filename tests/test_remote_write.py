@@ -301,3 +301,113 @@ def test_local_writer_still_atomic(tmp_path: Path) -> None:
             sink.write(_sample(0))
             raise RuntimeError("x")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- refused and broken uploads (issue 36) -----------------------------------------------------
+
+
+def test_s3_write_refused_is_the_open_error_a_read_gives(s3) -> None:
+    # A wrong secret: the commit is refused with 403. It was a WriteError carrying botocore's
+    # text; now the OpenError a read gives (also a WriteError), with the credentials hint.
+    from webds.errors import OpenError, WriteError
+
+    options = dict(s3.storage_options, key="AKIAWRONGWRONGWRONG1", secret="wrong")
+    with s3.enforce_auth():
+        with pytest.raises(OpenError) as info:
+            with TarWriter(s3.url("refused.tar"), storage_options=options) as w:
+                w.write({"__key__": "a", "txt": "x"})
+    assert isinstance(info.value, WriteError)
+    text = str(info.value)
+    assert "permission denied (HTTP 403)" in text and "AWS_ACCESS_KEY_ID" in text
+    assert "refused.tar" in text
+    assert "refused.tar" not in s3.list()
+
+
+class _ResetPuts:
+    """A TCP proxy to moto that resets every connection whose request is a PUT or a POST (an
+    upload), after reading part of it: a link that drops uploads, the store still answering."""
+
+    def __init__(self, upstream: str) -> None:
+        import socket
+        import threading
+        from urllib.parse import urlparse
+
+        u = urlparse(upstream)
+        self.target = (u.hostname, u.port)
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(16)
+        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.resets = 0
+        self._stop = False
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self._stop:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(client,), daemon=True).start()
+
+    def _one(self, client: Any) -> None:
+        import socket
+        import struct
+        import threading
+
+        first = client.recv(65536)
+        if first[:4] in (b"PUT ", b"POST"):
+            self.resets += 1
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            client.close()  # RST
+            return
+        up = socket.create_connection(self.target)
+        up.sendall(first)
+
+        def pipe(a: Any, b: Any) -> None:
+            try:
+                while True:
+                    data = a.recv(65536)
+                    if not data:
+                        break
+                    b.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for s in (a, b):
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+
+        threading.Thread(target=pipe, args=(up, client), daemon=True).start()
+        pipe(client, up)
+
+    def stop(self) -> None:
+        self._stop = True
+        self.server.close()
+
+
+def test_s3_upload_reset_says_the_link_broke_not_cannot_connect(s3) -> None:
+    # It read "Could not connect to the endpoint URL" while the endpoint answered (issue 36).
+    from webds.errors import OpenError, WriteError
+
+    proxy = _ResetPuts(s3.storage_options["client_kwargs"]["endpoint_url"])
+    try:
+        client_kwargs = dict(s3.storage_options["client_kwargs"], endpoint_url=proxy.endpoint)
+        options = dict(
+            s3.storage_options,
+            client_kwargs=client_kwargs,
+            config_kwargs={"retries": {"max_attempts": 1}},
+        )
+        with pytest.raises(WriteError) as info:
+            with TarWriter(s3.url("reset.tar"), storage_options=options) as w:
+                w.write({"__key__": "a", "txt": "x"})
+        text = str(info.value)
+        assert "connection broke during the upload" in text and "write it again" in text
+        assert "Could not connect" not in text.split("(")[0]
+        assert not isinstance(info.value, OpenError) and proxy.resets >= 1
+    finally:
+        proxy.stop()

@@ -305,6 +305,9 @@ class TarWriter(CommitOnExit):
         try:
             # One write per sample: a failure can't leave half a member behind unnoticed.
             self._stream.write(b"".join(parts))
+        except WriteError:
+            self.discard()
+            raise  # (a remote store's refusal, already said: webds.io.remote._write_error)
         except Exception as exn:
             self.discard()
             raise WriteError(
@@ -332,6 +335,9 @@ class TarWriter(CommitOnExit):
                 self._raw.close()
             else:
                 self._raw.flush()
+        except WriteError:
+            self.discard()
+            raise  # (a remote store's refusal at the commit, already said)
         except Exception as exn:
             self.discard()
             raise WriteError(f"finishing the shard failed: {exn}", url=self.url) from exn

@@ -9,21 +9,16 @@ fix (credentials, endpoint, bucket, extra to install). fsspec is imported only w
 from __future__ import annotations
 
 import functools
-import io
 import logging
 from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
-from ..errors import NotFoundError, OpenError, SecureModeError, ShardReadError, WebdsError
+from ..errors import NotFoundError, OpenError, SecureModeError, WebdsError, WriteError
 from .ranged import DEFAULT_READ_TIMEOUT, check_read_timeout, open_ranged
-from .retrying import (
-    _HUNG_UP_NAMES,
-    DEFAULT_RETRIES,
-    BackoffLike,
-    ResumableStream,
-    _close_quietly,
-)
+from .reopen import open_resumable, resumable_fsspec, seek_opener  # noqa: F401 (named here too)
+from .retrying import _HUNG_UP_NAMES, DEFAULT_RETRIES, BackoffLike, ResumableStream, _unreachable
 from .security import url_to_fs
+from .streams import TranslatedWrites
 
 log = logging.getLogger("webds")
 
@@ -217,7 +212,10 @@ def _open_resolved(
                 translate=lambda exn: _remote_error(exn, url, scheme, fs=fs, path=path),
                 connect_retries=0 if retried_below else None,
             )
-        return open_file()
+        # A refused or broken upload shows at write() or close(): said as for a read.
+        return TranslatedWrites(  # type: ignore[return-value]
+            open_file(), lambda exn: _write_error(exn, url, scheme, fs, path)
+        )
     except WebdsError:
         raise
     except NotImplementedError:
@@ -350,6 +348,29 @@ def _bucket_exists(fs: Any, bucket: str) -> Optional[bool]:
         return None
 
 
+class _WriteRefused(OpenError, WriteError):
+    """A remote write refused (credentials, permissions, a missing bucket): the OpenError a
+    read would give, and a WriteError."""
+
+
+def _write_error(exn: BaseException, url: str, scheme: str, fs: Any, path: str) -> BaseException:
+    """A failed remote write (or its commit) as a webds error: refused as a read would be; a
+    connection lost during the upload said so when the store still answers."""
+    if isinstance(exn, WebdsError):
+        return exn
+    err = _remote_error(exn, url, scheme, fs=fs, path=path)
+    root = _error_chain(exn)[-1]
+    if _unreachable(exn) or _http_status(_error_chain(exn)) is None and "connect" in err.message:
+        bucket, _ = _bucket_and_key(fs, path)
+        if bucket is not None and _bucket_exists(fs, bucket) is not None:
+            return WriteError(
+                f"the connection broke during the upload ({type(root).__name__}: {root}); the "
+                "store answers, so it was the link: the shard was not written, write it again",
+                url=url,
+            )
+    return _WriteRefused(err.message, url=url)
+
+
 def _remote_error(
     exn: BaseException, url: str, scheme: str, *, fs: Any = None, path: Optional[str] = None
 ) -> OpenError:
@@ -446,97 +467,3 @@ def read_range(url: str, start: int, end: int, storage_options: Dict[str, Any]) 
         raise
     except Exception as exn:
         raise _remote_error(exn, url, scheme, fs=fs, path=path) from exn
-
-
-def seek_opener(
-    open_file: Callable[[], BinaryIO], url: Optional[str] = None
-) -> Callable[[int], BinaryIO]:
-    """Turn ``open_file()`` into ``open_at(offset)``: open, then ``seek(offset)``.
-
-    For fsspec files the seek makes the next read a ranged request. A file that cannot seek
-    (an HTTP server without range support, a streaming ``block_size=0`` file) raises a clear
-    ShardReadError for any offset past 0.
-    """
-
-    def open_at(offset: int) -> BinaryIO:
-        f = open_file()
-        if offset:
-            try:
-                f.seek(offset)
-            except (ValueError, OSError, io.UnsupportedOperation) as exn:
-                _close_quietly(f)
-                raise ShardReadError(
-                    f"the read failed at byte offset {offset} and this source cannot resume "
-                    f"there ({type(exn).__name__}: {exn}); the server must support range "
-                    "requests (HTTP 'Accept-Ranges: bytes'), and fsspec must open a seekable "
-                    "file (block_size > 0)",
-                    url=url,
-                    offset=offset,
-                ) from exn
-        return f
-
-    return open_at
-
-
-def resumable_fsspec(
-    fs: Any,
-    path: str,
-    *,
-    url: Optional[str] = None,
-    retries: int = DEFAULT_RETRIES,
-    backoff: BackoffLike = None,
-    open_kwargs: Optional[Dict[str, Any]] = None,
-    translate: Optional[Callable[[Exception], Exception]] = None,
-) -> ResumableStream:
-    """A :class:`ResumableStream` over ``fs.open(path, "rb", **open_kwargs)``, resumed by seek.
-
-    ``url`` is the name used in errors and logs (default: ``path``). A file that cannot seek is
-    still retried when it fails before its first byte, and raises a clear ShardReadError past
-    that (see :func:`seek_opener`).
-    """
-    kwargs = dict(open_kwargs or {})
-    name = url if url is not None else path
-    return ResumableStream(
-        seek_opener(lambda: fs.open(path, "rb", **kwargs), name),
-        url=name,
-        retries=retries,
-        backoff=backoff,
-        translate=translate,
-    )
-
-
-def open_resumable(
-    url: str,
-    *,
-    retries: int = DEFAULT_RETRIES,
-    backoff: BackoffLike = None,
-    open_kwargs: Optional[Dict[str, Any]] = None,
-    **storage_options: Any,
-) -> ResumableStream:
-    """Open an fsspec URL for reading with retries and resume.
-
-    ``storage_options`` configure the filesystem (credentials, endpoints); ``open_kwargs`` go to
-    ``fs.open`` (``block_size``, ``cache_type``).
-
-    >>> with open_resumable("https://host/a.tar", retries=5, backoff=Backoff(initial=1)) as s:
-    ...     members = list(read_members(s, "https://host/a.tar"))
-    """
-
-    try:
-        fs, path = url_to_fs(url, **storage_options)
-    except SecureModeError:
-        raise
-    except ImportError as exn:
-        raise OpenError(
-            f"no fsspec backend installed for this URL's scheme ({exn}); for S3 install "
-            "'webds[s3]', for GCS 'webds[gcs]'",
-            url=url,
-        ) from None
-    except ValueError as exn:
-        raise OpenError(
-            f"unknown URL scheme ({exn}); use a local path, 'pipe:CMD', or a protocol fsspec knows",
-            url=url,
-        ) from None
-    return resumable_fsspec(
-        fs, path, url=url, retries=retries, backoff=backoff, open_kwargs=open_kwargs
-    )

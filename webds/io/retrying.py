@@ -23,7 +23,7 @@ so a wrong endpoint took a minute (S3) to four minutes (GCS) to be reported.
 
 :func:`~webds.io.urls.open_url` reads http(s), s3 and gs objects as one streamed GET, resumed
 with an open-ended range from the first byte not delivered (:mod:`webds.io.ranged`).
-:func:`~webds.io.remote.resumable_fsspec` / :func:`~webds.io.remote.open_resumable` build one
+:func:`~webds.io.reopen.resumable_fsspec` / :func:`~webds.io.reopen.open_resumable` build one
 for an fsspec file: ``fs.open`` then ``seek(offset)``, which makes the next read a ranged request
 for http, s3 and gcs. fsspec fetches whole blocks, so after a cut the block in flight is fetched
 again from its start (nothing is duplicated: the reader only ever received whole blocks); a link

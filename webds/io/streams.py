@@ -22,6 +22,7 @@ from typing import IO, Any, Callable, List
 
 __all__ = [
     "ReadStream",
+    "TranslatedWrites",
     "CommitOnExit",
     "AtomicFile",
     "discard_stream",
@@ -82,6 +83,57 @@ class CommitOnExit:
             self.discard()  # type: ignore[attr-defined]
         else:
             self.close()  # type: ignore[attr-defined]
+
+
+class TranslatedWrites:
+    """A write stream whose failures (in ``write``, ``flush``, ``close``) are raised as
+    ``translate(exn)`` says: an upload refused at its commit reads as the open would have."""
+
+    def __init__(self, raw: Any, translate: Callable[[BaseException], BaseException]) -> None:
+        self._raw = raw
+        self._translate = translate
+        self.closed = False
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._raw, method)(*args)
+        except Exception as exn:
+            translated = self._translate(exn)
+            if translated is exn:
+                raise
+            raise translated from exn
+
+    def write(self, data: Any) -> Any:
+        return self._call("write", data)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            try:
+                self._call("close")
+            finally:
+                self.closed = True
+
+    def discard(self) -> None:
+        """Abandon the upload (see :func:`discard_stream`)."""
+        discard_stream(self._raw)
+        self.closed = True
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._raw, name)
+
+    def __enter__(self) -> "TranslatedWrites":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def discard_stream(stream: Any) -> None:
