@@ -400,3 +400,18 @@ def test_a_same_size_rewrite_never_gives_a_loader_half_a_sample(tmp_path, worker
     else:
         with pytest.raises(Exception, match="out of date"):
             read()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_same_size_rewrite_never_gives_a_rank_half_a_sample(tmp_path, monkeypatch, rank):
+    # Each of 2 ranks (as torchrun sets RANK and WORLD_SIZE) reads its half of the shard through
+    # the index's offsets: the out-of-date index error, never k5 with cls only.
+    spec, _ = rewritten_same_size(tmp_path)
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ds = webds.WebDataset(spec, shardshuffle=False, balance="pad")
+    got: List[Any] = []
+    with pytest.raises(ShardReadError, match="out of date"):
+        for sample in ds:
+            got.append(sample)
+    assert all(set(s) >= {"bin", "cls"} for s in got)
