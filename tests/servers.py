@@ -16,6 +16,7 @@ package is missing skips its tests, naming the package.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import hashlib
 import json
 import os
@@ -413,10 +414,13 @@ class _Handler(BaseHTTPRequestHandler):
         size = len(data)
         status, start, end = 200, 0, size  # end is exclusive
         spec = None if unsized else self.headers.get("Range")
-        # A strong ETag of the content; If-Range with another one asks for the whole new object.
+        # A strong ETag of the content (or, with srv.dates_only, a Last-Modified date); If-Range
+        # with another one asks for the whole new object.
         etag = '"' + hashlib.sha1(data).hexdigest() + '"'
+        modified = email.utils.formatdate(path.stat().st_mtime, usegmt=True)
+        validator = modified if srv.dates_only else etag
         if_range = self.headers.get("If-Range")
-        if spec and if_range is not None and if_range != etag:
+        if spec and if_range is not None and if_range != validator:
             spec = None
         if spec:
             m = _RANGE.match(spec.strip())
@@ -437,7 +441,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/x-tar")
         if not unsized:
-            self.send_header("ETag", etag)
+            self.send_header(*(("Last-Modified", modified) if srv.dates_only else ("ETag", etag)))
         if unsized:
             # No Content-Length: the body ends when the connection closes, so a cut looks
             # exactly like the end (a proxy or dynamic server streaming the object).
@@ -514,6 +518,8 @@ class RangeHTTPServer(ThreadingHTTPServer):
         self._cuts: List[int] = []  # per-response cuts, in order, before the "cut" fault
         #: Called once, right after the next cut response hung up (FlakyHTTPServer).
         self.after_cut: Optional[Any] = None
+        #: Send Last-Modified instead of an ETag (a server that has no ETags).
+        self.dates_only = False
         self._stalls: List[Tuple[int, float]] = []
         self.unsized = False
         self.unsized_cut: Optional[int] = None

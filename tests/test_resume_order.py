@@ -284,3 +284,38 @@ def test_mixes_and_plain_sources_resume_in_the_same_order(data, case):
         return webds.FluidWrapper(source).shuffle(3).compose(one_late()).listed(2)
 
     check(make, rng)
+
+
+def _keep_most(sample: dict) -> bool:
+    return int(sample["cls"]) % 3 != 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["spawn"])
+def test_spawned_workers_resume_in_the_same_order(data, context):
+    # Workers started by spawn (PAD and Restored cross a pickle of their own), rebatching in
+    # the main process, a stage that drops samples.
+    spec, index = data
+
+    def make():
+        ds = webds.WebDataset(index, shardshuffle=True, seed=4).select(_keep_most).shuffle(5)
+        loader = webds.WebLoader(
+            ds.listed(2), batch_size=None, num_workers=2, multiprocessing_context=context
+        )
+        return loader.unlisted().shuffle(4).listed(3)
+
+    check(make, random.Random(8), epochs=1, one=2)  # (spawning is slow: one stop point)
+
+
+def test_remote_shards_resume_in_the_same_order(data, http_server):
+    # Shards over HTTP, read ahead while one is read: held samples come back from the server.
+    spec, _ = data
+    urls = []
+    for k in range(4):
+        with open(spec.replace("{0..3}", str(k)), "rb") as f:
+            urls.append(http_server.put(f"s-{k}.tar", f.read()))
+
+    def make():
+        return webds.WebDataset(urls, shardshuffle=True, seed=2).shuffle(6).listed(2)
+
+    check(make, random.Random(3))
