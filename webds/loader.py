@@ -296,10 +296,8 @@ class WebLoader(DataPipeline, FluentMixin):
             if self._restoring and type(x.item) is not Restored:
                 self._restoring = 0  # a worker sent none: go on with what came
                 yield from self._take_back(restored, ledger, keeps)
-            if x.pass_ is None:  # a Restored of a worker that read nothing
-                self._restoring -= 1
-                if not self._restoring:
-                    yield from self._take_back(restored, ledger, keeps)
+            if x.pass_ is None:  # a Restored of a worker that read nothing: no ledger change
+                yield from self._restored_from(x, restored, ledger, keeps)
                 continue
             m = mirrors.get(x.worker)
             if m is None or m["pass"] != x.pass_:
@@ -316,10 +314,7 @@ class WebLoader(DataPipeline, FluentMixin):
             if x.problem is not None:
                 m["problem"] = x.problem
             if type(x.item) is Restored:
-                restored += [(item, qualify(x.worker, i)) for item, i in zip(*x.item)]
-                self._restoring -= 1
-                if not self._restoring:
-                    yield from self._take_back(restored, ledger, keeps)
+                yield from self._restored_from(x, restored, ledger, keeps)
                 continue
             self._last_worker = x.worker
             if x.ids is not None:  # what its epoch's padding repeats (see counting._exactly)
@@ -334,10 +329,19 @@ class WebLoader(DataPipeline, FluentMixin):
                 item = unpacker.unpack(x.worker, item)
             yield item
 
+    def _restored_from(
+        self, x: Envelope, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool
+    ) -> Any:
+        """Note a worker's Restored batch; once every worker's has come, take them back."""
+        restored += [(item, qualify(x.worker, i)) for item, i in zip(*x.item)]
+        self._restoring -= 1
+        if not self._restoring:
+            yield from self._take_back(restored, ledger, keeps)
+
     def _take_back(self, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool) -> Any:
         """The samples this process held at the checkpoint, made again by the workers, in the
         order its stages take them back (see webds.stages.ledger.Slot.restore)."""
-        plan = ledger._restore_plan()
+        plan = ledger.restore_plan()
         restored.sort(key=lambda pair: plan.sort_key(next(ids_of(pair[1]), -1)))
         for item, qids in restored:
             if keeps:

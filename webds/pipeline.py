@@ -121,7 +121,7 @@ class DataPipeline(IterableDataset):
         # A WebLoader's dataset tracks its ledger, and notes the ids of the items it yields
         # (_pending) and how many were collated (_sent), for loader._EnvelopeCollate.
         self._envelopes, self._pending, self._sent, self._warned_inexact = False, [], 0, False
-        self._restored: List[Any] = []  # see _divert_held_after
+        self._restored: List[Any] = []  # see Ledger.divert_held_after
         self.probe: Optional[Probe] = None  # stats=True: where the time goes (stages.probe)
 
     # -- composition -------------------------------------------------------------------------

@@ -255,7 +255,7 @@ def _regroup(src: Iterable[Any], ledger: Any) -> Generator[List[Any], None, Iter
     :meth:`~webds.stages.ledger.Slot.restore`); each item they held is batched again on its
     own, as it was (a batch held whole, or one sample of a batch split later), so that the
     batches after them start where the uninterrupted run's did. Returns the rest of ``src``."""
-    plan = ledger._restore_plan()
+    plan = ledger.restore_plan()
     it = iter(src)
     group: Any = None
     buf: List[Any] = []

@@ -367,7 +367,7 @@ def rsample(
     base = derive_seed("rsample", seed, epoch, where.rank, where.worker)
     threshold = int(p * 2.0**64)
     # Resuming, what stages after this one held comes back first: it was kept before.
-    plan = ledger._restore_plan() if ledger.resuming else None
+    plan = ledger.restore_plan() if ledger.resuming else None
     for item in src:
         i = ledger.current
         if plan is not None:

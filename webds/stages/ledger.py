@@ -226,7 +226,8 @@ class Ledger:
         """This ledger as the stage at ``position`` sees it."""
         return StageLedger(self, position)
 
-    def _restore_plan(self) -> "RestorePlan":
+    def restore_plan(self) -> "RestorePlan":
+        """Who held what at the checkpoint resumed from (empty when not resuming)."""
         if self._plan is None:
             self._plan = RestorePlan({}, ())
         return self._plan
@@ -236,7 +237,7 @@ class Ledger:
         the checkpoint put in the order the stages take them back (:meth:`Slot.restore`): those
         held by later stages first, each stage's in the order it kept them. They are all read
         before any new sample, so they are gathered until the last is read, or a new one."""
-        plan = self._restore_plan()
+        plan = self.restore_plan()
         holes = set(plan.holes)
         if not holes:
             yield from items
@@ -266,11 +267,11 @@ class Ledger:
         """A resumed WebLoader worker's items without those its main process held at the
         checkpoint (which come first): they go to ``into``, as (item, ids), for the worker's
         first batch, and are not this stream's items."""
-        left = self._restore_plan().beyond
+        left = self.restore_plan().beyond
         if not left:
             yield from items
             return
-        plan = self._restore_plan()
+        plan = self.restore_plan()
         for item in items:
             i = self.current
             if left > 0 and plan.owner(i) == BEYOND:

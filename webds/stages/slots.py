@@ -132,7 +132,7 @@ class Slot:
         self.captured = []
         if not ledger.resuming:
             return
-        plan = ledger._restore_plan()
+        plan = ledger.restore_plan()
         saved = self.saved or []
         own = plan.capture.get(self.position, {})
         items: List[Any] = [_END] * len(saved)
