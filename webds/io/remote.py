@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 from ..errors import NotFoundError, OpenError, SecureModeError, WebdsError, WriteError
 from .ranged import DEFAULT_READ_TIMEOUT, check_read_timeout, open_ranged
 from .reopen import open_resumable, resumable_fsspec, seek_opener  # noqa: F401 (named here too)
-from .retrying import _HUNG_UP_NAMES, DEFAULT_RETRIES, BackoffLike, ResumableStream, _unreachable
+from .retrying import _HUNG_UP_NAMES, DEFAULT_RETRIES, BackoffLike, ResumableStream
 from .security import url_to_fs
 from .streams import TranslatedWrites
 
@@ -358,9 +358,9 @@ def _write_error(exn: BaseException, url: str, scheme: str, fs: Any, path: str) 
     connection lost during the upload said so when the store still answers."""
     if isinstance(exn, WebdsError):
         return exn
-    err = _remote_error(exn, url, scheme, fs=fs, path=path)
-    root = _error_chain(exn)[-1]
-    if _unreachable(exn) or _http_status(_error_chain(exn)) is None and "connect" in err.message:
+    chain = _error_chain(exn)
+    root = chain[-1]
+    if _http_status(chain) is None and _lost_connection(chain):
         bucket, _ = _bucket_and_key(fs, path)
         if bucket is not None and _bucket_exists(fs, bucket) is not None:
             return WriteError(
@@ -368,7 +368,20 @@ def _write_error(exn: BaseException, url: str, scheme: str, fs: Any, path: str) 
                 "store answers, so it was the link: the shard was not written, write it again",
                 url=url,
             )
-    return _WriteRefused(err.message, url=url)
+    return _WriteRefused(_remote_error(exn, url, scheme, fs=fs, path=path).message, url=url)
+
+
+#: Exception class names (in an error's chain) that say a connection failed or was lost.
+_CONNECTION_NAMES = frozenset(
+    {"ConnectionError", "ClientConnectorError", "EndpointConnectionError"}
+)
+
+
+def _lost_connection(chain: list) -> bool:
+    """Whether an error's chain says the connection failed, was lost or timed out."""
+    names = {cls.__name__ for err in chain for cls in type(err).__mro__}
+    timed_out = any(isinstance(e, TimeoutError) for e in chain)
+    return bool(names & (_CONNECTION_NAMES | _HUNG_UP_NAMES)) or timed_out
 
 
 def _remote_error(
@@ -398,8 +411,7 @@ def _remote_error(
                 "the host, the port, http or https",
                 url=url,
             )
-        connection = {"ConnectionError", "ClientConnectorError", "EndpointConnectionError"}
-        if names & connection or any(isinstance(e, TimeoutError) for e in chain):
+        if _lost_connection(chain):
             return OpenError(
                 f"cannot connect to {server} ({detail}); check {hint} and the network",
                 url=url,
