@@ -42,6 +42,7 @@ import torch
 from ..errors import ArgumentError, SampleError
 from .core import BATCH, UNBATCH, stage
 from .filters import _check_callable, _check_int, _where
+from .slots import pulled_back
 
 __all__ = ["batched", "listed", "unbatched", "unlisted", "default_collation_fn"]
 
@@ -267,7 +268,7 @@ def _regroup(src: Iterable[Any], ledger: Any) -> Generator[List[Any], None, Iter
             if buf:
                 ledger.current = ids
                 yield buf
-            return _then(item, i, it, ledger)
+            return pulled_back(item, i, it, ledger)
         if where[:2] != group and buf:
             ledger.current = ids
             yield buf
@@ -279,13 +280,6 @@ def _regroup(src: Iterable[Any], ledger: Any) -> Generator[List[Any], None, Iter
         ledger.current = ids
         yield buf
     return iter(())
-
-
-def _then(item: Any, i: Any, rest: Iterator[Any], ledger: Any) -> Iterator[Any]:
-    """``item`` (whose id is ``i``), then ``rest``."""
-    ledger.current = i
-    yield item
-    yield from rest
 
 
 @stage(count=BATCH)

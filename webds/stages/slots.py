@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional,
 if TYPE_CHECKING:
     from .ledger import Ledger
 
-__all__ = ["Slot", "RestorePlan", "StageLedger", "BEYOND", "ids_of"]
+__all__ = ["Slot", "RestorePlan", "StageLedger", "BEYOND", "ids_of", "pulled_back"]
 
 log = logging.getLogger("webds")
 
@@ -174,11 +174,17 @@ class Slot:
     def rest(self, it: Iterator[Any]) -> Iterator[Any]:
         """``it`` after :meth:`restore`: the item it pulled too far first, with its id."""
         pending, self._next = self._next, _END
-        if pending is not _END:
-            item, i = pending
-            self.ledger.current = i
-            yield item
-        yield from it
+        if pending is _END:
+            return iter(it)
+        return pulled_back(pending[0], pending[1], it, self.ledger)
+
+
+def pulled_back(item: Any, i: Any, rest: Iterator[Any], ledger: Any) -> Iterator[Any]:
+    """``item``, pulled from ``rest`` too far, given back first (its id ``i`` current again),
+    then ``rest``."""
+    ledger.current = i
+    yield item
+    yield from rest
 
 
 class RestorePlan:
