@@ -26,9 +26,9 @@ MAX_LINES = 550
 MAX_TOP_LEVEL = 14
 
 #: The rooms in the order of the data flow: a module may import only from its own room and the
-#: rooms before it. The foundation (errors, the stage machinery and handlers, the ledger and
-#: slots that resuming is built on, progress bars) imports nothing of webds but errors, so every
-#: room may build on it.
+#: rooms before it. The foundation (errors, the stage machinery and handlers, the ledger, slots
+#: and saved state that resuming is built on, progress bars) imports nothing of webds but errors,
+#: so every room may build on it.
 ROOMS: List[List[str]] = [
     [
         "webds.errors",
@@ -37,13 +37,15 @@ ROOMS: List[List[str]] = [
         "webds.stages.handlers",
         "webds.stages.ledger",
         "webds.stages.slots",
+        "webds.stages.saved",
     ],
     ["webds.io"],
     ["webds.tar"],
     ["webds.shards"],
     ["webds.stages"],
     # composition and writing: DataPipeline, WebDataset, WebLoader, the writers, map_shards
-    ["webds.counting", "webds.pipeline", "webds.keywords", "webds.fluent", "webds.loader"],
+    ["webds.counting", "webds.pipeline", "webds.keywords", "webds.fluent", "webds.channel"],
+    ["webds.loader"],
     ["webds.tarwriter", "webds.shardwriter", "webds.writing", "webds.writer", "webds.parallel"],
     ["webds.convert", "webds.cli"],
     ["webds.compat"],

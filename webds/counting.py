@@ -21,8 +21,10 @@ import logging
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-from .errors import ArgumentError, LengthError, ResumeError
+from .errors import LengthError, ResumeError
+from .shards.elastic import every_rank, plan_elsewhere
 from .stages.core import Count, Length, resume_kind
+from .stages.saved import PipelineState
 
 __all__ = [
     "source_counts",
@@ -33,6 +35,7 @@ __all__ = [
     "own_state",
     "with_topology",
     "restore_entropy",
+    "resume_elsewhere",
     "gather_states",
     "random_parts",
     "exact_count",
@@ -154,18 +157,17 @@ _UNRESUMABLE_HINT = (
 )
 
 
-def refuse_unresumable(pipeline: Any, state: Dict[str, Any], strict: bool) -> None:
+def refuse_unresumable(pipeline: Any, state: PipelineState, strict: bool) -> None:
     """Raise :class:`~webds.errors.ResumeError` if ``state`` (a pass in progress) was taken
     through stages that do not say what they owe a resume; with ``strict=False``, record why
     in the state instead (loading it then needs ``strict=False`` too)."""
-    in_progress = state.get("ledger") is not None or bool(state.get("workers"))
-    stages = unresumable(pipeline) if in_progress else []
+    stages = unresumable(pipeline) if state.in_progress else []
     if not stages:
         return
     why = f"cannot save an exact position mid-pass through {'; '.join(stages)}. {_UNRESUMABLE_HINT}"
     if strict:
         raise ResumeError(why)
-    state["problem"] = "; ".join(p for p in (state.get("problem"), why) if p)
+    state.add_problem(why)
 
 
 def random_parts(pipeline: Any) -> Iterator[Any]:
@@ -191,12 +193,13 @@ _ELASTIC_HINT = (
 )
 
 
-def own_state(state: Any, rank: int, world_size: int, strict: bool) -> Any:
-    """This rank's state out of ``state``: one rank's ``state_dict()``, or the list of every
-    rank's (``state_dict(all_ranks=True)``). Raises :class:`~webds.errors.ResumeError` for
-    another rank's state or another world size (each rank reads different samples)."""
-    if isinstance(state, (list, tuple)):
-        ranks = {s.get("rank", 0): s for s in state if isinstance(s, dict)}
+def own_state(state: Any, rank: int, world_size: int, strict: bool) -> PipelineState:
+    """This rank's state out of ``state`` (read by :func:`~webds.stages.saved.read_states`): one
+    rank's ``state_dict()``, or the list of every rank's (``state_dict(all_ranks=True)``). Raises
+    :class:`~webds.errors.ResumeError` for another rank's state or another world size (each rank
+    reads different samples)."""
+    if isinstance(state, list):
+        ranks = {s.rank: s for s in state}
         saved_world = len(state)
         if saved_world == world_size and rank in ranks:
             return ranks[rank]
@@ -206,9 +209,9 @@ def own_state(state: Any, rank: int, world_size: int, strict: bool) -> Any:
             f"these states were saved by {saved_world} ranks, and this is rank {rank} of "
             f"{world_size}; resume with the same number of ranks; {_ELASTIC_HINT}"
         )
-    if not isinstance(state, dict) or state.get("version") != 2 or not strict:
+    if state.version != 2 or not strict:
         return state
-    saved, saved_world = state.get("rank", 0), state.get("world_size", 1)
+    saved, saved_world = state.rank, state.world_size
     if saved_world != world_size:
         raise ResumeError(
             f"this state was saved by a job of {saved_world} ranks, this one has {world_size}: "
@@ -235,9 +238,9 @@ def gather_states(state: Dict[str, Any]) -> List[Dict[str, Any]]:
     return states
 
 
-def restore_entropy(pipeline: Any, state: Dict[str, Any]) -> None:
+def restore_entropy(pipeline: Any, state: PipelineState) -> None:
     """Give the pipeline's random parts (see :func:`random_parts`) the entropy ``state`` saved."""
-    entropy = state.get("entropy") or []
+    entropy = state.entropy
     parts = list(random_parts(pipeline))
     if len(entropy) == len(parts):
         for part, value in zip(parts, entropy):
@@ -256,23 +259,33 @@ def with_topology(mine: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]
     return out
 
 
-def check_state(state: Any, mine: Dict[str, Any], strict: bool) -> None:
+def resume_elsewhere(pipeline: Any, state: Any, strict: bool, plan: Any, granule: int) -> int:
+    """Resume every rank's ``state`` (a list of :class:`~webds.stages.saved.PipelineState`),
+    saved on another topology: make ``plan`` share out the rest of their epoch on this one (see
+    :mod:`webds.shards.elastic`) and give ``pipeline`` the saved entropy; return that epoch."""
+    states = every_rank(state)
+    mine = pipeline._resume_config()
+    for saved in states:
+        check_state(saved, with_topology(mine, saved.config), strict)
+    epoch = plan_elsewhere(plan, states, granule)
+    restore_entropy(pipeline, states[0])
+    return epoch
+
+
+def check_state(state: PipelineState, mine: Dict[str, Any], strict: bool) -> None:
     """Raise :class:`~webds.errors.ResumeError` unless ``state`` (from ``state_dict()``) can be
     resumed exactly by a pipeline whose configuration is ``mine``; ``strict=False`` lets
-    everything but a malformed state through."""
-    if not isinstance(state, dict) or state.get("version") not in (1, 2):
-        raise ArgumentError(f"not a webds pipeline state (from state_dict()): {state!r}")
-    if state["version"] == 1:
+    everything through."""
+    if state.version == 1:
         if strict:
             raise ResumeError(
                 "this state was saved by webds 0.1, which counted items instead of recording "
                 "which samples were read; it cannot be resumed exactly. Pass strict=False to "
                 "start its epoch again from the beginning"
             )
-        state.pop("consumed", None)
         return
-    problems = [p for p in _problems(state) if p]
-    saved = state.get("config") or {}
+    problems = state.problems()
+    saved = state.config
     changed = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
     if changed:
         diffs = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in changed)
@@ -288,14 +301,6 @@ def check_state(state: Any, mine: Dict[str, Any], strict: bool) -> None:
             + "; ".join(problems)
             + ". Pass strict=False to continue approximately"
         )
-
-
-def _problems(state: Dict[str, Any]) -> List[Optional[str]]:
-    """The reasons a state's streams (its own, and its DataLoader workers') can't resume."""
-    out = [state.get("problem")]
-    for stream in (state.get("workers") or {}).values():
-        out.append(stream.get("problem"))
-    return list(dict.fromkeys(out))
 
 
 def exact_count(pipeline: Any, epoch: Optional[int] = None) -> Optional[int]:

@@ -13,14 +13,12 @@ import logging
 import os
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
-from .counting import check_state, restore_entropy, with_topology
 from .errors import ArgumentError, NoSamplesError
 from .io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead
 from .io.urls import url_identity
 from .keywords import legacy_keywords
 from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, stage
 from .shards.datasets import ResampledShards, SimpleShardList
-from .shards.elastic import every_rank, plan_elsewhere, topology_changed
 from .shards.index import ShardIndex, ShardInfo, is_index_url
 from .shards.plan import PlannedShards, check_balance
 from .shards.shardlists import (
@@ -433,20 +431,8 @@ class WebDataset(DataPipeline, FluentMixin):
     def _workers_hint(self) -> Optional[int]:
         return self.loader_hint[0] if self.loader_hint is not None else None
 
-    def load_state_dict(self, state: Any, strict: bool = True) -> None:
-        """:meth:`DataPipeline.load_state_dict`; with an index, every rank's states
-        (``state_dict(all_ranks=True)``) saved by another number of ranks resume too: the rest of
-        their epoch is shared out among this job's ranks (see :mod:`webds.shards.elastic`)."""
-        if self.plan is not None and topology_changed(state, worker_info().world_size, 1):
-            states = every_rank(state)
-            mine = self._resume_config()
-            for saved in states:
-                check_state(saved, with_topology(mine, saved.get("config") or {}), strict)
-            epoch = plan_elsewhere(self.plan, states, self._granule())
-            restore_entropy(self, states[0])
-            self.set_epoch(epoch)
-            return
-        super().load_state_dict(state, strict)
+    def _planned(self) -> Optional[Tuple[PlannedShards, int, int]]:
+        return None if self.plan is None else (self.plan, self._granule(), 1)
 
     def _resume_config(self) -> Dict[str, Any]:
         config = super()._resume_config()

@@ -7,28 +7,26 @@ per epoch, ``.with_length(n)`` declares ``len()``.
 With a balanced :class:`~webds.fluent.WebDataset` (an index and ``balance=``), ``len(loader)`` is
 the exact number of batches this rank yields per epoch (also after ``.unbatched()...batched(n)``
 in the main process), and ``state_dict()`` / ``load_state_dict()`` resume mid-epoch with exactly
-the samples that were still to come.
+the samples that were still to come. What the workers read reaches this process through the
+worker channel (:mod:`webds.channel`).
 """
 
 from __future__ import annotations
 
 import sys
-import weakref
-from time import perf_counter
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
-from .counting import check_state, restore_entropy, source_counts, with_topology
+from .channel import EnvelopeCollate, WorkerChannel, WorkerMirrors
+from .counting import source_counts
 from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
-from .shards.elastic import every_rank, plan_elsewhere, topology_changed
-from .shards.shardlists import worker_info
-from .stages.batchbuffers import Packed, SlotPool, Unpacker
 from .stages.core import Length
-from .stages.ledger import PAD, Envelope, Ledger, Restored, ids_of, qualify, unqualify
+from .stages.ledger import Ledger
 from .stages.probe import PipelineStats, Probe, merged
+from .stages.saved import PipelineState
 
 __all__ = ["WebLoader"]
 
@@ -42,7 +40,7 @@ class WebLoader(DataPipeline, FluentMixin):
     ``DistributedSampler.set_epoch`` does.
 
     With a webds dataset, every item a worker yields comes with what the worker's ledger
-    recorded (see :mod:`webds.stages.ledger`), so :meth:`state_dict` knows exactly which samples
+    recorded (see :mod:`webds.channel`), so :meth:`state_dict` knows exactly which samples
     the training loop has received, whatever sits in the DataLoader's queues.
     """
 
@@ -50,46 +48,33 @@ class WebLoader(DataPipeline, FluentMixin):
         self, *args: Any, batch_buffers: bool = True, stats: bool = False, **kwargs: Any
     ) -> None:
         super().__init__(DataLoader(*args, **kwargs))
-        dataset = self.loader.dataset
+        loader, dataset = self.loader, self.loader.dataset
         if stats:
             # Each worker's copy of the dataset's probe measures that worker (see stats()).
             self.probe = Probe()
             if isinstance(dataset, DataPipeline):
                 dataset.probe = Probe()
-        # The latest probe snapshot of each worker process: {(worker id, pid): snapshot}.
-        self._worker_stats: Dict[Tuple[int, Any], Dict[str, Any]] = {}
         if hasattr(dataset, "loader_hint"):
             # Lets a balanced dataset align its workers' shares to the loader's batches.
-            dataset.loader_hint = (max(1, self.loader.num_workers), self.loader.batch_size)
+            dataset.loader_hint = (max(1, loader.num_workers), loader.batch_size)
         self.seed = getattr(dataset, "seed", None)
         if isinstance(dataset, DataPipeline):
-            single = self.loader.batch_size is None and self.loader.batch_sampler is None
+            if dataset.channel is None:
+                dataset.channel = WorkerChannel()
+            single = loader.batch_size is None and loader.batch_sampler is None
             # Reused shared buffers (webds.stages.batchbuffers) save the main process most of its
             # work per batch; a pinned copy is made from torch's own transfer instead.
-            pack = batch_buffers and self.loader.num_workers > 0 and not self.loader.pin_memory
-            self.loader.collate_fn = _EnvelopeCollate(self.loader.collate_fn, dataset, single, pack)
-        # Per DataLoader iterator (one for persistent workers; two live iterators, two).
-        self._unpackers: "weakref.WeakKeyDictionary[Any, Unpacker]" = weakref.WeakKeyDictionary()
-        self._worker_resume: Optional[Dict[str, Any]] = None
-        # Per DataLoader worker: the copy of its ledger, its pass and the items it has yielded.
-        self._mirrors: Dict[int, Dict[str, Any]] = {}
-        # The worker whose batch came last: the DataLoader's turn order goes on after it.
-        self._last_worker: Optional[int] = None
-        # Resuming: the workers' Restored batches still to come (see _source_items).
-        self._restoring = 0
+            pack = batch_buffers and loader.num_workers > 0 and not loader.pin_memory
+            loader.collate_fn = EnvelopeCollate(loader.collate_fn, dataset, single, pack)
+        # This process's copy of each worker's stream, kept from the batches' envelopes.
+        self._mirrors = WorkerMirrors(loader.num_workers, loader.batch_size)
+        self._worker_resume: Optional[PipelineState] = None  # loaded, for the next pass
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)  # a WebLoader pickled by webds 0.1 lacks these
+        if "_mirrors" not in self.__dict__:
+            self._mirrors = WorkerMirrors(self.loader.num_workers, self.loader.batch_size)
         self.__dict__.setdefault("_worker_resume", None)
-        self.__dict__.setdefault("_mirrors", {})
-        if self.__dict__.get("_unpackers") is None:
-            self._unpackers = weakref.WeakKeyDictionary()
-        self.__dict__.setdefault("_worker_stats", {})
-        self.__dict__.setdefault("_last_worker", None)
-        self.__dict__.setdefault("_restoring", 0)
-
-    def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_unpackers": None}  # (mapped memory: not sent)
 
     @property
     def loader(self) -> DataLoader:
@@ -105,7 +90,7 @@ class WebLoader(DataPipeline, FluentMixin):
         dropped at the end of its share) is not counted."""
         if self.probe is None:
             raise ArgumentError("stats() needs a loader made with WebLoader(..., stats=True)")
-        return merged(self.probe, self._worker_stats)
+        return merged(self.probe, self._mirrors.worker_stats)
 
     def _origin(self) -> Optional[Any]:
         return 0, _LoaderOrigin(self.loader)
@@ -125,42 +110,21 @@ class WebLoader(DataPipeline, FluentMixin):
         """Continue where :meth:`state_dict` was taken: the rest of that epoch's samples.
 
         Works across processes: build the same loader (same dataset, seed, index, world size,
-        ``num_workers``, batch size), then load this rank's state (or the list of every rank's).
-        Persistent workers are restarted.
+        ``num_workers``, batch size), then load this rank's state (or the list of every rank's;
+        with an index, saved on another topology too). Persistent workers are restarted.
         """
-        plan = getattr(self.loader.dataset, "plan", None)
-        world = worker_info().world_size
-        if plan is not None and topology_changed(state, world, self.loader.num_workers):
-            self._resume_elsewhere(state, strict)
-            return
+        self._mirrors.clear()
         super().load_state_dict(state, strict)
-        state = self._resume or {}
-        workers = state.get("workers")
+        resume = self._resume
         self._worker_resume = (
-            {
-                "pass": int(state.get("stream", state.get("epoch", 0))),
-                "workers": workers,
-                "next_worker": int(state.get("next_worker", 0)),
-            }
-            if workers
-            else None
+            resume if isinstance(resume, PipelineState) and resume.workers else None
         )
         self._restart_workers()
 
-    def _resume_elsewhere(self, state: Any, strict: bool) -> None:
-        """Resume every rank's ``state`` on this topology: the rest of its epoch, planned anew
-        (see :mod:`webds.shards.elastic`)."""
-        dataset = self.loader.dataset
-        states = every_rank(state)
-        mine = self._resume_config()
-        for saved in states:
-            check_state(saved, with_topology(mine, saved.get("config") or {}), strict)
-        epoch = plan_elsewhere(dataset.plan, states, dataset._granule())
-        restore_entropy(self, states[0])
-        self._worker_resume, self._mirrors = None, {}
-        self.set_epoch(epoch)
-        self._resume = None
-        self._restart_workers()
+    def _planned(self) -> Optional[Tuple[Any, int, int]]:
+        inner = getattr(self.loader.dataset, "_planned", None)
+        planned = inner() if inner is not None else None
+        return None if planned is None else (planned[0], planned[1], self.loader.num_workers)
 
     def _restart_workers(self) -> None:
         # Persistent workers keep their own copy of the dataset, with its own epoch; they must
@@ -190,43 +154,23 @@ class WebLoader(DataPipeline, FluentMixin):
         )
         return carried and (loader.num_workers == 0 or loader.persistent_workers)
 
-    def _stream_state(self) -> Dict[str, Any]:
-        state = super()._stream_state()
+    def _state(self) -> PipelineState:
+        state = super()._state()
         if not isinstance(self.loader.dataset, DataPipeline):
             return state
         # The main process's own ledger only holds workers' samples (in its shuffle buffers
         # and batches): they are holes in those workers' records.
-        held: Dict[int, List[Any]] = {}
-        if self._stream is not None:
-            for ids in self._stream["ledger"].held_items():
-                for w, part in _by_worker(ids).items():
-                    held.setdefault(w, []).append(part)
-        # Kept for its slots: the main process's stages put their buffers back from it.
-        pass_ = self._stream["pass"] if self._stream is not None else state["epoch"]
-        if self._last_worker is not None and self._mirrors:
-            state["next_worker"] = (self._last_worker + 1) % max(1, self.loader.num_workers)
-        state["workers"] = {
-            str(w): {
-                "epoch": pass_,
-                "items": m["items"],
-                "stream": m["pass"],
-                "ledger": m["ledger"].state(held.get(w, ())),
-                "problem": m["problem"],
-                "last": m.get("last"),
-            }
-            for w, m in sorted(self._mirrors.items())
-        }
+        stream = self._stream
+        held = stream.ledger.held_items() if stream is not None else []
+        pass_ = stream.number if stream is not None else state.epoch
+        state.workers, state.next_worker = self._mirrors.save(held, pass_)
         return state
 
-    def _epoch_done(self, position: List[int], keep_stream: bool = False) -> None:
+    def _epoch_done(self, position: List[int]) -> None:
         ended = position is self._position  # not an abandoned iterator run out later
-        super()._epoch_done(position, keep_stream)
+        super()._epoch_done(position)
         if ended and self._carry is None:  # (with_epoch here: the DataLoader's pass goes on)
-            if self._carries():
-                for m in self._mirrors.values():
-                    m["items"] = 0  # the workers' streams go on into the next epoch
-            else:
-                self._mirrors = {}
+            self._mirrors.epoch_done(self._carries())
 
     def _one_pass(self, epoch: int, ledger: Ledger) -> Any:
         dataset = self.loader.dataset
@@ -237,201 +181,35 @@ class WebLoader(DataPipeline, FluentMixin):
             plan.warn_split(max(1, self.loader.num_workers))
         resume, self._worker_resume = self._worker_resume, None
         if not self._carries():
-            self._mirrors = {}
-        mirrors = self._mirrors
-        if resume is not None and resume["pass"] == epoch:
-            mirrors.clear()
-            for w, saved in resume["workers"].items():
-                mirrors[int(w)] = {
-                    "pass": int(saved.get("stream", epoch)),
-                    "ledger": Ledger(resume=saved.get("ledger")),
-                    "items": int(saved.get("items", 0)),
-                    "problem": saved.get("problem"),
-                }
-            # Each worker's first batch brings back what this process held (Restored); then
-            # those whose turn came before the next one's pad once, as the DataLoader starts
-            # its turns at worker 0 again (see webds.stages.ledger.PAD).
-            batch = self.loader.batch_size or 1
-            first = resume.get("next_worker", 0)
-            for_workers = {
-                str(w): dict(
-                    resume["workers"].get(str(w), {}),
-                    restore=batch,
-                    pad=batch if w < first else 0,
-                )
-                for w in range(max(1, self.loader.num_workers))
-            }
-            dataset._resume = {"epoch": epoch, "for_workers": for_workers}
-            self._restoring = len(for_workers)
+            self._mirrors.clear()
+        if (
+            resume is not None
+            and (resume.pass_ if resume.pass_ is not None else resume.epoch) == epoch
+        ):
+            dataset.channel.starts = self._mirrors.resume(resume, epoch)
         return super()._one_pass(epoch, ledger)
 
     def _source_items(self, ledger: Ledger) -> Iterator[Any]:
-        """The DataLoader's items; a webds dataset's come in Envelopes, whose ledger records are
-        kept per worker (``mirrors``) as the items arrive."""
+        """The DataLoader's items; a webds dataset's come in envelopes, whose ledger records are
+        kept per worker (:class:`~webds.channel.WorkerMirrors`) as the items arrive."""
         dataset = self.loader.dataset
-        if not isinstance(dataset, DataPipeline):
+        channel = getattr(dataset, "channel", None)
+        if channel is None:
             # Not a webds pipeline: each item is one id, and resuming reads them again.
             yield from super()._source_items(ledger)
             return
-        mirrors = self._mirrors
         keeps = any(
             getattr(getattr(s, "factory", None), "wants_ledger", False) for s in self.pipeline
         )
-        # Only while the DataLoader starts (its workers copy the dataset; without workers it
-        # calls iter(dataset) now): the same dataset used elsewhere yields plain items.
-        dataset._envelopes = True
-        self._last_worker = None  # the DataLoader's turns start at worker 0
+        # Open only while the DataLoader starts (its workers copy the dataset; without workers
+        # it calls iter(dataset) now): the same dataset used elsewhere yields plain items.
+        channel.open = True
         try:
             it = iter(self.loader)
         finally:
-            dataset._envelopes = False
-            dataset._resume = None  # the workers (or this process's iterator) have their copy
-        restored: List[Tuple[Any, Any]] = []
-        for x in it:
-            if type(x) is not Envelope:  # not tracked (see _EnvelopeCollate): nothing to note
-                yield x
-                continue
-            if x.item is PAD:
-                continue  # only keeps the DataLoader's turn order
-            if self._restoring and type(x.item) is not Restored:
-                self._restoring = 0  # a worker sent none: go on with what came
-                yield from self._take_back(restored, ledger, keeps)
-            if x.pass_ is None:  # a Restored of a worker that read nothing: no ledger change
-                yield from self._restored_from(x, restored, ledger, keeps)
-                continue
-            m = mirrors.get(x.worker)
-            if m is None or m["pass"] != x.pass_:
-                m = mirrors[x.worker] = {
-                    "pass": x.pass_,
-                    "ledger": Ledger(),
-                    "items": 0,
-                    "problem": None,
-                }
-            m["ledger"].apply(x.delta)
-            if x.stats is not None:
-                self._worker_stats[(x.worker, x.stats.get("pid"))] = x.stats
-            m["items"] = x.items
-            if x.problem is not None:
-                m["problem"] = x.problem
-            if type(x.item) is Restored:
-                yield from self._restored_from(x, restored, ledger, keeps)
-                continue
-            self._last_worker = x.worker
-            if x.ids is not None:  # what its epoch's padding repeats (see counting._exactly)
-                m["last"] = x.ids if self.loader.batch_size is None else x.ids[-1]
-            if keeps:  # a stage here holds or batches items: it needs their ids
-                ledger.current = qualify(x.worker, x.ids)
-            item = x.item
-            if type(item) is Packed:
-                unpacker = self._unpackers.get(it)
-                if unpacker is None:
-                    unpacker = self._unpackers[it] = Unpacker()
-                item = unpacker.unpack(x.worker, item)
-            yield item
-
-    def _restored_from(
-        self, x: Envelope, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool
-    ) -> Any:
-        """Note a worker's Restored batch; once every worker's has come, take them back."""
-        restored += [(item, qualify(x.worker, i)) for item, i in zip(*x.item)]
-        self._restoring -= 1
-        if not self._restoring:
-            yield from self._take_back(restored, ledger, keeps)
-
-    def _take_back(self, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool) -> Any:
-        """The samples this process held at the checkpoint, made again by the workers, in the
-        order its stages take them back (see webds.stages.ledger.Slot.restore)."""
-        plan = ledger.restore_plan()
-        restored.sort(key=lambda pair: plan.sort_key(next(ids_of(pair[1]), -1)))
-        for item, qids in restored:
-            if keeps:
-                ledger.current = qids
-            yield item
-        restored.clear()
-
-
-class _EnvelopeCollate:
-    """The DataLoader's ``collate_fn`` for a webds dataset: collates as usual, then wraps the
-    batch in an :class:`~webds.stages.ledger.Envelope` with what the dataset's ledger recorded
-    since the last batch (it runs where the dataset does: in the worker, or in this process)."""
-
-    def __init__(
-        self, collate: Any, dataset: DataPipeline, single: bool, pack: bool = False
-    ) -> None:
-        self.collate = collate
-        self.dataset = dataset
-        self.single = single
-        self.pack = pack
-        self.pool: Optional[SlotPool] = None  # made in the worker, by its first batch
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.__dict__.setdefault("pack", False)
-        self.__dict__.setdefault("pool", None)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "pool": None}  # each worker makes its own
-
-    def __call__(self, data: Any) -> Any:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        dataset = info.dataset if info is not None else self.dataset
-        first = data[0] if isinstance(data, list) and data else data
-        if first is PAD:
-            return Envelope(PAD, info.id if info is not None else 0, None, _NO_DELTA, 0, 0)
-        if type(first) is Restored:
-            # Each sample the main process held, collated as a batch of one, as it was split.
-            items = [self.collate(x if self.single else [x]) for x in first.items]
-            ids = [i if self.single else [i] for i in first.ids]
-            worker, stream = info.id if info is not None else 0, dataset._stream
-            if stream is None:  # nothing read: this worker's stream had ended
-                return Envelope(Restored(items, ids), worker, None, _NO_DELTA, 0, None)
-            ledger, pass_ = stream["ledger"], stream["pass"]
-            delta, problem, sent = ledger.take_delta(), ledger.problem, dataset._sent
-            return Envelope(Restored(items, ids), worker, None, delta, sent, pass_, problem)
-        probe = getattr(dataset, "probe", None)
-        if probe is None:
-            batch = self.collate(data)
-        else:
-            start = perf_counter()
-            batch = self.collate(data)
-            probe.collate_seconds += perf_counter() - start
-        stream = getattr(dataset, "_stream", None)
-        if stream is None or not stream["ledger"].tracking:
-            return batch  # iterated outside a WebLoader's iter()
-        # The ids of the items collated (noted by DataPipeline._tracked), and what the ledger
-        # recorded meanwhile.
-        ids: Any = list(dataset._pending)  # the ids of the items collated
-        dataset._pending.clear()  # in place: DataPipeline._tracked appends to this list
-        items = dataset._sent = dataset._sent + len(ids)
-        if self.single:
-            ids = ids[0] if ids else None
-        ledger = stream["ledger"]
-        worker = info.id if info is not None else 0
-        delta = ledger.take_delta()
-        if self.pack and info is not None:
-            if self.pool is None:
-                self.pool = SlotPool()
-            batch = self.pool.pack(batch)
-        snapshot = None if probe is None else probe.snapshot()
-        return Envelope(batch, worker, ids, delta, items, stream["pass"], ledger.problem, snapshot)
-
-
-def _by_worker(ids: Any) -> Dict[int, Any]:
-    """An item's qualified ids (an id or a bundle) split by worker, as that worker's ids."""
-    if not isinstance(ids, list):
-        w, i = unqualify(ids)
-        return {w: i}
-    out: Dict[int, List[Any]] = {}
-    for x in ids:
-        for w, part in _by_worker(x).items():
-            out.setdefault(w, []).append(part)
-    return out
-
-
-#: The ledger change a PAD envelope carries: none.
-_NO_DELTA = ({}, [], [], [], None)
+            channel.open = False
+            channel.starts = {}  # the workers (or this process's iterator) have their copy
+        yield from self._mirrors.receive(it, ledger, keeps)
 
 
 class _LoaderOrigin:

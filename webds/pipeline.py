@@ -20,7 +20,7 @@ import functools
 import itertools
 import secrets
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import IterableDataset
 
@@ -35,10 +35,12 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     refuse_unresumable,
     repeated,
     restore_entropy,
+    resume_elsewhere,
     source_counts,
 )
 from .counting import stage_name as _stage_name
 from .errors import ArgumentError, LengthError
+from .shards.elastic import topology_changed
 from .shards.shardlists import worker_info
 
 # The stage machinery lives in webds.stages (no torch import); these names stay importable from
@@ -62,8 +64,12 @@ from .stages.core import (  # noqa: F401
     stage,
     stateless,
 )
-from .stages.ledger import LEAF, PAD, Ledger, Restored, unconsumed
+from .stages.ledger import LEAF, Ledger, Pass, unconsumed
 from .stages.probe import Probe
+from .stages.saved import PipelineState, StreamState, read_states
+
+if TYPE_CHECKING:
+    from .channel import WorkerChannel, WorkerStart
 
 __all__ = ["stage", "pipelinefilter", "Stage", "StageFactory", "DataPipeline", "Count"]
 __all__ += ["Length", "SAME", "REORDER", "BATCH", "UNBATCH"]
@@ -115,13 +121,12 @@ class DataPipeline(IterableDataset):
         # Resuming (see state_dict): [epoch, items yielded] of the epoch in progress; the pass
         # being read and its ledger; a saved stream to continue at the next iter().
         self._position: List[int] = [0, 0]
-        self._stream: Optional[Dict[str, Any]] = None
-        self._resume: Optional[Dict[str, Any]] = None
+        self._stream: Optional[Pass] = None
+        self._resume: Optional[StreamState] = None
         self._drop = 0
-        # A WebLoader's dataset tracks its ledger, and notes the ids of the items it yields
-        # (_pending) and how many were collated (_sent), for loader._EnvelopeCollate.
-        self._envelopes, self._pending, self._sent, self._warned_inexact = False, [], 0, False
-        self._restored: List[Any] = []  # see Ledger.divert_held_after
+        self._warned_inexact = False
+        #: A WebLoader's dataset: how the DataLoader workers' copies report what they read.
+        self.channel: Optional["WorkerChannel"] = None
         self.probe: Optional[Probe] = None  # stats=True: where the time goes (stages.probe)
 
     # -- composition -------------------------------------------------------------------------
@@ -133,6 +138,7 @@ class DataPipeline(IterableDataset):
         result._carry = None
         result._position = list(self._position)
         result._stream = None
+        result.channel = None
         return result
 
     def append(self, stage: Any) -> None:
@@ -258,21 +264,24 @@ class DataPipeline(IterableDataset):
         """What must be the same when a saved position is loaded (see :meth:`load_state_dict`)."""
         return {"seed": self.seed, "stages": [_stage_name(s) for s in self.pipeline]}
 
-    def _stream_state(self) -> Dict[str, Any]:
-        """Where this process's stream stands: epoch, items yielded, pass and its ledger."""
+    def _state(self) -> PipelineState:
+        """Where this pipeline stands, as :meth:`state_dict` saves it."""
+        where = worker_info()
         epoch, items = self._position
-        state: Dict[str, Any] = {"epoch": epoch, "items": items}
-        stream = self._stream
-        if stream is not None:
-            ledger = stream["ledger"]
-            state.update(stream=stream["pass"], ledger=ledger.state(), problem=ledger.problem)
-            state["last"] = ledger.current  # what a padded epoch repeats (see _exactly)
+        state = PipelineState(epoch, items, rank=where.rank, world_size=where.world_size)
+        state.seed, state.config = self.effective_seed(), self._resume_config()
+        state.entropy = [x._entropy for x in random_parts(self)]
+        if self._stream is not None:
+            state.pass_, ledger = self._stream
+            state.ledger, state.problem = ledger.state(), ledger.problem
+            state.last = ledger.current  # what a padded epoch repeats (see _exactly)
         return state
 
     def state_dict(self, all_ranks: bool = False, strict: bool = True) -> Any:
         """Where this pipeline stands: the epoch in progress, how many items it has yielded, and
-        which source samples it has consumed (a plain dict of lists and ints: JSON will do).
-        After an epoch has run to its end, that is the next epoch with nothing consumed.
+        which source samples it has consumed (a plain dict of lists and ints: JSON will do; its
+        fields are :class:`~webds.stages.saved.PipelineState`'s). After an epoch has run to
+        its end, that is the next epoch with nothing consumed.
 
         Each rank of a distributed job reads other samples, so each rank's state is its own.
         ``all_ranks=True`` gathers every rank's into one list (a collective: call it on every
@@ -282,13 +291,10 @@ class DataPipeline(IterableDataset):
         :func:`~webds.stages.core.resume_kind`) raises :class:`~webds.errors.ResumeError`;
         ``strict=False`` saves anyway, and loading that needs ``strict=False`` too.
         """
-        where = worker_info()
-        state = {"version": 2, "rank": where.rank, "world_size": where.world_size}
-        state.update(seed=self.effective_seed(), config=self._resume_config())
-        state["entropy"] = [x._entropy for x in random_parts(self)]
-        state.update(self._stream_state())
+        state = self._state()
         refuse_unresumable(self, state, strict)
-        return gather_states(state) if all_ranks else state
+        saved = state.to_dict()
+        return gather_states(saved) if all_ranks else saved
 
     def load_state_dict(self, state: Any, strict: bool = True) -> None:
         """Make the next ``iter()`` continue where :meth:`state_dict` was taken: the rest of that
@@ -298,28 +304,39 @@ class DataPipeline(IterableDataset):
         The configuration (seed, shards, stages, world size, workers, batch size) must be the
         same, and the pipeline able to resume exactly, else this raises
         :class:`~webds.errors.ResumeError` saying why; ``strict=False`` resumes anyway, which is
-        then only approximately the rest of the epoch."""
+        then only approximately the rest of the epoch. With a shard index, every rank's states
+        (``state_dict(all_ranks=True)``) saved by another number of ranks or workers resume too:
+        the rest of their epoch is shared out anew (see :mod:`webds.shards.elastic`)."""
         where = worker_info()
-        state = own_state(state, where.rank, where.world_size, strict)
-        check_state(state, self._resume_config(), strict)
-        restore_entropy(self, state)
-        self.set_epoch(int(state["epoch"]))
-        self._resume = state
+        states = read_states(state)
+        planned = self._planned()
+        if planned is not None and topology_changed(states, where.world_size, planned[2]):
+            self.set_epoch(resume_elsewhere(self, states, strict, planned[0], planned[1]))
+            self._resume = None
+            return
+        mine = own_state(states, where.rank, where.world_size, strict)
+        check_state(mine, self._resume_config(), strict)
+        restore_entropy(self, mine)
+        self.set_epoch(mine.epoch)
+        self._resume = mine
         self._carry = self._stream = None  # the next iter() starts from the resume
-        self._position = [self.epoch, int(state.get("items", 0))]
+        self._position = [self.epoch, mine.items]
 
-    def _take_resume(self, epoch: int) -> Optional[Dict[str, Any]]:
-        """The saved stream this process continues in ``epoch``, if any (taken: used once)."""
+    def _planned(self) -> Optional[Tuple[Any, int, int]]:
+        """The epoch plan this pipeline reads by (an index's), the batch size the workers'
+        shares align to, and the DataLoader workers; None without a plan."""
+        return None
+
+    def _take_resume(self, epoch: int) -> Tuple[Optional[StreamState], Optional["WorkerStart"]]:
+        """The saved stream this process continues in ``epoch``, if any (taken: used once), and
+        for a WebLoader's DataLoader worker, how it begins (see :mod:`webds.channel`)."""
         resume, self._resume = self._resume, None
-        if resume is None or int(resume.get("epoch", -1)) != epoch:
-            return None
-        if "for_workers" in resume:
-            # A WebLoader's dataset: each DataLoader worker continues its own stream.
-            from torch.utils.data import get_worker_info
-
-            info = get_worker_info()
-            return resume["for_workers"].get(str(info.id if info is not None else 0))
-        return resume
+        if self.channel is not None and self.channel.open:
+            start = self.channel.take_start(epoch)
+            return (start.stream if start is not None else None), start
+        if resume is None or resume.epoch != epoch:
+            return None, None
+        return resume, None
 
     # -- running -----------------------------------------------------------------------------
 
@@ -381,25 +398,30 @@ class DataPipeline(IterableDataset):
                     close()
 
     def _passes(
-        self, first_epoch: int, resume: Optional[Dict[str, Any]] = None, track: bool = False
+        self,
+        first_epoch: int,
+        resume: Optional[StreamState] = None,
+        channel: Optional["WorkerChannel"] = None,
     ) -> Iterator[Any]:
         """Chain up to ``repetitions`` passes; stop at a pass that yields nothing.
 
         ``resume`` (a saved stream) says which pass to start at and what of it was consumed;
-        ``track``: the ledgers record changes for Envelopes (a WebLoader's dataset).
+        with a ``channel`` (a WebLoader's dataset), the ledgers record changes for envelopes.
         """
-        start = int(resume.get("stream", first_epoch)) if resume else first_epoch
-        saved = resume.get("ledger") if resume else None
+        start = first_epoch if resume is None or resume.pass_ is None else resume.pass_
+        saved = resume.ledger if resume is not None else None
         end = first_epoch + self.repetitions if self.repetitions < sys.maxsize else sys.maxsize
         for epoch in range(start, end):
-            ledger = Ledger(resume=saved, track=track)
+            ledger = Ledger(resume=saved, track=channel is not None)
             saved = None
-            self._stream = {"pass": epoch, "ledger": ledger}
+            self._stream = Pass(epoch, ledger)
             empty = True
             items = self._one_pass(epoch, ledger)
-            if track and ledger.resuming:
-                # What a WebLoader's main process held: for this worker's first batch.
-                items = ledger.divert_held_after(items, self._restored)
+            if channel is not None:
+                channel.stream = self._stream
+                if ledger.resuming:
+                    # What a WebLoader's main process held: for this worker's first batch.
+                    items = ledger.divert_held_after(items, channel.restored)
             for item in items:
                 empty = False
                 yield item
@@ -410,31 +432,32 @@ class DataPipeline(IterableDataset):
         """One epoch's items (what ``iter(self)`` returns)."""
         epoch = self.epoch
         self.epoch += 1
-        resume = self._take_resume(epoch)
-        done = int(resume.get("items", 0)) if resume else 0
-        track = self._envelopes
+        resume, start = self._take_resume(epoch)
+        done = resume.items if resume is not None else 0
+        channel = self.channel if self.channel is not None and self.channel.open else None
         if self.nsamples is None:
-            it: Iterator[Any] = self._passes(epoch, resume, track)
+            it: Iterator[Any] = self._passes(epoch, resume, channel)
             exact = exact_count(self, epoch) if self.repetitions == 1 else None
             if exact is not None:
                 left = exact - done if resume else exact
                 refill = (lambda ledger: self._one_pass(epoch, ledger)) if resume else None
-                it = _exactly(it, left, self, refill, resume.get("last") if resume else None)
+                it = _exactly(it, left, self, refill, resume.last if resume else None)
         elif self.repetitions == sys.maxsize:
             # with_epoch: continue the same endless stream across epochs.
             if self._carry is None:
-                carried = resume if resume and "stream" in resume else None
-                self._carry = self._passes(epoch, carried, track)
+                carried = resume if resume is not None and resume.pass_ is not None else None
+                self._carry = self._passes(epoch, carried, channel)
             it = itertools.islice(self._carry, max(0, self.nsamples - done))
         else:
-            it = itertools.islice(self._passes(epoch, resume, track), max(0, self.nsamples - done))
+            it = itertools.islice(
+                self._passes(epoch, resume, channel), max(0, self.nsamples - done)
+            )
         drop, self._drop = self._drop, 0
         if drop:
             it = itertools.islice(it, drop, None)
         position = self._position = [epoch, done]
-        if track:
-            return self._tracked(it, position, resume)
-        return self._counted(it, position)
+        it = self._counted(it, position)
+        return it if channel is None else channel.tracked(it, start, done)
 
     def _counted(self, it: Iterator[Any], position: List[int]) -> Iterator[Any]:
         for item in it:
@@ -442,33 +465,10 @@ class DataPipeline(IterableDataset):
             yield item
         self._epoch_done(position)
 
-    def _tracked(
-        self, it: Iterator[Any], position: List[int], resume: Optional[Dict[str, Any]] = None
-    ) -> Iterator[Any]:
-        """:meth:`_counted` for a WebLoader's dataset: each item's ids are noted, for the
-        collate function to send with the batch (loader._EnvelopeCollate). Resumed, the first
-        batch is what the main process held (``Restored``), then ``PAD`` where the turn was."""
-        pending = self._pending = []
-        self._sent = position[1]  # items in the batches collated so far this epoch
-        batch = int(resume.get("restore", 0)) if resume else 0
-        if batch:
-            first = next(it, PAD)  # reads again, first, what the main process held
-            held, self._restored = self._restored, []
-            yield Restored([x for x, _ in held], [j for _, j in held])
-            yield from [PAD] * (batch - 1 + int(resume.get("pad", 0)))
-            it = itertools.chain([] if first is PAD else [first], it)  # (its id still current)
-        for item in it:
-            position[1] += 1
-            stream = self._stream
-            pending.append(stream["ledger"].current if stream else None)
-            yield item
-        # Kept: the DataLoader collates the last batch after this generator has ended.
-        self._epoch_done(position, keep_stream=True)
-
-    def _epoch_done(self, position: List[int], keep_stream: bool = False) -> None:
+    def _epoch_done(self, position: List[int]) -> None:
         if position is self._position:
             self._position = [position[0] + 1, 0]
-            if self._carry is None and not keep_stream:
+            if self._carry is None:
                 self._stream = None  # with_epoch's stream goes on; otherwise the epoch is over
         if _is_worker_dataset(self):
             _release_free_heap()  # (a persistent worker idles until the next epoch)
@@ -494,9 +494,8 @@ class DataPipeline(IterableDataset):
     def __setstate__(self, state: dict) -> None:
         # Pipelines pickled by webds 0.1 lack what resuming now keeps.
         self.__dict__.update(state)
-        defaults = {"_stream": None, "_resume": None, "_drop": 0, "_envelopes": False, "_sent": 0}
-        defaults["probe"] = None
-        for name, value in dict(defaults, _pending=[], _entropy=secrets.randbits(63)).items():
+        defaults = {"_stream": None, "_resume": None, "_drop": 0, "channel": None, "probe": None}
+        for name, value in dict(defaults, _entropy=secrets.randbits(63)).items():
             self.__dict__.setdefault(name, value)
 
     def __getstate__(self) -> dict:

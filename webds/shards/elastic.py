@@ -15,12 +15,13 @@ new rank reads as many. The epochs after it are planned for the new topology as 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
 from ..errors import ResumeError
-from ..stages.ledger import LEAF, saved_reads, shard_of
+from ..stages.ledger import LEAF, shard_of
+from ..stages.saved import LedgerState, PipelineState
 from .plan import Segment, epoch_order, plan_worker
 
 __all__ = [
@@ -35,20 +36,10 @@ __all__ = [
 Run = Tuple[int, int, int]  # shard, first sample, end (exclusive)
 
 
-def _streams(state: Dict[str, Any]) -> Iterable[Tuple[int, Dict[str, Any]]]:
-    """(worker, saved stream) of one rank's state: a WebLoader's workers, or a dataset's own."""
-    workers = state.get("workers")
-    if workers is not None:
-        for w, stream in workers.items():
-            yield int(w), stream
-    elif state.get("ledger") is not None:
-        yield 0, state
-
-
 def consumed_samples(
     counts: Sequence[int],
     urls: Sequence[str],
-    states: Sequence[Dict[str, Any]],
+    states: Sequence[PipelineState],
     *,
     seed: Any,
     epoch: int,
@@ -58,12 +49,11 @@ def consumed_samples(
     """Per shard, which samples the ranks whose ``states`` these are consumed in ``epoch``."""
     done = [np.zeros(n, dtype=bool) for n in counts]
     for state in states:
-        world, rank = int(state.get("world_size", 1)), int(state.get("rank", 0))
-        workers = int((state.get("config") or {}).get("num_workers") or 0) or 1
-        for worker, stream in _streams(state):
-            if int(stream.get("stream", stream.get("epoch", epoch))) != epoch:
+        world, rank, workers = state.world_size, state.rank, state.num_workers()
+        for worker, stream in state.streams():
+            if (stream.epoch if stream.pass_ is None else stream.pass_) != epoch:
                 raise ResumeError(
-                    f"rank {rank}'s worker {worker} was in another pass ({stream.get('stream')}) "
+                    f"rank {rank}'s worker {worker} was in another pass ({stream.pass_}) "
                     f"than epoch {epoch}: a with_epoch stream cannot be resumed on another "
                     "topology; resume it with the same world size and workers"
                 )
@@ -79,17 +69,18 @@ def consumed_samples(
                 balance=balance,
                 granule=granule,
             ).segments
-            _mark(done, segments, stream["ledger"])
+            if stream.ledger is not None:
+                _mark(done, segments, stream.ledger)
     return done
 
 
 def consumed_spans(
-    segments: Sequence[Segment], saved: Dict[str, Any]
+    segments: Sequence[Segment], saved: LedgerState
 ) -> Iterator[Tuple[Segment, int, List[int]]]:
     """What a saved ledger state says a worker consumed of its plan's ``segments``: for each
     segment it began, (the segment, the end of what was read, the sample numbers in that read
     part which were held at the checkpoint, to be read again)."""
-    complete, partial, holes = saved_reads(saved)
+    complete, partial, holes = saved.reads()
     held: Dict[int, List[int]] = {}
     for i in holes:
         held.setdefault(shard_of(i), []).append(i & LEAF)
@@ -103,7 +94,7 @@ def consumed_spans(
         yield seg, stop, [j for j in held.get(k, ()) if seg.start <= j < stop]
 
 
-def _mark(done: List[np.ndarray], segments: Sequence[Segment], ledger: Dict[str, Any]) -> None:
+def _mark(done: List[np.ndarray], segments: Sequence[Segment], ledger: LedgerState) -> None:
     """Mark what one saved ledger says was consumed of its worker's ``segments``."""
     for seg, stop, held in consumed_spans(segments, ledger):
         done[seg.shard][seg.start : stop] = True
@@ -128,19 +119,18 @@ def rest_runs(
 def topology_changed(state: Any, world_size: int, num_workers: int) -> bool:
     """Whether ``state`` (one rank's, or every rank's list) was saved by another number of
     ranks or of DataLoader workers than ``world_size`` x ``num_workers``."""
-    first = state[0] if isinstance(state, (list, tuple)) and state else state
-    if not isinstance(first, dict) or first.get("version") != 2:
+    first = state[0] if isinstance(state, list) else state
+    if first.version != 2:
         return False
-    saved_workers = max(1, int((first.get("config") or {}).get("num_workers") or 0))
-    return int(first.get("world_size", 1)) != world_size or saved_workers != max(1, num_workers)
+    return first.world_size != world_size or first.num_workers() != max(1, num_workers)
 
 
-def every_rank(state: Any) -> List[Dict[str, Any]]:
-    """The states of every rank of the job that saved ``state``, in rank order, or an error
-    saying why a resume on another topology needs them."""
-    states = list(state) if isinstance(state, (list, tuple)) else [state]
-    world = int(states[0].get("world_size", 1)) if states and isinstance(states[0], dict) else 0
-    ranks = sorted(int(s.get("rank", 0)) for s in states if isinstance(s, dict))
+def every_rank(state: Any) -> List[PipelineState]:
+    """The states of every rank of the job that saved ``state`` (one, or a list), in rank
+    order, or an error saying why a resume on another topology needs them."""
+    states = list(state) if isinstance(state, list) else [state]
+    world = states[0].world_size
+    ranks = sorted(s.rank for s in states)
     if not world or ranks != list(range(world)):
         raise ResumeError(
             f"resuming on another number of ranks or DataLoader workers needs the state of every "
@@ -148,17 +138,17 @@ def every_rank(state: Any) -> List[Dict[str, Any]]:
             "read other samples. Save state_dict(all_ranks=True) (on every rank) and load that "
             "list; see docs/distributed.md"
         )
-    epochs = {int(s["epoch"]) for s in states}
+    epochs = {s.epoch for s in states}
     if len(epochs) != 1:
         raise ResumeError(f"the ranks' states are in different epochs ({sorted(epochs)})")
-    return sorted(states, key=lambda s: int(s.get("rank", 0)))
+    return sorted(states, key=lambda s: s.rank)
 
 
 def plan_elsewhere(plan: Any, state: Any, granule: int) -> int:
     """Make ``plan`` (a :class:`~webds.shards.plan.PlannedShards`) share out the rest of the epoch
     that every rank's ``state`` was saved in; return that epoch."""
     states = every_rank(state)
-    epoch = int(states[0]["epoch"])
+    epoch = states[0].epoch
     seed = plan.seed if plan.shuffle else None
     done = consumed_samples(
         plan.counts,

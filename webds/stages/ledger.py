@@ -29,8 +29,9 @@ Stages receive the ledger by declaring a keyword parameter named ``ledger`` (see
 :mod:`webds.stages.core`): a :class:`StageLedger`, the pipeline's ledger as that stage sees it;
 outside a pipeline it is None.
 
-:meth:`Ledger.state` is the JSON-able record; a ledger made with ``Ledger(resume=state)`` answers
-:meth:`Ledger.consumed` so that the source skips what was consumed and reads the holes again. A
+:meth:`Ledger.state` is the record (a :class:`~webds.stages.saved.LedgerState`); a ledger made
+with ``Ledger(resume=state)`` answers :meth:`Ledger.consumed` so that the source skips what was
+consumed and reads the holes again. A
 DataLoader worker's ledger sends what changed with every item (:meth:`Ledger.take_delta`), and the
 main process keeps a copy per worker (:meth:`Ledger.apply`): only items the training loop has
 actually received count.
@@ -42,10 +43,12 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+from .saved import LedgerState, SlotState
 from .slots import BEYOND, RestorePlan, Slot, StageLedger, ids_of
 
 __all__ = [
     "Ledger",
+    "Pass",
     "StageLedger",
     "Slot",
     "RestorePlan",
@@ -54,7 +57,6 @@ __all__ = [
     "shard_of",
     "ids_of",
     "unconsumed",
-    "saved_reads",
     "qualify",
     "unqualify",
     "Envelope",
@@ -78,31 +80,6 @@ def shard_of(i: int) -> int:
     return i >> _SHIFT
 
 
-def _ranges(ks: Iterable[int]) -> List[List[int]]:
-    """Sorted ints as ``[first, last + 1]`` runs: ``[0, 1, 2, 5] -> [[0, 3], [5, 6]]``."""
-    out: List[List[int]] = []
-    for k in sorted(ks):
-        if out and out[-1][1] == k:
-            out[-1][1] = k + 1
-        else:
-            out.append([k, k + 1])
-    return out
-
-
-def _unranges(runs: Iterable[Any]) -> Set[int]:
-    return {k for a, b in runs for k in range(int(a), int(b))}
-
-
-def saved_reads(state: Dict[str, Any]) -> Tuple[Set[int], Dict[int, int], Set[int]]:
-    """What a saved :meth:`Ledger.state` says: (the source items read entirely, the last sample
-    read of each item begun, the ids held at the checkpoint)."""
-    partial = {int(k): int(j) for k, j in (state.get("partial") or {}).items()}
-    holes = {int(i) for i in state.get("holes", ())}
-    for saved in (state.get("slots") or {}).values():  # held by a stage: listed there only
-        holes.update(ids_of(saved.get("ids") or []))
-    return _unranges(state.get("complete", ())), partial, holes
-
-
 class Ledger:
     """What one stream (one process's pipeline pass) has produced and holds; see the module doc.
 
@@ -110,7 +87,7 @@ class Ledger:
     ``track=True`` records changes for :meth:`take_delta` (a DataLoader worker's ledger).
     """
 
-    def __init__(self, resume: Optional[Dict[str, Any]] = None, track: bool = False) -> None:
+    def __init__(self, resume: Optional[LedgerState] = None, track: bool = False) -> None:
         self.current: Any = None
         self.probe: Any = None  # the pipeline's Probe, when it measures (stats=True)
         self.complete: Set[int] = set()  # source items produced entirely
@@ -136,20 +113,20 @@ class Ledger:
         self._holes: Set[int] = set()
         self._hole_shards: Set[int] = set()
         if resume is not None:
-            self.complete, self.partial, self._holes = saved_reads(resume)
+            self.complete, self.partial, self._holes = resume.reads()
             self._old_complete = set(self.complete)
             self._old_partial = dict(self.partial)
             self._hole_shards = {shard_of(i) for i in self._holes}
-            for pos, saved in (resume.get("slots") or {}).items():
-                slot = self.slot(int(pos))
-                slot.ids[:] = saved.get("ids") or []
-                slot.draws = int(saved.get("draws", 0))
+            for pos, saved in resume.slots.items():
+                slot = self.slot(pos)
+                slot.ids[:] = saved.ids
+                slot.draws = saved.draws
                 slot.saved = list(slot.ids)
         # Who held what at the checkpoint, made before the source reads anything again.
         self._plan: Optional[RestorePlan] = None
         if resume is not None:
             saved = {pos: slot.saved for pos, slot in self._slots.items() if slot.saved}
-            self._plan = RestorePlan(saved, self._holes, resume.get("held_after") or ())
+            self._plan = RestorePlan(saved, self._holes, resume.held_after)
         #: [shard, last sample read] of the shard the tar stage is reading (not resuming), which
         #: it updates for each sample instead of calling produce(); read by _fold_reading().
         self.reading: List[int] = [-1, -1]
@@ -315,29 +292,22 @@ class Ledger:
                 held[i] = held.get(i, 0) + 1
         return held
 
-    def state(self, held_after: Sequence[Any] = ()) -> Dict[str, Any]:
-        """The JSON-able record of what was consumed; ``held_after``: the ids of the items that
-        the stages after this stream held (a WebLoader's, of a worker's items)."""
+    def state(self, held_after: Sequence[Any] = ()) -> LedgerState:
+        """The record of what was consumed and is held; ``held_after``: the ids of the items
+        that the stages after this stream held (a WebLoader's, of a worker's items)."""
         self._fold_reading()
         held = self.held_ids()
         self._check_held(held)
         holes = self._holes - set(held)  # (what the slots hold is read from them)
         holes.update(ids_of(list(held_after)))
-        state: Dict[str, Any] = {
-            "complete": _ranges(self.complete),
-            "partial": {str(k): j for k, j in sorted(self.partial.items())},
-            "holes": sorted(holes),
-            "slots": {
-                str(pos): {"ids": list(slot.ids), "draws": slot.draws}
-                for pos, slot in sorted(self._slots.items())
-                if slot.ids or slot.draws
-            },
+        slots = {
+            pos: SlotState(list(slot.ids), slot.draws)
+            for pos, slot in sorted(self._slots.items())
+            if slot.ids or slot.draws
         }
-        if held_after:
-            state["held_after"] = list(held_after)
-        if self.unordered is not None:
-            state["unordered"] = self.unordered
-        return state
+        return LedgerState(
+            set(self.complete), dict(self.partial), holes, slots, list(held_after), self.unordered
+        )
 
     def _check_held(self, held: Dict[int, int]) -> None:
         """Two items held at once with the same id of a whole source item: something split it."""
@@ -372,6 +342,14 @@ class Ledger:
         self._holes.difference_update(reread)
         if unordered is not None:
             self.unordered = unordered
+
+
+class Pass(NamedTuple):
+    """The pass a stream is reading (an epoch's number; ``with_epoch`` streams run across
+    epochs) and its ledger."""
+
+    number: int
+    ledger: Ledger
 
 
 def unconsumed(it: Iterable[Any], ledger: Ledger) -> Iterator[Any]:

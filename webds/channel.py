@@ -1,0 +1,324 @@
+"""The worker channel: what a WebLoader's DataLoader workers tell it about each batch.
+
+A :class:`~webds.loader.WebLoader` reads a webds dataset through a ``DataLoader``, whose workers
+each run a copy of the dataset. So that ``state_dict()`` knows exactly which samples the training
+loop has received, whatever sits in the DataLoader's queues, the main process keeps a copy of each
+worker's ledger (:mod:`webds.stages.ledger`), brought up to date by every batch:
+
+- the worker side: the dataset's :class:`WorkerChannel` (copied into each worker with the dataset)
+  holds the pass the worker reads and the ids of the items its dataset yielded; the DataLoader's
+  collate function (:class:`EnvelopeCollate`) wraps each batch in an
+  :class:`~webds.stages.ledger.Envelope` with those ids and what the ledger recorded meanwhile;
+- the main side: :class:`WorkerMirrors` applies each envelope to its copy of that worker's ledger
+  and hands the batch on, and gives each worker's saved stream to ``state_dict()``.
+
+Resuming, the main process tells each worker how to begin (a :class:`WorkerStart` per worker, in
+the channel before the workers start): its saved stream; then its first batch brings back the
+samples the main process held at the checkpoint (``Restored``), and ``PAD`` items keep the
+DataLoader's turn order (see :data:`~webds.stages.ledger.PAD`).
+
+The channel is open (:attr:`WorkerChannel.open`) only while the WebLoader starts the DataLoader:
+the copies made then send envelopes, and the same dataset iterated elsewhere yields plain items.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from .stages.batchbuffers import Packed, SlotPool, Unpacker
+from .stages.ledger import PAD, Envelope, Ledger, Pass, Restored, ids_of, qualify, unqualify
+from .stages.saved import PipelineState, StreamState
+
+__all__ = ["WorkerStart", "WorkerChannel", "EnvelopeCollate", "WorkerMirrors"]
+
+
+@dataclass
+class WorkerStart:
+    """How a resumed DataLoader worker begins epoch ``epoch``: its saved ``stream``; a first
+    batch of the ``restore`` samples the main process held (each read again); then ``pad``
+    PAD items (its turn came before the checkpoint's next worker)."""
+
+    epoch: int
+    stream: StreamState = field(default_factory=StreamState)
+    restore: int = 0
+    pad: int = 0
+
+
+class WorkerChannel:
+    """A dataset's side of the channel (see the module doc); ``dataset.channel``."""
+
+    def __init__(self) -> None:
+        self.open = False  # the WebLoader is starting the DataLoader: the copies send envelopes
+        self.starts: Dict[int, WorkerStart] = {}  # resuming: how each worker begins
+        self.stream: Optional[Pass] = None  # the pass this copy reads
+        self.pending: List[Any] = []  # the ids of the items yielded, not yet collated
+        self.sent = 0  # items in the batches collated so far this epoch
+        self.restored: List[Tuple[Any, Any]] = []  # what the main process held: (item, ids)
+
+    def take_start(self, epoch: int) -> Optional[WorkerStart]:
+        """How this DataLoader worker begins ``epoch``, when resuming it (taken: used once)."""
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        starts, self.starts = self.starts, {}
+        start = starts.get(info.id if info is not None else 0)
+        return start if start is not None and start.epoch == epoch else None
+
+    def tracked(self, it: Iterator[Any], start: Optional[WorkerStart], done: int) -> Iterator[Any]:
+        """The dataset's items (``done`` yielded before, in this epoch), each id noted for the
+        next batch's envelope. Resumed, the first batch is what the main process held
+        (``Restored``), then ``PAD`` where the turn was."""
+        pending = self.pending = []
+        self.sent = done
+        if start is not None and start.restore:
+            first = next(it, PAD)  # reads again, first, what the main process held
+            held, self.restored = self.restored, []
+            yield Restored([x for x, _ in held], [j for _, j in held])
+            yield from [PAD] * (start.restore - 1 + start.pad)
+            if first is not PAD:
+                self._note(pending)
+                yield first
+        for item in it:
+            self._note(pending)
+            yield item
+
+    def _note(self, pending: List[Any]) -> None:
+        stream = self.stream
+        pending.append(stream.ledger.current if stream is not None else None)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "stream": None}  # a worker reads its own pass
+
+
+class EnvelopeCollate:
+    """The DataLoader's ``collate_fn`` for a webds dataset: collates as usual, then wraps the
+    batch in an :class:`~webds.stages.ledger.Envelope` with what the dataset's channel noted
+    (it runs where the dataset does: in a worker, or in this process). ``single``: the
+    DataLoader does not batch; ``pack``: send tensors in reused shared buffers."""
+
+    def __init__(self, collate: Any, dataset: Any, single: bool, pack: bool = False) -> None:
+        self.collate = collate
+        self.dataset = dataset
+        self.single = single
+        self.pack = pack
+        self.pool: Optional[SlotPool] = None  # made in the worker, by its first batch
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "pool": None}  # each worker makes its own
+
+    def __call__(self, data: Any) -> Any:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        # In a worker, its own copy of the dataset (this object's is another copy).
+        dataset = info.dataset if info is not None else self.dataset
+        channel: WorkerChannel = dataset.channel
+        worker = info.id if info is not None else 0
+        first = data[0] if isinstance(data, list) and data else data
+        if first is PAD:
+            return Envelope(PAD, worker, None, _NO_DELTA, 0, 0)
+        stream = channel.stream
+        if type(first) is Restored:
+            # Each sample the main process held, collated as a batch of one, as it was split.
+            items = [self.collate(x if self.single else [x]) for x in first.items]
+            ids = [i if self.single else [i] for i in first.ids]
+            if stream is None:  # nothing read: this worker's stream had ended
+                return Envelope(Restored(items, ids), worker, None, _NO_DELTA, 0, None)
+            ledger = stream.ledger
+            delta, problem, sent = ledger.take_delta(), ledger.problem, channel.sent
+            return Envelope(Restored(items, ids), worker, None, delta, sent, stream.number, problem)
+        probe = getattr(dataset, "probe", None)
+        if probe is None:
+            batch = self.collate(data)
+        else:
+            began = perf_counter()
+            batch = self.collate(data)
+            probe.collate_seconds += perf_counter() - began
+        if stream is None or not stream.ledger.tracking:
+            return batch  # iterated outside a WebLoader's iter()
+        ids: Any = list(channel.pending)  # the ids of the items collated
+        channel.pending.clear()  # in place: WorkerChannel.tracked appends to this list
+        channel.sent += len(ids)
+        if self.single:
+            ids = ids[0] if ids else None
+        ledger = stream.ledger
+        delta = ledger.take_delta()
+        if self.pack and info is not None:
+            if self.pool is None:
+                self.pool = SlotPool()
+            batch = self.pool.pack(batch)
+        snapshot = None if probe is None else probe.snapshot()
+        sent = channel.sent
+        return Envelope(batch, worker, ids, delta, sent, stream.number, ledger.problem, snapshot)
+
+
+#: The ledger change a PAD envelope carries: none.
+_NO_DELTA = ({}, [], [], [], None)
+
+
+@dataclass
+class Mirror:
+    """The main process's copy of one worker's stream: its pass and ledger, the items it has
+    yielded this epoch, why it can't resume exactly, and the ids of its last item."""
+
+    pass_: int
+    ledger: Ledger = field(default_factory=Ledger)
+    items: int = 0
+    problem: Optional[str] = None
+    last: Any = None
+
+
+class WorkerMirrors:
+    """The main side of the channel (see the module doc): each worker's :class:`Mirror`, kept
+    from the envelopes of a DataLoader with ``num_workers`` workers and ``batch_size``."""
+
+    def __init__(self, num_workers: int, batch_size: Optional[int]) -> None:
+        self.workers = max(1, num_workers)
+        self.batch_size = batch_size
+        self.mirrors: Dict[int, Mirror] = {}
+        self.last_worker: Optional[int] = None  # whose batch came last: the turns go on after it
+        self.restoring = 0  # resuming: the workers' Restored batches still to come
+        self.worker_stats: Dict[Tuple[int, Any], Dict[str, Any]] = {}  # (worker, pid): snapshot
+        # Per DataLoader iterator (one for persistent workers; two live iterators, two).
+        self._unpackers: "weakref.WeakKeyDictionary[Any, Unpacker]" = weakref.WeakKeyDictionary()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_unpackers": None}  # (mapped memory: not sent)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._unpackers = weakref.WeakKeyDictionary()
+
+    def resume(self, state: PipelineState, epoch: int) -> Dict[int, WorkerStart]:
+        """Take up the workers' streams ``state`` saved (in pass ``epoch``); how each begins."""
+        self.mirrors = {
+            w: Mirror(
+                s.epoch if s.pass_ is None else s.pass_, Ledger(resume=s.ledger), s.items, s.problem
+            )
+            for w, s in (state.workers or {}).items()
+        }
+        # Each worker's first batch brings back what this process held (Restored); then those
+        # whose turn came before the next one's pad once, as the DataLoader starts its turns at
+        # worker 0 again (see webds.stages.ledger.PAD).
+        batch, first = self.batch_size or 1, state.next_worker or 0
+        starts = {
+            w: WorkerStart(
+                epoch,
+                (state.workers or {}).get(w, StreamState()),
+                restore=batch,
+                pad=batch if w < first else 0,
+            )
+            for w in range(self.workers)
+        }
+        self.restoring = len(starts)
+        return starts
+
+    def save(self, held: List[Any], epoch: int) -> Tuple[Dict[int, StreamState], Optional[int]]:
+        """Each worker's stream as saved (``held``: the ids of the items this process's stages
+        hold: holes in those workers' records), in ``epoch``; and whose batch comes next."""
+        by_worker: Dict[int, List[Any]] = {}
+        for ids in held:
+            for w, part in _by_worker(ids).items():
+                by_worker.setdefault(w, []).append(part)
+        streams = {
+            w: StreamState(
+                epoch, m.items, m.pass_, m.ledger.state(by_worker.get(w, ())), m.problem, m.last
+            )
+            for w, m in sorted(self.mirrors.items())
+        }
+        next_worker = None
+        if self.last_worker is not None and self.mirrors:
+            next_worker = (self.last_worker + 1) % self.workers
+        return streams, next_worker
+
+    def clear(self) -> None:
+        """Forget every worker's stream (a new pass, or a loaded state, follows)."""
+        self.mirrors = {}
+
+    def epoch_done(self, carries: bool) -> None:
+        """An epoch ended: the workers' streams go on into the next (``carries``), or not."""
+        if carries:
+            for m in self.mirrors.values():
+                m.items = 0
+        else:
+            self.mirrors = {}
+
+    def receive(self, it: Iterator[Any], ledger: Ledger, keeps: bool) -> Iterator[Any]:
+        """The DataLoader's items out of their envelopes, each worker's ledger copy brought up
+        to date; ``keeps``: a stage in this process holds or batches items, and needs their ids
+        (as :func:`~webds.stages.ledger.qualify` makes them) in ``ledger``."""
+        self.last_worker = None  # the DataLoader's turns start at worker 0
+        restored: List[Tuple[Any, Any]] = []
+        for x in it:
+            if type(x) is not Envelope:  # not tracked (see EnvelopeCollate): nothing to note
+                yield x
+                continue
+            if x.item is PAD:
+                continue  # only keeps the DataLoader's turn order
+            if self.restoring and type(x.item) is not Restored:
+                self.restoring = 0  # a worker sent none: go on with what came
+                yield from self._take_back(restored, ledger, keeps)
+            if x.pass_ is None:  # a Restored of a worker that read nothing: no ledger change
+                yield from self._restored_from(x, restored, ledger, keeps)
+                continue
+            m = self.mirrors.get(x.worker)
+            if m is None or m.pass_ != x.pass_:
+                m = self.mirrors[x.worker] = Mirror(x.pass_)
+            m.ledger.apply(x.delta)
+            if x.stats is not None:
+                self.worker_stats[(x.worker, x.stats.get("pid"))] = x.stats
+            m.items = x.items
+            if x.problem is not None:
+                m.problem = x.problem
+            if type(x.item) is Restored:
+                yield from self._restored_from(x, restored, ledger, keeps)
+                continue
+            self.last_worker = x.worker
+            if x.ids is not None:  # what its epoch's padding repeats (see counting._exactly)
+                m.last = x.ids if self.batch_size is None else x.ids[-1]
+            if keeps:
+                ledger.current = qualify(x.worker, x.ids)
+            item = x.item
+            if type(item) is Packed:
+                unpacker = self._unpackers.get(it)
+                if unpacker is None:
+                    unpacker = self._unpackers[it] = Unpacker()
+                item = unpacker.unpack(x.worker, item)
+            yield item
+
+    def _restored_from(
+        self, x: Envelope, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool
+    ) -> Iterator[Any]:
+        """Note a worker's Restored batch; once every worker's has come, take them back."""
+        restored += [(item, qualify(x.worker, i)) for item, i in zip(*x.item)]
+        self.restoring -= 1
+        if not self.restoring:
+            yield from self._take_back(restored, ledger, keeps)
+
+    def _take_back(
+        self, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool
+    ) -> Iterator[Any]:
+        """The samples this process held at the checkpoint, made again by the workers, in the
+        order its stages take them back (see webds.stages.ledger.Slot.restore)."""
+        plan = ledger.restore_plan()
+        restored.sort(key=lambda pair: plan.sort_key(next(ids_of(pair[1]), -1)))
+        for item, qids in restored:
+            if keeps:
+                ledger.current = qids
+            yield item
+        restored.clear()
+
+
+def _by_worker(ids: Any) -> Dict[int, Any]:
+    """An item's qualified ids (an id or a bundle) split by worker, as that worker's ids."""
+    if not isinstance(ids, list):
+        w, i = unqualify(ids)
+        return {w: i}
+    out: Dict[int, List[Any]] = {}
+    for x in ids:
+        for w, part in _by_worker(x).items():
+            out.setdefault(w, []).append(part)
+    return out
