@@ -139,6 +139,6 @@ def test_bad_source():
 
 def test_release_free_heap_where_glibc():
     # Called by every DataLoader worker at the end of its epoch; a no-op without glibc.
-    from webds.pipeline import _release_free_heap
+    from webds.channel import release_free_heap
 
-    assert _release_free_heap() is (platform.libc_ver()[0] == "glibc")
+    assert release_free_heap() is (platform.libc_ver()[0] == "glibc")

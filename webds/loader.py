@@ -18,68 +18,55 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
-from .channel import EnvelopeCollate, WorkerChannel, WorkerMirrors
+from .channel import EnvelopeCollate, StreamKeeper, WorkerChannel, WorkerMirrors
 from .counting import source_counts
 from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
 from .stages.core import Length
-from .stages.ledger import Ledger
+from .stages.ledger import Ledger, Pass, item_id
 from .stages.probe import PipelineStats, Probe, merged
 from .stages.saved import PipelineState
 
-__all__ = ["WebLoader"]
+__all__ = ["WebLoader", "LoaderSource"]
 
 
 class WebLoader(DataPipeline, FluentMixin):
-    """``DataLoader(*args, **kwargs)`` as the source of a pipeline.
+    """``DataLoader(*args, **kwargs)`` as the source of a pipeline (a :class:`LoaderSource`).
 
     Each ``iter()`` hands the loader's epoch to its dataset (``dataset.set_epoch``) before the
     workers start, so shard and sample shuffles change every epoch even though non-persistent
     workers get a fresh copy of the dataset each time. ``set_epoch(e)`` chooses the epoch, as
-    ``DistributedSampler.set_epoch`` does.
+    ``DistributedSampler.set_epoch`` does (persistent workers are restarted if they would
+    otherwise run another one).
 
     With a webds dataset, every item a worker yields comes with what the worker's ledger
     recorded (see :mod:`webds.channel`), so :meth:`state_dict` knows exactly which samples
-    the training loop has received, whatever sits in the DataLoader's queues.
+    the training loop has received, whatever sits in the DataLoader's queues. Loading a state
+    restarts persistent workers.
     """
 
     def __init__(
         self, *args: Any, batch_buffers: bool = True, stats: bool = False, **kwargs: Any
     ) -> None:
-        super().__init__(DataLoader(*args, **kwargs))
-        loader, dataset = self.loader, self.loader.dataset
+        loader = DataLoader(*args, **kwargs)
+        super().__init__(LoaderSource(loader, batch_buffers=batch_buffers))
         if stats:
             # Each worker's copy of the dataset's probe measures that worker (see stats()).
             self.probe = Probe()
-            if isinstance(dataset, DataPipeline):
-                dataset.probe = Probe()
-        if hasattr(dataset, "loader_hint"):
-            # Lets a balanced dataset align its workers' shares to the loader's batches.
-            dataset.loader_hint = (max(1, loader.num_workers), loader.batch_size)
-        self.seed = getattr(dataset, "seed", None)
-        if isinstance(dataset, DataPipeline):
-            if dataset.channel is None:
-                dataset.channel = WorkerChannel()
-            single = loader.batch_size is None and loader.batch_sampler is None
-            # Reused shared buffers (webds.stages.batchbuffers) save the main process most of its
-            # work per batch; a pinned copy is made from torch's own transfer instead.
-            pack = batch_buffers and loader.num_workers > 0 and not loader.pin_memory
-            loader.collate_fn = EnvelopeCollate(loader.collate_fn, dataset, single, pack)
-        # This process's copy of each worker's stream, kept from the batches' envelopes.
-        self._mirrors = WorkerMirrors(loader.num_workers, loader.batch_size)
-        self._worker_resume: Optional[PipelineState] = None  # loaded, for the next pass
+            if isinstance(loader.dataset, DataPipeline):
+                loader.dataset.probe = Probe()
+        self.seed = getattr(loader.dataset, "seed", None)
 
     def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)  # a WebLoader pickled by webds 0.1 lacks these
-        if "_mirrors" not in self.__dict__:
-            self._mirrors = WorkerMirrors(self.loader.num_workers, self.loader.batch_size)
-        self.__dict__.setdefault("_worker_resume", None)
+        super().__setstate__(state)
+        if isinstance(self.pipeline[0], DataLoader):  # pickled by webds 0.1
+            self.pipeline[0] = LoaderSource(self.pipeline[0], batch_buffers=False)
 
     @property
     def loader(self) -> DataLoader:
         """The underlying ``DataLoader``."""
-        return self.pipeline[0]
+        return self.pipeline[0].loader
 
     def stats(self) -> PipelineStats:
         """Where the time went since the loader was made (``WebLoader(..., stats=True)``): the
@@ -90,117 +77,111 @@ class WebLoader(DataPipeline, FluentMixin):
         dropped at the end of its share) is not counted."""
         if self.probe is None:
             raise ArgumentError("stats() needs a loader made with WebLoader(..., stats=True)")
-        return merged(self.probe, self._mirrors.worker_stats)
+        return merged(self.probe, self.pipeline[0].mirrors.worker_stats)
 
-    def _origin(self) -> Optional[Any]:
-        return 0, _LoaderOrigin(self.loader)
+
+class LoaderSource(StreamKeeper):
+    """A ``DataLoader`` as the source of a pipeline (a :class:`WebLoader`'s).
+
+    It is counted (its workers' streams in turn: see :meth:`stream_counts`), and with a webds
+    dataset it keeps each worker's stream (:mod:`webds.channel`): the pipeline's state holds
+    them, and a loaded state resumes each worker where it was.
+    """
+
+    exact = False  # the datasets in the workers keep their own counts exact
+
+    def __init__(self, loader: DataLoader, batch_buffers: bool = True) -> None:
+        self.loader = loader
+        dataset = loader.dataset
+        if hasattr(dataset, "loader_hint"):
+            # Lets a balanced dataset align its workers' shares to the loader's batches.
+            dataset.loader_hint = (max(1, loader.num_workers), loader.batch_size)
+        if isinstance(dataset, DataPipeline):
+            if dataset.channel is None:
+                dataset.channel = WorkerChannel()
+            single = loader.batch_size is None and loader.batch_sampler is None
+            # Reused shared buffers (webds.stages.batchbuffers) save the main process most of its
+            # work per batch; a pinned copy is made from torch's own transfer instead.
+            pack = batch_buffers and loader.num_workers > 0 and not loader.pin_memory
+            loader.collate_fn = EnvelopeCollate(loader.collate_fn, dataset, single, pack)
+        # This process's copy of each worker's stream, kept from the batches' envelopes.
+        self.mirrors = WorkerMirrors(loader.num_workers, loader.batch_size)
+        self._loaded: Optional[PipelineState] = None  # a state's workers, for the next pass
+        self._epoch = 0  # the pass the DataLoader reads next
+
+    @property
+    def dataset(self) -> Any:
+        return self.loader.dataset
+
+    def __repr__(self) -> str:
+        return f"LoaderSource({self.loader!r})"
+
+    # -- the pipeline's questions (see webds.channel.StreamKeeper) --------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` run epoch ``epoch`` (persistent workers are restarted if
-        they would otherwise run another one)."""
-        if int(epoch) != self.epoch:
-            self._restart_workers()
-            self._worker_resume = None
-        super().set_epoch(epoch)
-        dataset = self.loader.dataset
-        if hasattr(dataset, "set_epoch"):
-            dataset.set_epoch(epoch)  # so that len() is this epoch's
+        """Each pass: the dataset reads it (its workers get a fresh copy, or are persistent)."""
+        self._epoch = int(epoch)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
 
-    def load_state_dict(self, state: Any, strict: bool = True) -> None:
-        """Continue where :meth:`state_dict` was taken: the rest of that epoch's samples.
+    def choose_epoch(self, epoch: int, changed: bool) -> None:
+        if changed:
+            self.restart_workers()
+            self._loaded = None
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)  # so that len() is this epoch's
 
-        Works across processes: build the same loader (same dataset, seed, index, world size,
-        ``num_workers``, batch size), then load this rank's state (or the list of every rank's;
-        with an index, saved on another topology too). Persistent workers are restarted.
-        """
-        self._mirrors.clear()
-        super().load_state_dict(state, strict)
-        resume = self._resume
-        self._worker_resume = (
-            resume if isinstance(resume, PipelineState) and resume.workers else None
-        )
-        self._restart_workers()
-
-    def _planned(self) -> Optional[Tuple[Any, int, int]]:
-        inner = getattr(self.loader.dataset, "_planned", None)
-        planned = inner() if inner is not None else None
-        return None if planned is None else (planned[0], planned[1], self.loader.num_workers)
-
-    def _restart_workers(self) -> None:
-        # Persistent workers keep their own copy of the dataset, with its own epoch; they must
-        # be started afresh to take a new epoch or resume position.
-        it = getattr(self.loader, "_iterator", None)
-        if it is not None:
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-            self.loader._iterator = None
-
-    def _resume_config(self) -> Dict[str, Any]:
-        config = super()._resume_config()
-        dataset = self.loader.dataset
-        if hasattr(dataset, "_resume_config"):
-            config["dataset"] = dataset._resume_config()
+    def config(self) -> Dict[str, Any]:
+        config: Dict[str, Any] = {}
+        if hasattr(self.dataset, "_resume_config"):
+            config["dataset"] = self.dataset._resume_config()
         config["num_workers"] = self.loader.num_workers
         config["batch_size"] = self.loader.batch_size
         return config
 
-    def _carries(self) -> bool:
-        """Whether the dataset's stream goes on from one loader epoch to the next (with_epoch,
-        in this process or in persistent workers), rather than starting afresh."""
-        dataset, loader = self.loader.dataset, self.loader
-        carried = getattr(dataset, "nsamples", None) is not None and (
-            getattr(dataset, "repetitions", 1) == sys.maxsize
-        )
-        return carried and (loader.num_workers == 0 or loader.persistent_workers)
+    def planned(self) -> Optional[Tuple[Any, int, int]]:
+        inner = getattr(self.dataset, "_planned", None)
+        planned = inner() if inner is not None else None
+        return None if planned is None else (planned[0], planned[1], self.loader.num_workers)
 
-    def _state(self) -> PipelineState:
-        state = super()._state()
-        if not isinstance(self.loader.dataset, DataPipeline):
-            return state
-        # The main process's own ledger only holds workers' samples (in its shuffle buffers
-        # and batches): they are holes in those workers' records.
-        stream = self._stream
+    def save(self, state: PipelineState, stream: Optional[Pass]) -> None:
+        if not isinstance(self.dataset, DataPipeline):
+            return
+        # The pipeline's own ledger only holds workers' samples (in its shuffle buffers and
+        # batches): they are holes in those workers' records.
         held = stream.ledger.held_items() if stream is not None else []
         pass_ = stream.number if stream is not None else state.epoch
-        state.workers, state.next_worker = self._mirrors.save(held, pass_)
-        return state
+        state.workers, state.next_worker = self.mirrors.save(held, pass_)
 
-    def _epoch_done(self, position: List[int]) -> None:
-        ended = position is self._position  # not an abandoned iterator run out later
-        super()._epoch_done(position)
-        if ended and self._carry is None:  # (with_epoch here: the DataLoader's pass goes on)
-            self._mirrors.epoch_done(self._carries())
+    def load(self, state: Optional[PipelineState]) -> None:
+        self.mirrors.clear()
+        self._loaded = state if state is not None and state.workers else None
+        self.restart_workers()
 
-    def _one_pass(self, epoch: int, ledger: Ledger) -> Any:
-        dataset = self.loader.dataset
-        if hasattr(dataset, "set_epoch"):
-            dataset.set_epoch(epoch)
-        plan = dataset.aligned_plan() if hasattr(dataset, "aligned_plan") else None
-        if plan is not None:
-            plan.warn_split(max(1, self.loader.num_workers))
-        resume, self._worker_resume = self._worker_resume, None
-        if not self._carries():
-            self._mirrors.clear()
-        if (
-            resume is not None
-            and (resume.pass_ if resume.pass_ is not None else resume.epoch) == epoch
-        ):
-            dataset.channel.starts = self._mirrors.resume(resume, epoch)
-        return super()._one_pass(epoch, ledger)
+    def epoch_done(self) -> None:
+        self.mirrors.epoch_done(self._carries())
 
-    def _source_items(self, ledger: Ledger) -> Iterator[Any]:
+    def numbered(self, ledger: Ledger, keeps: bool) -> Iterator[Any]:
         """The DataLoader's items; a webds dataset's come in envelopes, whose ledger records are
         kept per worker (:class:`~webds.channel.WorkerMirrors`) as the items arrive."""
-        dataset = self.loader.dataset
+        dataset = self.dataset
         channel = getattr(dataset, "channel", None)
         if channel is None:
             # Not a webds pipeline: each item is one id, and resuming reads them again.
-            yield from super()._source_items(ledger)
+            for k, item in enumerate(self.loader):
+                ledger.produce(item_id(k))
+                yield item
             return
-        keeps = any(
-            getattr(getattr(s, "factory", None), "wants_ledger", False) for s in self.pipeline
-        )
+        plan = dataset.aligned_plan() if hasattr(dataset, "aligned_plan") else None
+        if plan is not None:
+            plan.warn_split(max(1, self.loader.num_workers))
+        loaded, self._loaded = self._loaded, None
+        if not self._carries():
+            self.mirrors.clear()
+        if loaded is not None and (loaded.epoch if loaded.pass_ is None else loaded.pass_) == (
+            self._epoch
+        ):
+            channel.starts = self.mirrors.resume(loaded, self._epoch)
         # Open only while the DataLoader starts (its workers copy the dataset; without workers
         # it calls iter(dataset) now): the same dataset used elsewhere yields plain items.
         channel.open = True
@@ -209,16 +190,28 @@ class WebLoader(DataPipeline, FluentMixin):
         finally:
             channel.open = False
             channel.starts = {}  # the workers (or this process's iterator) have their copy
-        yield from self._mirrors.receive(it, ledger, keeps)
+        yield from self.mirrors.receive(it, ledger, keeps)
 
+    def restart_workers(self) -> None:
+        """Stop persistent workers: they keep their own copy of the dataset, with its own epoch,
+        and must start afresh to take a new epoch or resume position."""
+        it = getattr(self.loader, "_iterator", None)
+        if it is not None:
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self.loader._iterator = None
 
-class _LoaderOrigin:
-    """The DataLoader as a counted source: one stream, made of its workers' streams in turn."""
+    def _carries(self) -> bool:
+        """Whether the dataset's stream goes on from one loader epoch to the next (with_epoch,
+        in this process or in persistent workers), rather than starting afresh."""
+        dataset, loader = self.dataset, self.loader
+        carried = getattr(dataset, "nsamples", None) is not None and (
+            getattr(dataset, "repetitions", 1) == sys.maxsize
+        )
+        return carried and (loader.num_workers == 0 or loader.persistent_workers)
 
-    exact = False  # the datasets in the workers keep their own counts exact
-
-    def __init__(self, loader: DataLoader) -> None:
-        self.loader = loader
+    # -- counts -----------------------------------------------------------------------------------
 
     def _worker_counts(self) -> List[Length]:
         """What each worker yields this epoch (batches, when the DataLoader batches), with the
@@ -239,15 +232,12 @@ class _LoaderOrigin:
             return [Length(c.items // size, Length(c.items // size * size)) for c in counts]
         return [Length(-(-c.items // size), c) for c in counts]
 
-    def _worker_items(self) -> List[int]:
-        return [c.items for c in self._worker_counts()]
-
     def stream_lengths(self, num_workers: Optional[int] = None) -> List[int]:
         return [n.items for n in self.stream_counts(num_workers)]
 
     def stream_counts(self, num_workers: Optional[int] = None) -> List[Length]:
-        # The workers' streams arrive interleaved as one; what each batched, summed, is what
-        # an unbatched() after the loader gets back.
+        """One stream: the workers' streams arrive interleaved as one; what each batched, summed,
+        is what an unbatched() after the loader gets back."""
         return [_total(self._worker_counts())]
 
     def stream_index(self) -> int:

@@ -15,8 +15,6 @@ resumed mid-epoch (:meth:`DataPipeline.load_state_dict`) reads each sample not y
 from __future__ import annotations
 
 import copy
-import ctypes
-import functools
 import itertools
 import secrets
 import sys
@@ -24,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import IterableDataset
 
+from .channel import StreamKeeper, is_worker_dataset, release_free_heap
 from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
     _exactly,
     check_state,
@@ -95,8 +94,9 @@ class DataPipeline(IterableDataset):
     Every ``iter()`` runs one epoch: the pipeline's epoch number is handed to every stage that
     has ``set_epoch`` and then advances by one; :meth:`set_epoch` chooses it explicitly.
     :meth:`state_dict` says where the epoch in progress stands and :meth:`load_state_dict`
-    makes the next ``iter()`` continue from there, in this process or a new one. A DataLoader
-    worker trims its C heap at the end of each epoch (see :func:`_release_free_heap`).
+    makes the next ``iter()`` continue from there, in this process or a new one. A source that
+    keeps streams of its own (a :class:`~webds.channel.StreamKeeper`) numbers its items and
+    saves its streams itself.
     """
 
     def __init__(self, *stages: Any, **kwargs: Any) -> None:
@@ -159,6 +159,9 @@ class DataPipeline(IterableDataset):
         to the next. So a training loop can call ``set_epoch(e)`` at the top of every epoch,
         resumed or not, with or without ``with_epoch``.
         """
+        keeper = self._keeper()
+        if keeper is not None:
+            keeper.choose_epoch(int(epoch), changed=int(epoch) != self.epoch)
         if int(epoch) == self.epoch and (self._resume is not None or self._carry is not None):
             return
         self.epoch = int(epoch)
@@ -189,6 +192,11 @@ class DataPipeline(IterableDataset):
         """Declare ``len(self) == n`` (for frameworks that need a length). Returns ``self``."""
         self.length = int(n)
         return self
+
+    def _keeper(self) -> Optional[StreamKeeper]:
+        """The source, if it keeps streams of its own (see :class:`~webds.channel.StreamKeeper`)."""
+        src = self.pipeline[0] if self.pipeline else None
+        return src if isinstance(src, StreamKeeper) else None
 
     def _origin(self) -> Optional[Tuple[int, Any]]:
         """(position, source) of the stage whose output counts are known, if there is one.
@@ -262,7 +270,9 @@ class DataPipeline(IterableDataset):
 
     def _resume_config(self) -> Dict[str, Any]:
         """What must be the same when a saved position is loaded (see :meth:`load_state_dict`)."""
-        return {"seed": self.seed, "stages": [_stage_name(s) for s in self.pipeline]}
+        config = {"seed": self.seed, "stages": [_stage_name(s) for s in self.pipeline]}
+        keeper = self._keeper()
+        return config if keeper is None else {**config, **keeper.config()}
 
     def _state(self) -> PipelineState:
         """Where this pipeline stands, as :meth:`state_dict` saves it."""
@@ -275,6 +285,9 @@ class DataPipeline(IterableDataset):
             state.pass_, ledger = self._stream
             state.ledger, state.problem = ledger.state(), ledger.problem
             state.last = ledger.current  # what a padded epoch repeats (see _exactly)
+        keeper = self._keeper()
+        if keeper is not None:
+            keeper.save(state, self._stream)
         return state
 
     def state_dict(self, all_ranks: bool = False, strict: bool = True) -> Any:
@@ -312,20 +325,24 @@ class DataPipeline(IterableDataset):
         planned = self._planned()
         if planned is not None and topology_changed(states, where.world_size, planned[2]):
             self.set_epoch(resume_elsewhere(self, states, strict, planned[0], planned[1]))
-            self._resume = None
-            return
-        mine = own_state(states, where.rank, where.world_size, strict)
-        check_state(mine, self._resume_config(), strict)
-        restore_entropy(self, mine)
-        self.set_epoch(mine.epoch)
-        self._resume = mine
-        self._carry = self._stream = None  # the next iter() starts from the resume
-        self._position = [self.epoch, mine.items]
+            self._resume = mine = None
+        else:
+            mine = own_state(states, where.rank, where.world_size, strict)
+            check_state(mine, self._resume_config(), strict)
+            restore_entropy(self, mine)
+            self.set_epoch(mine.epoch)
+            self._resume = mine
+            self._carry = self._stream = None  # the next iter() starts from the resume
+            self._position = [self.epoch, mine.items]
+        keeper = self._keeper()
+        if keeper is not None:
+            keeper.load(mine)
 
     def _planned(self) -> Optional[Tuple[Any, int, int]]:
         """The epoch plan this pipeline reads by (an index's), the batch size the workers'
         shares align to, and the DataLoader workers; None without a plan."""
-        return None
+        keeper = self._keeper()
+        return keeper.planned() if keeper is not None else None
 
     def _take_resume(self, epoch: int) -> Tuple[Optional[StreamState], Optional["WorkerStart"]]:
         """The saved stream this process continues in ``epoch``, if any (taken: used once), and
@@ -344,6 +361,11 @@ class DataPipeline(IterableDataset):
         """The source's items, numbered in the ledger (item ``k`` has the id ``k << 32 | LEAF``)
         and recorded as read, unless a stage reads samples out of each item and records them
         itself (``tarfile_to_samples``)."""
+        keeper = self._keeper()
+        if keeper is not None:
+            keeps = any(isinstance(s, Stage) and s.factory.wants_ledger for s in self.pipeline)
+            yield from keeper.numbered(ledger, keeps)
+            return
         it = _as_iterator(self.pipeline[0]) if self.pipeline else iter(())
         if any(getattr(getattr(s, "factory", None), "expands", False) for s in self.pipeline):
             for k, item in enumerate(it):
@@ -468,10 +490,13 @@ class DataPipeline(IterableDataset):
     def _epoch_done(self, position: List[int]) -> None:
         if position is self._position:
             self._position = [position[0] + 1, 0]
-            if self._carry is None:
-                self._stream = None  # with_epoch's stream goes on; otherwise the epoch is over
-        if _is_worker_dataset(self):
-            _release_free_heap()  # (a persistent worker idles until the next epoch)
+            keeper = self._keeper()
+            if self._carry is None:  # with_epoch's stream goes on; otherwise the epoch is over
+                self._stream = None
+                if keeper is not None:
+                    keeper.epoch_done()
+        if is_worker_dataset(self):
+            release_free_heap()  # (a persistent worker idles until the next epoch)
 
     def __iter__(self) -> Iterator[Any]:
         return self.iterator()
@@ -507,37 +532,6 @@ class DataPipeline(IterableDataset):
     def __repr__(self) -> str:
         inner = ",\n  ".join(repr(s) for s in self.pipeline)
         return f"{type(self).__name__}(\n  {inner}\n)"
-
-
-def _is_worker_dataset(pipeline: "DataPipeline") -> bool:
-    """Whether this process is a DataLoader worker and ``pipeline`` its dataset (not nested)."""
-    from torch.utils.data import get_worker_info
-
-    info = get_worker_info()
-    return info is not None and info.dataset is pipeline
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
-    except (OSError, TypeError):  # no C library to load by that name (Windows)
-        return None
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-def _release_free_heap() -> bool:
-    """Hand the free pages of the C heap back to the OS: glibc's ``malloc_trim(0)``. glibc keeps
-    the holes of freed images and tensors of mixed sizes: a persistent 2-worker loader grew
-    10-13% over 10 epochs; trimming once per worker epoch (a few ms) keeps it at its floor.
-    False where there is no glibc."""
-    trim = _malloc_trim()
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 def add_length_method(obj: Any) -> Any:
