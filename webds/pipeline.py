@@ -367,7 +367,7 @@ class DataPipeline(IterableDataset):
             yield from keeper.numbered(ledger, keeps)
             return
         it = _as_iterator(self.pipeline[0]) if self.pipeline else iter(())
-        if any(getattr(getattr(s, "factory", None), "expands", False) for s in self.pipeline):
+        if any(isinstance(s, Stage) and s.factory.expands for s in self.pipeline):
             for k, item in enumerate(it):
                 ledger.current = (k << 32) | LEAF
                 yield item
@@ -402,7 +402,7 @@ class DataPipeline(IterableDataset):
         )
         its: List[Any] = [it]
         for i, s in enumerate(self.pipeline[1:], 1):
-            if i == skip_at and not getattr(s.factory, "expands", False):
+            if i == skip_at and not s.factory.expands:
                 it = ledger.restore_order(unconsumed(it, ledger))
             it = iter(s(it)) if probe is None else probe.wrap(iter(s(it)), i)
             its.append(it)

@@ -134,6 +134,7 @@ class StageFactory:
         fn: Callable[..., Iterator[Any]],
         count: Optional[Count] = None,
         stateless: bool = False,
+        expands: bool = False,
     ) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -152,6 +153,13 @@ class StageFactory:
                 f"stage function {fn.__qualname__} takes a ledger, so it records what it holds: "
                 "it is not stateless (drop one of the two)"
             )
+        if expands and not self.wants_ledger:
+            raise ArgumentError(
+                f"stage function {fn.__qualname__} expands source items into samples, so it "
+                "must record them: give it a ledger parameter"
+            )
+        #: It reads samples out of each source item and records each in the ledger itself.
+        self.expands = expands
         #: What the stage owes a resume: LEDGER, STATELESS, or None (undeclared: refused).
         self.resume: Optional[str] = (
             LEDGER if self.wants_ledger else STATELESS if stateless else None
@@ -239,6 +247,7 @@ def stage(
     *,
     count: Optional[Count] = None,
     stateless: bool = False,
+    expands: bool = False,
 ) -> Any:
     """Turn a generator function ``fn(src, *params)`` into a curried stage factory.
 
@@ -247,10 +256,13 @@ def stage(
     the next, so a pipeline can save its position mid-pass. A function that holds items across
     its yields declares a ``ledger`` parameter instead and records them (see
     :mod:`webds.stages.ledger`); one that does neither is refused by ``state_dict()``.
+    ``@stage(expands=True)``: it reads samples out of each source item (a shard) and numbers
+    and records each in the ledger itself (``tarfile_to_samples``); the pipeline then only
+    says which source item is current, and leaves skipping consumed samples to it.
     """
     if fn is None:
-        return lambda f: StageFactory(f, count, stateless)
-    return StageFactory(fn, count, stateless)
+        return lambda f: StageFactory(f, count, stateless, expands)
+    return StageFactory(fn, count, stateless, expands)
 
 
 class Stateless:

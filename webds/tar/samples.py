@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 
-@stage
+@stage(expands=True)
 def tarfile_to_samples(
     src: Iterable[Any],
     handler: Handler = reraise_exception,
@@ -358,9 +358,6 @@ def _stale_index(url: str, indexed: int, more: bool, seen: int = 0) -> ShardRead
     found = f"more than {indexed}" if more else f"only {seen}"
     return stale_index(url, f"the shard has {found} samples but the index says {indexed}")
 
-
-#: It reads samples out of each source item and records them in the pipeline's ledger.
-tarfile_to_samples.expands = True  # type: ignore[attr-defined]
 
 #: webdataset's name for the plain function behind :func:`tarfile_to_samples`.
 tarfile_samples = tarfile_to_samples.fn
