@@ -274,3 +274,76 @@ def test_peer_shards_still_read_whole(peer_dir: Path) -> None:
     for path in sorted(peer_dir.glob("*.t*")):
         for _ in read_members(open(path, "rb"), str(path)):
             pass
+
+
+# -- reading unterminated shards as complete, when the caller says so ------------------------
+
+
+def _unterminated(path: Path, n: int = 276) -> str:
+    """A shard of ``n`` samples written by webdataset's TarWriter (a pax header per member) and
+    cut where its end-of-archive marker starts: what a writer killed between samples leaves."""
+    wd = pytest.importorskip("webdataset")
+    with wd.TarWriter(str(path)) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"{i:04d}", "txt": b"x" * (i % 700), "cls": str(i).encode()})
+    raw = path.read_bytes()
+    path.write_bytes(raw[: members_end(raw)])
+    return str(path)
+
+
+def test_an_unterminated_shard_reads_whole_with_accept_unterminated(tmp_path, caplog, monkeypatch):
+    """clip_benchmark's case: webdataset reads 276 samples, webds withheld the last one and
+    raised. The error names the way out; accept_unterminated=True (or the environment's
+    WDS_ACCEPT_UNTERMINATED=1, which WebDataset follows) yields all 276, with a warning."""
+    import webdataset as wd
+
+    url = _unterminated(tmp_path / "killed.tar")
+    want = [s["__key__"] for s in wd.WebDataset(url, shardshuffle=False)]
+    assert len(want) == 276
+    got, err = read(url, "fluent")
+    assert len(got) == 275 and isinstance(err, webds.tar.reader.EndWithoutMarker)
+    for words in (
+        "webds verify",
+        "re-write",
+        "accept_unterminated=True",
+        "WDS_ACCEPT_UNTERMINATED",
+    ):
+        assert words in str(err), words
+    steps = [
+        webds.tarfile_to_samples(accept_unterminated=True),
+        webds.url_opener(),
+        webds.tar_file_expander(accept_unterminated=True),
+        webds.group_by_keys(),
+    ]
+    for stages in (steps[:1], steps[1:]):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="webds"):
+            pipeline = webds.DataPipeline(webds.SimpleShardList(url), *stages)
+            assert [s["__key__"] for s in pipeline] == want
+        assert "killed.tar" in caplog.text and "end-of-archive marker" in caplog.text
+    monkeypatch.setenv("WDS_ACCEPT_UNTERMINATED", "1")
+    assert [s["__key__"] for s in webds.WebDataset(url, shardshuffle=False)] == want
+    pipeline = webds.DataPipeline(webds.SimpleShardList(url), webds.tarfile_to_samples())
+    assert len(list(pipeline)) == 276
+    # The keyword wins over the environment; a value that is not a yes or a no is an error.
+    got, err = read(url, "fluent")
+    assert len(got) == 276 and err is None
+    strict = webds.DataPipeline(
+        webds.SimpleShardList(url), webds.tarfile_to_samples(accept_unterminated=False)
+    )
+    with pytest.raises(webds.tar.reader.EndWithoutMarker):
+        list(strict)
+    monkeypatch.setenv("WDS_ACCEPT_UNTERMINATED", "maybe")
+    with pytest.raises(webds.ArgumentError, match="WDS_ACCEPT_UNTERMINATED"):
+        list(webds.WebDataset(url, shardshuffle=False))
+
+
+def test_accept_unterminated_still_reports_a_shard_cut_inside_a_member(tmp_path):
+    url = _unterminated(tmp_path / "cut.tar", n=20)
+    raw = Path(url).read_bytes()
+    Path(url).write_bytes(raw[: len(raw) - 700])
+    pipeline = webds.DataPipeline(
+        webds.SimpleShardList(url), webds.tarfile_to_samples(accept_unterminated=True)
+    )
+    with pytest.raises(ShardReadError, match="truncated"):
+        list(pipeline)

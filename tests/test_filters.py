@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from webds.decode import decode
 from webds.errors import ArgumentError, SampleError
+from webds.fluent import WebDataset
 from webds.pipeline import DataPipeline
 from webds.shards import derive_seed, split_by_worker
 from webds.stages import batching as B
@@ -423,9 +424,10 @@ def test_to_tuple(tar_samples):
     assert run(FD.to_tuple("png;jpg cls"), tar_samples) == out
     assert run(FD.to_tuple("cls"), tar_samples)[0] == (b"0",)
     assert run(FD.to_tuple("cls", "txt", missing_is_error=False), tar_samples)[0] == (b"0", None)
-    # A missing field is None even when None values are errors; a present None is not.
+    # As in webdataset, a missing field is None, and a None an error while none_is_error holds.
     strict_none = FD.to_tuple("cls", "txt", missing_is_error=False, none_is_error=True)
-    assert run(strict_none, tar_samples)[0] == (b"0", None)
+    with pytest.raises(SampleError, match="no field 'txt'.*none_is_error=False"):
+        run(strict_none, tar_samples)
     with pytest.raises(SampleError, match="'cls' is None"):
         run(strict_none, [{"__key__": "a", "cls": None}])
     with pytest.raises(SampleError) as info:
@@ -443,6 +445,49 @@ def test_to_tuple(tar_samples):
         run(FD.to_tuple(), bad)
     with pytest.raises(SampleError, match="needs dict samples"):
         run(FD.to_tuple("cls"), [(1, 2)])
+
+
+def test_to_tuple_takes_a_list_of_alternatives_as_webdataset_does(tmp_path):
+    """clip_benchmark's ``.to_tuple(["webp", "png", "jpg", "jpeg"], "cls")``: a list (or tuple)
+    is the first present, side by side with webdataset 1.0.2's to_tuple, for every
+    missing_is_error / none_is_error setting, on samples with one, none, or a None field."""
+    wd = pytest.importorskip("webdataset")
+    samples = [
+        {"__key__": "a", "png": b"P", "jpg": b"J", "cls": b"0"},
+        {"__key__": "b", "jpeg": b"E", "cls": b"1"},
+        {"__key__": "c", "cls": b"2"},  # no image
+        {"__key__": "d", "webp": None, "png": b"P", "cls": b"3"},  # a present None
+        {"__key__": "e", "jpg": b"J", "cls": None},
+    ]
+    for fields in [
+        (["webp", "png", "jpg", "jpeg"], "cls"),
+        (("jpeg", "jpg"), ["cls"]),
+        ("webp;png;jpg;jpeg", "cls"),
+        (["png"],),
+    ]:
+        for kw in [{}, {"missing_is_error": False}, {"none_is_error": False}]:
+            for more in [{}, {"none_is_error": True}]:
+                options = {**kw, **more}
+                for sample in samples:
+                    want = got = None
+                    try:
+                        want = list(wd.filters._to_tuple([dict(sample)], *fields, **options))
+                    except ValueError as exn:
+                        want = type(exn)
+                    try:
+                        got = run(FD.to_tuple(*fields, **options), [dict(sample)])
+                    except SampleError:
+                        got = ValueError  # a SampleError is a ValueError, as webdataset raised
+                    assert got == want, (fields, options, sample["__key__"])
+    # The fluent method, derived from the same stage, takes a list too.
+    path = write_tar(tmp_path / "s.tar", sample_members(3, ("jpeg", "cls")))
+    dataset = WebDataset(str(path), shardshuffle=False)
+    images = dataset.to_tuple(["webp", "png", "jpg", "jpeg"], "cls")
+    assert [cls for _, cls in images] == [b"0", b"1", b"2"]
+    with pytest.raises(ArgumentError, match=r"lists of them like \['jpg', 'png'\]"):
+        run(FD.to_tuple([], "cls"), samples)
+    with pytest.raises(ArgumentError, match="non-empty strings"):
+        run(FD.to_tuple(["jpg", 3]), samples)
 
 
 def test_extract_keys():

@@ -9,6 +9,7 @@ import io
 import pickle
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from clitools import cli_env, run_webds
@@ -246,3 +247,37 @@ def test_xdecode_refuses_pickles_even_when_allowed(secure, tmp_path, s3):
     security.enforce_security = False
     out = list(webds.WebDataset(url).xdecode(allow_pickle=True))
     assert ran.exists() and out[0]["pyd"] is None and out[0]["txt"] == "x"
+
+
+def test_refusals_quote_webdataset_s_words(secure, tmp_path, shard, monkeypatch):
+    """Each refusal keeps webds's explanation and quotes what webdataset 1.0.2 says at the same
+    place (its own tests match those words), side by side with webdataset's own refusal."""
+    wd = pytest.importorskip("webdataset")
+    import sys
+
+    monkeypatch.setattr(wd.utils, "enforce_security", True)
+    monkeypatch.setenv("GOPEN_REWRITE", "s3://a/=http://b/")
+    payload = pickle.dumps({"a": 1})
+    cases = [
+        lambda m: m.gopen(f"pipe:cat {shard}"),
+        lambda m: m.gopen(str(shard)),
+        lambda m: m.gopen(shard.as_uri()),
+        lambda m: m.rewrite_url("s3://a/x.tar"),
+        lambda m: m.autodecode.unpickle_loads(payload),
+        lambda m: m.autodecode.torch_loads(payload),
+    ]
+    # webdataset.gopen is the function, its module only in sys.modules; webds's is both.
+    wd_gopen = sys.modules["webdataset.gopen"]
+    theirs = SimpleNamespace(
+        gopen=wd_gopen.gopen, rewrite_url=wd_gopen.rewrite_url, autodecode=wd.autodecode
+    )
+    ours = SimpleNamespace(
+        gopen=wds.gopen, rewrite_url=wds.gopen.rewrite_url, autodecode=wds.autodecode
+    )
+    for call in cases:
+        with pytest.raises(ValueError) as expected:
+            call(theirs)
+        with pytest.raises(SecureModeError) as got:
+            call(ours)
+        said = str(expected.value).rstrip(".")
+        assert said in str(got.value) and "secure mode is on" in str(got.value), said

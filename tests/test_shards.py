@@ -127,6 +127,21 @@ def test_resampled_differs_per_worker(monkeypatch):
     assert w0 != w1
 
 
+def test_resampled_worker_seed_may_return_an_int():
+    """webdataset's worker_seed returns an int (its default is rank * 1000 + worker); webds's
+    ResampledShards took only a tuple ("'int' object is not iterable" when iterated)."""
+    one = ResampledShards("s-{0..99}.tar", nshards=20, worker_seed=lambda: 1, deterministic=True)
+    two = ResampledShards("s-{0..99}.tar", nshards=20, worker_seed=lambda: 2, deterministic=True)
+    assert len(urls_of(one)) == 20
+    one.set_epoch(0)
+    assert urls_of(one) != urls_of(two)  # the int is mixed into the draws
+    again = ResampledShards("s-{0..99}.tar", nshards=20, worker_seed=lambda: 1, deterministic=True)
+    one.set_epoch(0)
+    assert urls_of(again) == urls_of(one)
+    pairs = ResampledShards("s-{0..9}.tar", nshards=5, worker_seed=lambda: (0, 1))
+    assert len(urls_of(pairs)) == 5
+
+
 def test_resampled_nondeterministic_by_default():
     rs = ResampledShards("s-{0..999}.tar", nshards=20)
     first = urls_of(rs)

@@ -70,3 +70,106 @@ def test_tar_file_iterator_errors_name_the_shard(tmp_path, shards):
 def test_functions_pickle_for_spawned_workers():
     for f in (t.url_opener, t.tar_file_expander, t.group_by_keys, t.tar_file_iterator):
         assert pickle.loads(pickle.dumps(f)) is f
+
+
+# -- damaged shards under open_clip's own grouping code --------------------------------------
+#
+# group_by_keys_nothrow and tarfile_to_samples_nothrow below are copied from open_clip
+# (github.com/mlfoundations/open_clip, src/training/data.py; MIT licence, Copyright (c) 2012-2021
+# Gabriel Ilharco, Mitchell Wortsman, Nicholas Carlini, Rohan Taori, Achal Dave, Vaishaal Shankar,
+# John Miller, Hongseok Namkoong, Hannaneh Hajishirzi, Ali Farhadi, Ludwig Schmidt), with the
+# webdataset functions they call passed in: that is how training code meets damaged shards.
+
+
+def group_by_keys_nothrow(data, keys=t.base_plus_ext, lcase=True, suffixes=None, handler=None):
+    current_sample = None
+    for filesample in data:
+        assert isinstance(filesample, dict)
+        fname, value = filesample["fname"], filesample["data"]
+        prefix, suffix = keys(fname)
+        if prefix is None:
+            continue
+        if lcase:
+            suffix = suffix.lower()
+        if (
+            current_sample is None
+            or prefix != current_sample["__key__"]
+            or suffix in current_sample
+        ):
+            if t.valid_sample(current_sample):
+                yield current_sample
+            current_sample = dict(__key__=prefix, __url__=filesample["__url__"])
+        if suffixes is None or suffix in suffixes:
+            current_sample[suffix] = value
+    if t.valid_sample(current_sample):
+        yield current_sample
+
+
+def tarfile_to_samples_nothrow(tariterators, src, handler):
+    streams = tariterators.url_opener(src, handler=handler)
+    files = tariterators.tar_file_expander(streams, handler=handler, eof_value=None)
+    return group_by_keys_nothrow(files, handler=handler)
+
+
+def _damaged_shards(tmp_path, how):
+    """A damaged shard of 6 samples followed by a good one, written by webdataset's TarWriter
+    (a pax header before every member): cut inside the data of sample 3's second member, or
+    cut between samples 3 and 4 without the end-of-archive marker (a killed writer)."""
+    import tarfile
+
+    wd = pytest.importorskip("webdataset")
+    paths = []
+    for name, n in (("bad", 6), ("good", 2)):
+        path = tmp_path / f"{name}.tar"
+        with wd.TarWriter(str(path)) as sink:
+            for i in range(n):
+                sink.write({"__key__": f"{name}{i}", "txt": b"t" * 700, "cls": str(i).encode()})
+        paths.append(str(path))
+    with tarfile.open(paths[0]) as tf:
+        members = {m.name: m for m in tf.getmembers()}
+    raw = open(paths[0], "rb").read()
+    if how == "cut":
+        end = members["bad3.txt"].offset_data + 300
+    else:
+        end = members["bad4.cls"].offset  # sample 4's first header (its pax header before it)
+        end -= 1024 if raw[end - 1024 + 156 : end - 1024 + 157] == b"x" else 0
+    with open(paths[0], "wb") as f:
+        f.write(raw[:end])
+    return paths
+
+
+@pytest.mark.parametrize("how", ["cut", "unterminated"])
+def test_open_clip_grouping_on_a_damaged_shard_reads_as_with_webdataset(tmp_path, how):
+    """open_clip's tarfile_to_samples_nothrow, over webds.tariterators and over webdataset
+    1.0.2's: the same samples, and the handler hears of the damage (it used to die with
+    KeyError 'fname' on webds's marker after the damaged shard)."""
+    import webdataset.tariterators as wd_tariterators
+
+    urls = _damaged_shards(tmp_path, how)
+    got = {}
+    for name, module in (("webdataset", wd_tariterators), ("webds", t)):
+        heard: list = []
+        samples = tarfile_to_samples_nothrow(
+            module, [{"url": u} for u in urls], lambda exn, heard=heard: heard.append(exn) or True
+        )
+        got[name] = [(s["__key__"], sorted(k for k in s if k[:2] != "__")) for s in samples]
+        assert heard or (how == "unterminated" and name == "webdataset"), name
+    assert got["webds"] == got["webdataset"]
+    whole = ["bad0", "bad1", "bad2"] + (["bad3"] if how == "unterminated" else [])
+    assert [k for k, _ in got["webds"]][: len(whole)] == whole
+    assert [k for k, _ in got["webds"]][-2:] == ["good0", "good1"]
+
+
+def test_eof_value_none_yields_only_members_after_a_damaged_shard(tmp_path):
+    urls = _damaged_shards(tmp_path, "cut")
+    opened = t.url_opener([{"url": u} for u in urls])
+    items = list(t.tar_file_expander(opened, handler=webds.ignore_and_continue, eof_value=None))
+    assert len(items) == 7 + 4 and all({"fname", "data", "__url__"} <= set(m) for m in items)
+    # The default still marks the damage, so that webds's group_by_keys drops the cut sample.
+    opened = t.url_opener([{"url": u} for u in urls])
+    items = list(t.tar_file_expander(opened, handler=webds.ignore_and_continue))
+    assert {"__bad__": True, "__url__": urls[0]} in items and items[-1] == {}
+    end = object()
+    opened = t.url_opener([{"url": u} for u in urls])
+    items = list(t.tar_file_expander(opened, handler=webds.ignore_and_continue, eof_value=end))
+    assert [m for m in items if m is end] == [end] and items[-1] is end  # the good shard's

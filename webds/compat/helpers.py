@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset
 
 from ..errors import ArgumentError, NoSamplesError
 from ..io.cache import pid_alive
-from ..io.security import refuse
+from ..io.security import WEBDATASET_PICKLE, refuse
 from ..shards.shardlists import expand_urls
 from ..stages.batching import _collate_column
 from ..stages.codecs import basichandlers
@@ -185,7 +185,7 @@ def decode_text(stream: Any) -> str:
 def decode_pickle(stream: Any) -> Any:
     """``pickle.load(stream)``: calling it is opting in (only for data you trust); refused in
     secure mode."""
-    refuse("unpickling (decode_pickle)")
+    refuse("unpickling (decode_pickle)", webdataset=WEBDATASET_PICKLE)
     return pickle.load(stream)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Collection, Dict, List, Optional
 
 from ..errors import ArgumentError, OpenError
 from ..io.pipes import PipeStream
-from ..io.security import refuse
+from ..io.security import WEBDATASET_PIPE, refuse
 from ..io.urls import local_path, open_url
 
 __all__ = [
@@ -165,7 +165,7 @@ def gopen_pipe(url: str, mode: str = "rb", bufsize: int = 8192) -> PipeStream:
     """A ``pipe:`` URL's command, as :class:`~webds.io.pipes.PipeStream`."""
     if not url.startswith("pipe:"):
         raise ArgumentError(f"gopen_pipe: {url!r} is not a pipe: URL", url=url)
-    refuse("pipe: URLs", url)
+    refuse("pipe: URLs", url, WEBDATASET_PIPE)
     if mode[:1] not in ("r", "w"):
         raise ArgumentError(f"{mode}: unknown mode", url=url)
     return PipeStream(url[5:], "rb" if mode[0] == "r" else "wb")

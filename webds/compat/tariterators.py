@@ -58,14 +58,21 @@ def tar_file_expander(
 ) -> Iterator[Dict[str, Any]]:
     """Opened shards to member dicts ``{"fname", "data", "__url__"}`` (see
     :func:`webds.tar_file_expander`), each shard's followed by ``eof_value`` (an empty dict by
-    default; None: nothing), as in webdataset. The marker after a broken shard is always kept:
-    it is what keeps :func:`group_by_keys` from yielding the sample the damage cut short."""
+    default; None: nothing), as in webdataset.
+
+    After a damaged shard (the handler chose to go on) the default yields webds's marker
+    ``{"__bad__": True, "__url__": url}``: it is what keeps :func:`group_by_keys` from
+    yielding the sample the damage cut short. A caller that chose ``eof_value`` groups
+    members with its own code (open_clip's ``group_by_keys_nothrow`` reads ``"fname"`` from
+    every item), so then a damaged shard is followed by nothing, as in webdataset: with
+    ``eof_value=None`` only real members are yielded.
+    """
     for item in grouping.tar_file_expander.fn(data, handler, select_files, rename_files):
-        if "fname" in item or item.get("__bad__"):
+        if "fname" in item:
             yield item
         elif eof_value is _EOF:
-            yield {}
-        elif eof_value is not None:
+            yield item if item.get("__bad__") else {}
+        elif eof_value is not None and not item.get("__bad__"):
             yield eof_value
 
 

@@ -23,7 +23,7 @@ read at each check, and either one turns secure mode on.
 from __future__ import annotations
 
 import os
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 from ..errors import SecureModeError
 
@@ -34,12 +34,27 @@ __all__ = [
     "refuse_local_fsspec",
     "refuse_local_filesystem",
     "url_to_fs",
+    "WEBDATASET_LOCAL",
+    "WEBDATASET_PIPE",
+    "WEBDATASET_REWRITE",
+    "WEBDATASET_PICKLE",
+    "WEBDATASET_TORCH",
 ]
 
 #: Secure mode, as webdataset's ``utils.enforce_security`` (also on with ``WDS_SECURE=1``).
 enforce_security: bool = False
 
 _SETTING = "secure mode is on (webds.utils.enforce_security = True, or WDS_SECURE=1)"
+
+# webdataset 1.0.2's words for the same refusals, quoted in ours: code and tests written for it
+# match them (pytest.raises(ValueError, match="cannot open pipe URLs")).
+WEBDATASET_LOCAL = "gopen: unsafe_gopen is False, cannot open local files"
+WEBDATASET_PIPE = "gopen_pipe: unsafe_gopen is False, cannot open pipe URLs"
+WEBDATASET_REWRITE = (
+    "rewrite_url: unsafe_gopen is False, cannot rewrite URLs using environment variables"
+)
+WEBDATASET_PICKLE = "Unpickling is not allowed for security reasons when enforce_security is set"
+WEBDATASET_TORCH = "torch.loads is not allowed for security reasons when enforce_security is set"
 
 
 def secure() -> bool:
@@ -54,12 +69,14 @@ def secure() -> bool:
         return value.lower() in ("true", "yes", "on")
 
 
-def refuse(what: str, url: object = None) -> None:
-    """Raise :class:`SecureModeError` for ``what`` if secure mode is on."""
+def refuse(what: str, url: object = None, webdataset: Optional[str] = None) -> None:
+    """Raise :class:`SecureModeError` for ``what`` if secure mode is on; ``webdataset`` is
+    what webdataset says there (one of the ``WEBDATASET_*`` messages), quoted."""
     if secure():
+        said = f' ("{webdataset}")' if webdataset else ""
         raise SecureModeError(
-            f"{_SETTING}: {what} refused, as webdataset refuses it. Turn secure mode off only "
-            "for URLs and data you trust",
+            f"{_SETTING}: {what} refused, as webdataset refuses it{said}. Turn secure mode off "
+            "only for URLs and data you trust",
             url=None if url is None else str(url),
         )
 
@@ -73,7 +90,7 @@ def refuse_local_fsspec(url: str) -> None:
     opens ``ab:y.tar`` from the current folder), ``zip://m::/path/a.zip``. Decided from the
     protocols' classes, before any filesystem is made (making one may already read the file)."""
     if secure() and _fsspec_reads_local(url):
-        refuse(_LOCAL_FILES, url)
+        refuse(_LOCAL_FILES, url, WEBDATASET_LOCAL)
 
 
 def refuse_local_filesystem(fs: object, url: str) -> None:
@@ -86,7 +103,7 @@ def refuse_local_filesystem(fs: object, url: str) -> None:
     seen = 0
     while fs is not None and seen < 8:  # wrappers nest a few deep at most
         if isinstance(fs, LocalFileSystem):
-            refuse(_LOCAL_FILES, url)
+            refuse(_LOCAL_FILES, url, WEBDATASET_LOCAL)
         fs = getattr(fs, "fs", None)
         seen += 1
 

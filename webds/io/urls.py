@@ -32,7 +32,15 @@ from ..errors import ArgumentError, NotFoundError, OpenError, SecureModeError, W
 from .pipes import PIPE_IDLE_SECONDS, PipeStream
 from .ranged import check_read_timeout
 from .remote import _open_fsspec, filesystem_options, fsspec_opener
-from .security import refuse, refuse_local_fsspec, secure, url_to_fs
+from .security import (
+    WEBDATASET_LOCAL,
+    WEBDATASET_PIPE,
+    WEBDATASET_REWRITE,
+    refuse,
+    refuse_local_fsspec,
+    secure,
+    url_to_fs,
+)
 from .streams import AtomicFile, _Unclosable
 
 log = logging.getLogger("webds")
@@ -238,7 +246,7 @@ def rewrite_url(url: str) -> str:
     rules = os.environ.get("GOPEN_REWRITE")
     if not rules or url == "-":
         return url
-    refuse("URL rewriting from the environment (GOPEN_REWRITE)", url)
+    refuse("URL rewriting from the environment (GOPEN_REWRITE)", url, WEBDATASET_REWRITE)
     for rule in rules.split(";"):
         pattern, sep, replacement = rule.partition("=")
         if not sep:
@@ -265,9 +273,9 @@ def check_secure(url: PathOrURL) -> None:
     if not isinstance(name, str) or name == "-" or _registered_opener(name) is not None:
         return
     if url_scheme(name) == "pipe":
-        refuse("pipe: URLs (they run a shell command)", name)
+        refuse("pipe: URLs (they run a shell command)", name, WEBDATASET_PIPE)
     elif local_path(name) is not None:
-        refuse("local files (only remote URLs are opened)", name)
+        refuse("local files (only remote URLs are opened)", name, WEBDATASET_LOCAL)
     refuse_local_fsspec(name)
 
 

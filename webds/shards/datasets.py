@@ -71,7 +71,8 @@ class ResampledShards(IterableDataset):
     """An endless (or ``nshards`` long) stream of shards drawn at random with replacement.
 
     Each node and worker draws its own sequence. With ``deterministic=True`` the draws depend only
-    on (seed, epoch, rank, worker), so runs are reproducible; otherwise entropy drawn when the
+    on (seed, epoch, rank, worker), so runs are reproducible (``worker_seed``, a function
+    returning an int or a tuple, replaces rank and worker); otherwise entropy drawn when the
     object is made is mixed in too (a resumed pipeline restores it from its state), so every
     object draws differently, and each one differently every epoch: the one ``set_epoch``
     chose, or else the next (``epoch`` is -1 before the first iteration, as in webdataset).
@@ -121,7 +122,11 @@ class ResampledShards(IterableDataset):
         if not self.urls:
             return
         where = self.worker_seed() if callable(self.worker_seed) else worker_info()
-        parts: tuple = ("resampled", self.seed, self.epoch, tuple(where) if where else None)
+        if isinstance(where, (list, tuple)):
+            where = tuple(where) or None  # worker_info(), or a function returning a tuple
+        # else webdataset's kind of worker_seed: a function returning an int (rank * 1000 +
+        # worker, or lambda: 1), mixed in as it is.
+        parts: tuple = ("resampled", self.seed, self.epoch, where)
         if not self.deterministic:
             parts += (getattr(self, "_entropy", None) or os.urandom(8),)
         rng = random.Random(derive_seed(*parts))

@@ -18,7 +18,7 @@ import tempfile
 from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 from ..errors import ArgumentError, DecodeError
-from ..io.security import refuse
+from ..io.security import WEBDATASET_PICKLE, WEBDATASET_TORCH, refuse
 from . import fastjpeg
 from .limits import MAX_PIXELS, check_max, open_image
 
@@ -204,14 +204,14 @@ def tenbin_loads(data: bytes) -> List[Any]:
 def unpickle_loads(data: bytes) -> Any:
     """``pickle.loads``; only for data you trust (unpickling can run arbitrary code). Refused in
     secure mode (:mod:`webds.io.security`)."""
-    refuse("unpickling fields")
+    refuse("unpickling fields", webdataset=WEBDATASET_PICKLE)
     return pickle.loads(data)
 
 
 def torch_loads(data: bytes, weights_only: bool = True) -> Any:
     """Load a ``torch.save`` payload on the CPU; ``weights_only=True`` refuses arbitrary objects.
     Refused in secure mode (:mod:`webds.io.security`), as webdataset refuses it."""
-    refuse("torch.load of fields (.pth)")
+    refuse("torch.load of fields (.pth)", webdataset=WEBDATASET_TORCH)
     import torch
 
     try:
@@ -296,7 +296,10 @@ class BasicHandlers:
         if ext == "pth":
             return torch_loads(data, weights_only=self.weights_only)
         if ext in _PICKLE_EXTS:
-            refuse(f"unpickling '.{ext}' fields, even with allow_pickle=True")
+            refuse(
+                f"unpickling '.{ext}' fields, even with allow_pickle=True",
+                webdataset=WEBDATASET_PICKLE,
+            )
             if not self.allow_pickle:
                 raise DecodeError(
                     f"'.{ext}' fields are Python pickles, and loading a pickle can run arbitrary "

@@ -226,21 +226,19 @@ def to_tuple(
 ) -> Iterator[Any]:
     """Turn dict samples into tuples of fields: ``to_tuple("jpg;png", "cls")`` or ``"jpg;png cls"``.
 
-    Each field may list ``;``-separated alternatives; the first present is used. A missing field
-    (or a ``None`` value) is a :class:`SampleError` passed to ``handler``, unless
-    ``missing_is_error`` (``none_is_error``, which defaults to it) is false; a missing field is
-    then ``None``.
+    Each field may list alternatives, ``;``-separated or as a list (``to_tuple(["webp", "png"],
+    "cls")``, as clip_benchmark writes it); the first present is used. A missing field is a
+    :class:`SampleError` passed to ``handler``; ``missing_is_error=False`` makes it ``None``.
+    A ``None``, present or missing, is such an error while ``none_is_error`` (which defaults to
+    ``missing_is_error``) holds, as in webdataset.
     """
     if len(args) == 1 and isinstance(args[0], str) and " " in args[0]:
         args = tuple(args[0].split())
     if not args:
         raise ArgumentError("to_tuple needs at least one field, e.g. to_tuple('jpg', 'cls')")
-    for field in args:
-        if not isinstance(field, str) or not field:
-            raise ArgumentError(f"to_tuple fields must be non-empty strings, got {field!r}")
+    spec = [_field_alternatives(field) for field in args]
     if none_is_error is None:
         none_is_error = missing_is_error
-    spec = [field.split(";") for field in args]
 
     def apply(sample: Any) -> tuple:
         _check_dict_sample("to_tuple", sample)
@@ -252,8 +250,10 @@ def to_tuple(
                     value = sample[name]
                     break
             else:
-                if missing_is_error:
-                    raise _missing_error(sample, alternatives, args)
+                if missing_is_error or none_is_error:
+                    # webdataset's rule: a missing field is None, and a None is an error
+                    # while none_is_error holds, whatever missing_is_error says.
+                    raise _missing_error(sample, alternatives, args, missing_is_error)
                 result.append(None)
                 continue
             if value is None and none_is_error:
@@ -267,13 +267,31 @@ def to_tuple(
     return apply_each(src, apply, handler, "to_tuple")
 
 
+def _field_alternatives(field: Fields) -> List[str]:
+    """A to_tuple field's names to try in turn: ``"jpg;png"`` split at ``;``, a list or tuple
+    taken as it is (webdataset's ``getfirst``: its items are not split)."""
+    if isinstance(field, str):
+        alternatives = field.split(";")
+    elif isinstance(field, (list, tuple)):
+        alternatives = list(field)
+    else:
+        alternatives = []
+    if not alternatives or not all(isinstance(a, str) and a for a in alternatives):
+        raise ArgumentError(
+            "to_tuple fields must be non-empty strings like 'jpg;png', or lists of them like "
+            f"['jpg', 'png'], got {field!r}"
+        )
+    return alternatives
+
+
 def _missing_error(
-    sample: Mapping[str, Any], alternatives: List[str], wanted: tuple
+    sample: Mapping[str, Any], alternatives: List[str], wanted: tuple, missing_is_error: bool
 ) -> SampleError:
     name = " or ".join(repr(a) for a in alternatives)
+    fix = "missing_is_error=False" if missing_is_error else "none_is_error=False"
     return SampleError(
         f"to_tuple{wanted}: sample has no field {name} (it has {_fields(sample)}); check the "
-        "extensions in your shards, or pass missing_is_error=False to get None",
+        f"extensions in your shards, or pass {fix} to get None",
         **_where(sample),
     )
 

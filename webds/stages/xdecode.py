@@ -14,7 +14,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
 
 from ..errors import ArgumentError, DecodeError, SecureModeError
-from ..io.security import refuse
+from ..io.security import WEBDATASET_PICKLE, refuse
 from .core import SAME, stage
 from .decode import _BYTES_LIKE, _decode_error
 from .handlers import Handler, apply_each, reraise_exception
@@ -42,7 +42,7 @@ def decode_text(stream: Any) -> str:
 def decode_pickle(stream: Any) -> Any:
     """``pickle.load``: only for data you trust. :func:`xdecode` uses it only with
     ``allow_pickle=True``; secure mode (:mod:`webds.io.security`) refuses it always."""
-    refuse("unpickling fields, even with allow_pickle=True")
+    refuse("unpickling fields, even with allow_pickle=True", webdataset=WEBDATASET_PICKLE)
     return pickle.load(stream)
 
 

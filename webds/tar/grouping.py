@@ -39,7 +39,7 @@ from ..io.streams import abandon_stream
 from ..io.urls import deferred_open, local_path
 from ..stages.core import stage
 from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
-from .reader import read_members
+from .reader import EndWithoutMarker, read_members
 
 __all__ = [
     "base_plus_ext",
@@ -49,6 +49,7 @@ __all__ = [
     "tar_file_expander",
     "group_by_keys",
     "META_PATTERN",
+    "accepts_unterminated",
 ]
 
 log = logging.getLogger("webds")
@@ -143,6 +144,50 @@ def _open_shard_now(
     if lpath is None:
         lpath = local_path(url)
     return url, stream, lpath
+
+
+#: The environment's default for ``accept_unterminated=`` (tarfile_to_samples, WebDataset...).
+UNTERMINATED_ENV = "WDS_ACCEPT_UNTERMINATED"
+
+
+def accepts_unterminated(given: Optional[bool]) -> bool:
+    """Whether shards that end without their end-of-archive marker are read as complete:
+    ``given`` if it is not None, else the environment variable ``WDS_ACCEPT_UNTERMINATED``
+    (``1``, ``true``, ``yes`` or ``on``; read when a stage starts reading)."""
+    if given is not None:
+        return bool(given)
+    value = os.environ.get(UNTERMINATED_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ArgumentError(f"{UNTERMINATED_ENV} must be 1 or 0 (true/false), got {value!r}")
+
+
+def warn_unterminated(exn: EndWithoutMarker) -> None:
+    """Log that a shard without its end-of-archive marker was read as complete (the caller
+    chose to: accept_unterminated), naming the shard, since samples may be missing from it."""
+    log.warning(
+        "webds: shard %r ends without its end-of-archive marker (after member %r, byte %s); "
+        "read as complete (accept_unterminated): whole samples after its last one may be "
+        "missing",
+        exn.url,
+        exn.member,
+        exn.offset,
+    )
+
+
+def _members(
+    stream: Any, url: Optional[str], max_member_size: Optional[int], unterminated: bool
+) -> Iterator[Tuple[str, bytes, int]]:
+    """:func:`read_members`, where ``unterminated`` makes a missing end-of-archive marker a
+    logged end rather than an error."""
+    try:
+        yield from read_members(stream, url, max_member_size)
+    except EndWithoutMarker as exn:
+        if not unterminated:
+            raise
+        warn_unterminated(exn)
 
 
 def _close_quietly(stream: Any) -> None:
@@ -261,6 +306,8 @@ def tar_file_expander(
     select_files: Optional[Callable[[str], bool]] = None,
     rename_files: Optional[Callable[[str], Optional[str]]] = None,
     max_member_size: Optional[int] = None,
+    *,
+    accept_unterminated: Optional[bool] = None,
 ) -> Iterator[Dict[str, Any]]:
     """Turn opened shards into member dicts ``{"fname", "data", "__url__", "__offset__"}``.
 
@@ -270,9 +317,11 @@ def tar_file_expander(
     before ``select_files(name)``. ``max_member_size`` bounds the members of compressed shards
     (see :func:`~webds.tar.reader.read_members`). A broken shard (truncated, corrupt, or cut at
     a member boundary without its end-of-archive marker) is followed by a marker that makes
-    :func:`group_by_keys` drop its sample in flight.
+    :func:`group_by_keys` drop its sample in flight; ``accept_unterminated`` reads a shard
+    without the marker as complete (see :func:`~webds.tar.samples.tarfile_to_samples`).
     """
     policy = ErrorPolicy(handler, "tar_file_expander")
+    unterminated = accepts_unterminated(accept_unterminated)
     try:
         for source in src:
             if not isinstance(source, dict) or "stream" not in source:
@@ -288,7 +337,7 @@ def tar_file_expander(
             lpath = source.get("local_path")
             stop = False
             try:
-                for name, data, offset in read_members(stream, url, max_member_size):
+                for name, data, offset in _members(stream, url, max_member_size, unterminated):
                     try:
                         name = _kept_name(name, select_files, rename_files)
                     except Exception as exn:

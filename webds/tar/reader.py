@@ -55,7 +55,8 @@ _MAX_END_PADDING = 1 << 20
 class EndWithoutMarker(ShardReadError):
     """The stream ended at a member boundary without the end-of-archive marker: every member
     read is whole, but whole members may be missing after them (a copy cut at a block
-    boundary). A reader that knows the shard's sample count (an index) may accept it."""
+    boundary). A reader that knows the shard's sample count (an index) may accept it, and
+    ``accept_unterminated=True`` (``WDS_ACCEPT_UNTERMINATED=1``) reads it as complete."""
 
 
 def read_members(
@@ -454,9 +455,11 @@ def _end_of_stream(
         # boundary without them was most likely cut there (a killed copy, a network chunk),
         # taking whole members with it. The caller may know better (an index's sample count).
         raise EndWithoutMarker(
-            "shard ends without its end-of-archive marker: it was most likely cut at a block "
-            "boundary, and whole samples may be missing; re-download or re-create it (if a "
-            "writer that never closed its archive made it, append the marker: 1024 zero bytes)",
+            "shard ends without its end-of-archive marker: it was cut at a block boundary (a "
+            "killed copy or writer), and whole samples may be missing. Check it against the "
+            "dataset's index (`webds verify INDEX`; reading with index= accepts a complete "
+            "count), re-download or re-write the shard, or read it as it is, as webdataset did: "
+            "accept_unterminated=True (tarfile_to_samples) or WDS_ACCEPT_UNTERMINATED=1",
             url=url,
             member=last_name,
             offset=base + pos,

@@ -32,12 +32,14 @@ from .grouping import (  # noqa: F401  (the one-step stages: importable from her
     _shard_opener,
     _shard_url,
     _warn_dotless,
+    accepts_unterminated,
     base_plus_ext,
     group_by_keys,
     is_meta_name,
     open_shards,
     tar_file_expander,
     url_opener,
+    warn_unterminated,
 )
 from .reader import EndWithoutMarker, read_members
 from .windows import Window, stale_index, window, window_opener
@@ -65,6 +67,7 @@ def tarfile_to_samples(
     readahead: Union[bool, int, None] = None,
     readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
     sample_starts: Optional[List[int]] = None,
+    accept_unterminated: Optional[bool] = None,
     ledger: Any = None,
     **storage_options: Any,
 ) -> Iterator[Dict[str, Any]]:
@@ -77,7 +80,11 @@ def tarfile_to_samples(
     ``max_member_size`` bounds the members of compressed shards (see
     :func:`~webds.tar.reader.read_members`). A shard must end with its end-of-archive marker; one
     cut at a member boundary is an error (its sample in flight is never yielded) unless an index
-    planned it and its sample count is complete. While a shard is read, the next
+    planned it and its sample count is complete, or ``accept_unterminated`` is true (default:
+    the environment variable ``WDS_ACCEPT_UNTERMINATED``): the shard is then read as complete,
+    its last sample included, as webdataset reads it, with a logged warning naming it (a writer
+    killed between samples leaves such shards; a cut copy does too, and then samples are
+    silently missing). While a shard is read, the next
     ``readahead_shards`` remote shards are fetched within a ``readahead`` budget of bytes
     (:mod:`webds.io.readahead`; True reads local shards ahead too, False turns it off).
     ``sample_starts``, a list, gets the header offset of each sample's first member (in the
@@ -90,6 +97,7 @@ def tarfile_to_samples(
     samples = _read_samples(
         src, handler, select_files, rename_files, lcase, max_member_size, readahead,
         readahead_shards, sample_starts, shared, storage_options,
+        accepts_unterminated(accept_unterminated),
     )  # fmt: skip
     if shared is not None and shared.resuming:
         # The samples held at the checkpoint, read again first, in the order their stages
@@ -110,8 +118,10 @@ def _read_samples(
     sample_starts: Optional[List[int]],
     ledger: Any,
     storage_options: Dict[str, Any],
+    unterminated: bool = False,
 ) -> Iterator[Dict[str, Any]]:
-    """The generator behind :func:`tarfile_to_samples` (``ledger``: the pipeline's)."""
+    """The generator behind :func:`tarfile_to_samples` (``ledger``: the pipeline's;
+    ``unterminated``: read shards without their end-of-archive marker as complete)."""
     policy = ErrorPolicy(handler, "tarfile_to_samples")
     filtering = select_files is not None or rename_files is not None
     base = -1  # the ledger id of this shard's sample 0, or -1 outside a pipeline
@@ -263,10 +273,14 @@ def _read_samples(
                         cur[ext] = data
                 except EndWithoutMarker as exn:
                     # Cut at a member boundary, or written without the marker: only an index's
-                    # sample count can vouch for the shard (checked below). A window ends so.
-                    if indexed < 0:
+                    # sample count can vouch for the shard (checked below), or the caller's
+                    # accept_unterminated. A window ends so.
+                    if indexed >= 0:
+                        unmarked = exn
+                    elif unterminated:
+                        warn_unterminated(exn)
+                    else:
                         raise
-                    unmarked = exn
                 except ShardReadError as exn:
                     if bounds is not None and exn.offset in bounds:
                         # No member where the index says a sample starts.
