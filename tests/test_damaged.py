@@ -321,8 +321,13 @@ def test_an_unterminated_shard_reads_whole_with_accept_unterminated(tmp_path, ca
             pipeline = webds.DataPipeline(webds.SimpleShardList(url), *stages)
             assert [s["__key__"] for s in pipeline] == want
         assert "killed.tar" in caplog.text and "end-of-archive marker" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="webds"):
+        ds = webds.WebDataset(url, shardshuffle=False, accept_unterminated=True)
+        assert [s["__key__"] for s in ds] == want
     monkeypatch.setenv("WDS_ACCEPT_UNTERMINATED", "1")
     assert [s["__key__"] for s in webds.WebDataset(url, shardshuffle=False)] == want
+    with pytest.raises(webds.tar.reader.EndWithoutMarker):
+        list(webds.WebDataset(url, shardshuffle=False, accept_unterminated=False))
     pipeline = webds.DataPipeline(webds.SimpleShardList(url), webds.tarfile_to_samples())
     assert len(list(pipeline)) == 276
     # The keyword wins over the environment; a value that is not a yes or a no is an error.

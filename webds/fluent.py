@@ -245,6 +245,10 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``max_member_size``: the largest member read out of a compressed shard (``.tar.gz``,
       ``.tar.bz2``, ``.tar.xz``); default 1 GiB (:data:`webds.tar.reader.DEFAULT_MAX_MEMBER_SIZE`).
       A larger one raises :class:`~webds.errors.ShardReadError` before it is read.
+    - ``accept_unterminated``: read a shard that ends between samples without its end-of-archive
+      marker as complete, as webdataset does, with a warning naming it (default: the environment
+      variable ``WDS_ACCEPT_UNTERMINATED``; otherwise such a shard is an error, since a cut copy
+      looks the same and then samples are missing).
     - ``readahead`` / ``readahead_shards``: while a shard is read, the next ``readahead_shards``
       (default 8) remote shards of this process's list are fetched, each on its own connection,
       holding at most ``readahead`` bytes not yet read (default 128 MiB per process; see
@@ -288,6 +292,7 @@ class WebDataset(DataPipeline, FluentMixin):
         index: Union[str, "os.PathLike[str]", ShardIndex, bool, None] = None,
         balance: Optional[str] = None,
         max_member_size: Optional[int] = None,
+        accept_unterminated: Optional[bool] = None,
         readahead: Union[bool, int, None] = None,
         readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
         stats: bool = False,
@@ -384,6 +389,7 @@ class WebDataset(DataPipeline, FluentMixin):
                 select_files=select_files,
                 rename_files=rename_files,
                 max_member_size=max_member_size,
+                accept_unterminated=accept_unterminated,
                 readahead=readahead,
                 readahead_shards=readahead_shards,
                 **(storage_options or {}),

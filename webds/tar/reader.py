@@ -458,8 +458,9 @@ def _end_of_stream(
             "shard ends without its end-of-archive marker: it was cut at a block boundary (a "
             "killed copy or writer), and whole samples may be missing. Check it against the "
             "dataset's index (`webds verify INDEX`; reading with index= accepts a complete "
-            "count), re-download or re-write the shard, or read it as it is, as webdataset did: "
-            "accept_unterminated=True (tarfile_to_samples) or WDS_ACCEPT_UNTERMINATED=1",
+            "count), re-download or re-write the shard, or read it as it is, as webdataset "
+            "did: accept_unterminated=True (WebDataset, tarfile_to_samples) or "
+            "WDS_ACCEPT_UNTERMINATED=1",
             url=url,
             member=last_name,
             offset=base + pos,
