@@ -291,3 +291,93 @@ def test_mix_in_workers_resumes(tmp_path):
     fresh = loader()
     fresh.load_state_dict(interrupted.state_dict())
     assert got + list(fresh) == whole
+
+
+# -- an epoch is a function of (seed, epoch, with_epoch's n, topology) ----------------------------
+
+
+def carried(index, n, workers=None, persistent=False, loader_epoch=None):
+    """A with_epoch(n) pipeline over the 35 indexed samples; through a WebLoader when
+    ``workers`` is given (``loader_epoch``: the loader's with_epoch instead of the dataset's)."""
+    ds = webds.WebDataset(index, shardshuffle=True, seed=3).shuffle(5)
+    if workers is None:
+        return ds.with_epoch(n)
+    if loader_epoch is None:
+        ds = ds.with_epoch(n)
+    loader = webds.WebLoader(
+        ds, batch_size=None, num_workers=workers, persistent_workers=persistent and workers > 0
+    )
+    return loader if loader_epoch is None else loader.with_epoch(loader_epoch)
+
+
+def epochs(make, first, count):
+    it = make()
+    out = []
+    for e in range(first, first + count):
+        it.set_epoch(e)
+        out.append([s["__key__"] for s in it])
+    return out
+
+
+SETUPS = [
+    dict(),
+    dict(workers=0),
+    dict(workers=2),
+    dict(workers=2, persistent=True),
+    dict(workers=2, loader_epoch=16),
+]
+
+
+@pytest.mark.parametrize("n", [13, 50])  # shorter and longer than a pass (35 samples)
+@pytest.mark.parametrize("setup", range(len(SETUPS)))
+def test_an_epoch_started_in_a_new_process_is_the_uninterrupted_runs(indexed, n, setup):
+    """timm and open_clip restart at epoch k from a model checkpoint, with no loader state, and
+    set the epoch: with an index, epoch k is the uninterrupted run's, item for item, though
+    with_epoch carries the stream from one epoch to the next (every sample of a pass is seen
+    before the next pass begins)."""
+    kw = SETUPS[setup]
+    whole = epochs(lambda: carried(indexed, n, **kw), 0, 4)
+    for k in (1, 3):
+        assert epochs(lambda: carried(indexed, n, **kw), k, 1)[0] == whole[k], k
+    if "workers" not in kw:
+        # The carry: the epochs' items are the passes' one after another.
+        flat, every = sum(whole, []), sorted(s["__key__"] for s in webds.WebDataset(indexed))
+        assert all(sorted(flat[i : i + 35]) == every for i in range(0, len(flat) - 34, 35))
+
+
+def test_workers_that_are_not_persistent_go_on_with_the_stream(indexed, tmp_path, caplog):
+    """New worker processes every epoch take over the stream where the last epoch's left it
+    (their ledgers, through the main process), as persistent workers go on with theirs, with
+    or without an index."""
+    plain = str(tmp_path / "shard-{0..4}.tar")
+    for spec in (indexed, plain):
+        fresh_workers = epochs(lambda s=spec: carried(s, 13, workers=2), 0, 4)
+        persistent = epochs(lambda s=spec: carried(s, 13, workers=2, persistent=True), 0, 4)
+        assert fresh_workers == persistent
+    # Without an index the passes' lengths are unknown: a new process at epoch k says so.
+    with caplog.at_level("WARNING", logger="webds"):
+        epochs(lambda: carried(plain, 13), 2, 1)
+    assert "index" in caplog.text and "epoch 2" in caplog.text
+
+
+@pytest.mark.parametrize("workers, persistent", [(None, False), (0, False), (2, False), (2, True)])
+def test_resampled_epochs_are_fresh_draws_in_a_new_process_too(
+    indexed, tmp_path, workers, persistent
+):
+    """Resampled shards are one endless pass, so there is no pass to carry on: every epoch of a
+    with_epoch pipeline draws afresh from (seed, epoch), and a new process at epoch k draws the
+    uninterrupted run's epoch k (webdataset's behaviour with fresh workers)."""
+    spec = str(tmp_path / "shard-{0..4}.tar")
+
+    def make():
+        ds = webds.WebDataset(spec, resampled=True, seed=3).shuffle(5).with_epoch(13)
+        if workers is None:
+            return ds
+        return webds.WebLoader(
+            ds, batch_size=None, num_workers=workers, persistent_workers=persistent
+        )
+
+    whole = epochs(make, 0, 4)
+    assert len({tuple(e) for e in whole}) == 4  # each epoch its own draw
+    for k in (1, 3):
+        assert epochs(make, k, 1)[0] == whole[k]

@@ -262,6 +262,13 @@ class WorkerMirrors:
         self.restoring = len(starts)
         return starts
 
+    def hand_over(self, epoch: int) -> Dict[int, WorkerStart]:
+        """How each new worker process goes on with its with_epoch stream in ``epoch``, where
+        the last epoch's worker left it (what a persistent worker would do in its iterator)."""
+        streams, _ = self.save([], epoch)
+        self.restoring = 0
+        return {w: WorkerStart(epoch, stream) for w, stream in streams.items()}
+
     def save(self, held: List[Any], epoch: int) -> Tuple[Dict[int, StreamState], Optional[int]]:
         """Each worker's stream as saved (``held``: the ids of the items this process's stages
         hold: holes in those workers' records), in ``epoch``; and whose batch comes next."""

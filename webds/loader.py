@@ -13,13 +13,12 @@ worker channel (:mod:`webds.channel`).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
 from .channel import EnvelopeCollate, StreamKeeper, WorkerChannel, WorkerMirrors
-from .counting import source_counts
+from .counting import carries, source_counts
 from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
@@ -107,6 +106,8 @@ class LoaderSource(StreamKeeper):
         # This process's copy of each worker's stream, kept from the batches' envelopes.
         self.mirrors = WorkerMirrors(loader.num_workers, loader.batch_size)
         self._loaded: Optional[PipelineState] = None  # a state's workers, for the next pass
+        # The workers' with_epoch streams go on in new worker processes (not persistent).
+        self._handing_over = False
         self._epoch = 0  # the pass the DataLoader reads next
 
     @property
@@ -127,7 +128,7 @@ class LoaderSource(StreamKeeper):
     def choose_epoch(self, epoch: int, changed: bool) -> None:
         if changed:
             self.restart_workers()
-            self._loaded = None
+            self._loaded, self._handing_over = None, False
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)  # so that len() is this epoch's
 
@@ -155,11 +156,15 @@ class LoaderSource(StreamKeeper):
 
     def load(self, state: Optional[PipelineState]) -> None:
         self.mirrors.clear()
+        self._handing_over = False
         self._loaded = state if state is not None and state.workers else None
         self.restart_workers()
 
     def epoch_done(self) -> None:
-        self.mirrors.epoch_done(self._carries())
+        # Workers that are not persistent end with the epoch: a with_epoch stream is handed
+        # over to the next epoch's workers (see numbered), from their ledgers' copies here.
+        self._handing_over = self._carried() and not self._carries()
+        self.mirrors.epoch_done(self._carries() or self._handing_over)
 
     def numbered(self, ledger: Ledger, keeps: bool) -> Iterator[Any]:
         """The DataLoader's items; a webds dataset's come in envelopes, whose ledger records are
@@ -176,12 +181,15 @@ class LoaderSource(StreamKeeper):
         if plan is not None:
             plan.warn_split(max(1, self.loader.num_workers))
         loaded, self._loaded = self._loaded, None
-        if not self._carries():
+        handing_over, self._handing_over = self._handing_over, False
+        if not self._carries() and not handing_over:
             self.mirrors.clear()
         if loaded is not None and (loaded.epoch if loaded.pass_ is None else loaded.pass_) == (
             self._epoch
         ):
             channel.starts = self.mirrors.resume(loaded, self._epoch)
+        elif handing_over:
+            channel.starts = self.mirrors.hand_over(self._epoch)
         # Open only while the DataLoader starts (its workers copy the dataset; without workers
         # it calls iter(dataset) now): the same dataset used elsewhere yields plain items.
         channel.open = True
@@ -202,14 +210,18 @@ class LoaderSource(StreamKeeper):
                 shutdown()
             self.loader._iterator = None
 
-    def _carries(self) -> bool:
-        """Whether the dataset's stream goes on from one loader epoch to the next (with_epoch,
-        in this process or in persistent workers), rather than starting afresh."""
-        dataset, loader = self.dataset, self.loader
-        carried = getattr(dataset, "nsamples", None) is not None and (
-            getattr(dataset, "repetitions", 1) == sys.maxsize
+    def _carried(self) -> bool:
+        """Whether the dataset's stream goes on from one loader epoch to the next (with_epoch)."""
+        dataset = self.dataset
+        return (
+            isinstance(dataset, DataPipeline) and dataset.nsamples is not None and carries(dataset)
         )
-        return carried and (loader.num_workers == 0 or loader.persistent_workers)
+
+    def _carries(self) -> bool:
+        """Whether the dataset's carried stream goes on in the same iterator: in this process
+        or in persistent workers."""
+        loader = self.loader
+        return self._carried() and (loader.num_workers == 0 or loader.persistent_workers)
 
     # -- counts -----------------------------------------------------------------------------------
 

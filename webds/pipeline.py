@@ -25,7 +25,10 @@ from torch.utils.data import IterableDataset
 from .channel import StreamKeeper, is_worker_dataset, release_free_heap
 from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
     _exactly,
+    carries,
+    carry_start,
     check_state,
+    dropping,
     exact_count,
     forward_counts,
     gather_states,
@@ -115,8 +118,7 @@ class DataPipeline(IterableDataset):
         self.repetitions = 1
         self.length: Optional[int] = None
         self._carry: Optional[Iterator[Any]] = None
-        # Drawn once, so that an unseeded pipeline's random choices can be made again when it
-        # resumes (the state records it); different for every pipeline, as no seed promises.
+        # Drawn once: a resumed unseeded pipeline makes its random choices again (see state).
         self._entropy = secrets.randbits(63)
         # Resuming (see state_dict): [epoch, items yielded] of the epoch in progress; the pass
         # being read and its ledger; a saved stream to continue at the next iter().
@@ -171,10 +173,12 @@ class DataPipeline(IterableDataset):
         self._position = [self.epoch, 0]
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> "DataPipeline":
-        """Make each epoch exactly ``nsamples`` items long, repeating the data as needed. The
-        stream continues where the previous epoch stopped (it is not restarted), within one
-        process. Counts items at this point of the pipeline: samples, or batches after
-        ``batched``. Changes and returns ``self``, as webdataset did."""
+        """Make each epoch exactly ``nsamples`` items long (samples, or batches after
+        ``batched``), repeating the data as needed: epoch ``k`` is the items ``k * n`` to
+        ``(k + 1) * n`` of the passes one after another, so the stream goes on where the last
+        epoch stopped. With an index, a new process at epoch ``k`` (``set_epoch``) starts where
+        the uninterrupted run's epoch ``k`` does (:func:`~webds.counting.carry_start`).
+        Changes and returns ``self``, as webdataset did."""
         n = max(nsamples, nbatches)
         if n < 0:
             raise ArgumentError("with_epoch needs a positive nsamples (or nbatches)")
@@ -195,15 +199,15 @@ class DataPipeline(IterableDataset):
 
     def _keeper(self) -> Optional[StreamKeeper]:
         """The source, if it keeps streams of its own (see :class:`~webds.channel.StreamKeeper`)."""
-        src = self.pipeline[0] if self.pipeline else None
-        return src if isinstance(src, StreamKeeper) else None
+        return (
+            self.pipeline[0]
+            if self.pipeline and isinstance(self.pipeline[0], StreamKeeper)
+            else None
+        )
 
     def _origin(self) -> Optional[Tuple[int, Any]]:
-        """(position, source) of the stage whose output counts are known, if there is one.
-
-        The source has ``stream_lengths(num_workers)`` (items per stream: one stream per
-        DataLoader worker), ``stream_index()`` (this process's stream) and ``skip(n)``.
-        """
+        """(position, source) of the stage whose output counts are known, if there is one: it has
+        ``stream_lengths(num_workers)`` (a stream per DataLoader worker) and ``stream_index()``."""
         src = self.pipeline[0] if self.pipeline else None
         if hasattr(src, "stream_lengths"):
             return 0, src
@@ -395,12 +399,9 @@ class DataPipeline(IterableDataset):
         probe = ledger.probe = self.probe
         if probe is not None:
             probe.begin(self.pipeline)
-        it = (
-            self._source_items(ledger)
-            if probe is None
-            else probe.wrap(self._source_items(ledger), 0)
-        )
-        its: List[Any] = [it]
+        it = self._source_items(ledger)
+        its: List[Any] = [it if probe is None else probe.wrap(it, 0)]
+        it = its[0]
         for i, s in enumerate(self.pipeline[1:], 1):
             if i == skip_at and not s.factory.expands:
                 it = ledger.restore_order(unconsumed(it, ledger))
@@ -466,9 +467,12 @@ class DataPipeline(IterableDataset):
                 it = _exactly(it, left, self, refill, resume.last if resume else None)
         elif self.repetitions == sys.maxsize:
             # with_epoch: continue the same endless stream across epochs.
-            if self._carry is None:
-                carried = resume if resume is not None and resume.pass_ is not None else None
-                self._carry = self._passes(epoch, carried, channel)
+            if self._carry is None:  # resumed, or from where the epoch starts (carry_start)
+                if resume is not None and resume.pass_ is not None:
+                    self._carry = self._passes(epoch, resume, channel)
+                else:
+                    first, skip = carry_start(self, epoch) or (epoch, 0)
+                    self._carry = dropping(self._passes(first, None, channel), skip)
             it = itertools.islice(self._carry, max(0, self.nsamples - done))
         else:
             it = itertools.islice(
@@ -489,6 +493,9 @@ class DataPipeline(IterableDataset):
 
     def _epoch_done(self, position: List[int]) -> None:
         if position is self._position:
+            if self._carry is not None and not carries(self):
+                self._carry.close()  # type: ignore[attr-defined]
+                self._carry = None
             self._position = [position[0] + 1, 0]
             keeper = self._keeper()
             if self._carry is None:  # with_epoch's stream goes on; otherwise the epoch is over

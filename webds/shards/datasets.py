@@ -115,6 +115,12 @@ class ResampledShards(IterableDataset):
         self.epoch = epoch
         self._chosen = True
 
+    @property
+    def endless(self) -> bool:
+        """Whether one iteration never ends (no ``nshards``): ``with_epoch`` then draws each
+        epoch afresh, from (seed, epoch), instead of carrying the stream on."""
+        return self.nshards >= sys.maxsize
+
     def __iter__(self) -> Iterator[Dict[str, str]]:
         if not getattr(self, "_chosen", True):
             self.epoch += 1
