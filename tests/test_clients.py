@@ -252,8 +252,9 @@ def test_open_clip_eval_loader(data, variant, workers, monkeypatch):
 def test_open_clip_train_loader_as_published_fails_alike(data, workers):
     """open_clip 3.3.0's training pipeline groups members with its own group_by_keys_nothrow,
     which reads "fname" from every item; webdataset 1.x's tar_file_expander ends each shard with
-    an empty dict, so with webdataset 1.0.2 it dies with KeyError 'fname' before its first batch
-    (open_clip pins webdataset<=0.2.86). webds keeps webdataset 1.x's contract, so it fails
+    an empty dict (since 0.2.96: webdataset issue #384, open_clip issue #935), so with webdataset
+    1.0.2 it dies with KeyError 'fname' before its first batch (open_clip pins
+    webdataset<=0.2.86). webds keeps webdataset 1.x's contract, so it fails
     alike, at the same point."""
     for lib in LIBS.values():
         epochs, err = run_open_clip(lib, data.roots["whole"], workers, True)
