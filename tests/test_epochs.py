@@ -381,3 +381,26 @@ def test_resampled_epochs_are_fresh_draws_in_a_new_process_too(
     assert len({tuple(e) for e in whole}) == 4  # each epoch its own draw
     for k in (1, 3):
         assert epochs(make, k, 1)[0] == whole[k]
+
+
+def test_a_plain_dataloaders_new_workers_start_each_epoch_at_its_pass(indexed):
+    """Under a plain torch DataLoader whose workers are not persistent, each epoch's new
+    workers start at pass k, as webdataset's do: getting to where the carried epoch starts
+    would read and drop up to a pass every epoch (a WebLoader hands its workers their stream)."""
+    from torch.utils.data import DataLoader
+
+    def make(persistent=False):
+        ds = webds.WebDataset(indexed, shardshuffle=True, seed=3).shuffle(5).with_epoch(13)
+        return ds, DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+
+    ds, loader = make()
+    got = []
+    for e in range(3):
+        ds.set_epoch(e)
+        got.append(sorted(s["__key__"] for s in loader))
+    for e in range(3):
+        ds, loader = make()
+        ds.set_epoch(e)
+        assert sorted(s["__key__"] for s in loader) == got[e]  # a new process: the same
+    web = epochs(lambda: carried(indexed, 13, workers=2), 0, 3)
+    assert [sorted(x) for x in web] != got  # (the WebLoader's carry differs)

@@ -114,10 +114,19 @@ def carry_start(pipeline: Any, epoch: int) -> Optional[Tuple[int, int]]:
     """Where epoch ``epoch`` of a ``with_epoch(n)`` pipeline starts in its stream, the passes 0,
     1, 2, ... one after another: ``epoch * n`` items in, as (the pass, its items before the
     epoch's first). So an epoch is a function of the seed, the epoch and ``n``, whatever ran
-    before in this process. None where the passes' lengths are unknown (see :func:`pass_length`)."""
+    before in this process. None where the passes' lengths are unknown (see :func:`pass_length`).
+
+    A worker of a plain ``DataLoader`` starts at pass ``epoch`` instead, as webdataset's do: if
+    its workers are not persistent, each epoch's are new processes, which would read and drop
+    up to a pass each epoch to get to where it starts (a ``WebLoader`` hands its new workers
+    their stream instead: :mod:`webds.channel`)."""
+    from torch.utils.data import get_worker_info
+
     skip, first = epoch * pipeline.nsamples, 0
     if not carries(pipeline):
         return epoch, 0  # an endless source: every epoch is a fresh pass
+    if get_worker_info() is not None and getattr(pipeline, "channel", None) is None:
+        return epoch, 0
     if skip and not _lengths_known(pipeline, epoch):
         return None
     origin = pipeline._origin()

@@ -190,6 +190,11 @@ class LoaderSource(StreamKeeper):
             channel.starts = self.mirrors.resume(loaded, self._epoch)
         elif handing_over:
             channel.starts = self.mirrors.hand_over(self._epoch)
+        # torch's worker loop seeds numpy.random first thing. Imported here, before the workers
+        # fork, so that no forked worker imports it while a thread of this process (the last
+        # iterator's queue feeders) may hold CPython's import state: a worker died so, 1 run in 8.
+        import numpy.random  # noqa: F401
+
         # Open only while the DataLoader starts (its workers copy the dataset; without workers
         # it calls iter(dataset) now): the same dataset used elsewhere yields plain items.
         channel.open = True
