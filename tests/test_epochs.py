@@ -330,15 +330,26 @@ SETUPS = [
 
 @pytest.mark.parametrize("n", [13, 50])  # shorter and longer than a pass (35 samples)
 @pytest.mark.parametrize("setup", range(len(SETUPS)))
-def test_an_epoch_started_in_a_new_process_is_the_uninterrupted_runs(indexed, n, setup):
+@pytest.mark.parametrize("with_index", [True, False])
+def test_an_epoch_started_in_a_new_process_is_the_uninterrupted_runs(
+    indexed, n, setup, with_index, caplog
+):
     """timm and open_clip restart at epoch k from a model checkpoint, with no loader state, and
-    set the epoch: with an index, epoch k is the uninterrupted run's, item for item, though
-    with_epoch carries the stream from one epoch to the next (every sample of a pass is seen
-    before the next pass begins)."""
+    set the epoch: epoch k is the uninterrupted run's, item for item, though with_epoch carries
+    the stream from one epoch to the next (every sample of a pass is seen before the next pass
+    begins). The passes' lengths come from the index, or from counting the local shards."""
     kw = SETUPS[setup]
-    whole = epochs(lambda: carried(indexed, n, **kw), 0, 4)
+    spec = indexed if with_index else indexed.replace("index.json", "shard-{0..4}.tar")
+    if not with_index and "loader_epoch" in kw:
+        # A loader's with_epoch counts its workers' batches, which needs the index: without
+        # one, a new process starts at the beginning of pass k, and says so.
+        with caplog.at_level("WARNING", logger="webds"):
+            epochs(lambda: carried(spec, n, **kw), 1, 1)
+        assert "passes' lengths are unknown" in caplog.text
+        return
+    whole = epochs(lambda: carried(spec, n, **kw), 0, 4)
     for k in (1, 3):
-        assert epochs(lambda: carried(indexed, n, **kw), k, 1)[0] == whole[k], k
+        assert epochs(lambda: carried(spec, n, **kw), k, 1)[0] == whole[k], k
     if "workers" not in kw:
         # The carry: the epochs' items are the passes' one after another.
         flat, every = sum(whole, []), sorted(s["__key__"] for s in webds.WebDataset(indexed))
@@ -354,9 +365,12 @@ def test_workers_that_are_not_persistent_go_on_with_the_stream(indexed, tmp_path
         fresh_workers = epochs(lambda s=spec: carried(s, 13, workers=2), 0, 4)
         persistent = epochs(lambda s=spec: carried(s, 13, workers=2, persistent=True), 0, 4)
         assert fresh_workers == persistent
-    # Without an index the passes' lengths are unknown: a new process at epoch k says so.
+    # Where the passes' lengths are unknown (a stage whose count nobody knows, remote shards
+    # without an index), a new process at epoch k starts at pass k, and says so.
+    unknown = webds.WebDataset(plain, shardshuffle=True, seed=3).select(bool).with_epoch(13)
+    unknown.set_epoch(2)
     with caplog.at_level("WARNING", logger="webds"):
-        epochs(lambda: carried(plain, 13), 2, 1)
+        list(unknown)
     assert "index" in caplog.text and "epoch 2" in caplog.text
 
 
@@ -404,3 +418,18 @@ def test_a_plain_dataloaders_new_workers_start_each_epoch_at_its_pass(indexed):
         assert sorted(s["__key__"] for s in loader) == got[e]  # a new process: the same
     web = epochs(lambda: carried(indexed, 13, workers=2), 0, 3)
     assert [sorted(x) for x in web] != got  # (the WebLoader's carry differs)
+
+
+def test_local_shards_are_counted_as_the_tar_stage_reads_them(indexed, tmp_path):
+    from webds.shards.counts import count_local_samples
+
+    urls = [str(tmp_path / f"shard-{i}.tar") for i in range(5)]
+    stage = webds.tarfile_to_samples()
+    assert count_local_samples(urls, stage) == dict(zip(urls, SIZES))
+    # Only the samples the stage keeps: select_files that keeps no member of some samples.
+    none_of_3 = webds.tarfile_to_samples(select_files=lambda name: not name.startswith("s0-000003"))
+    assert count_local_samples(urls[:1], none_of_3) == {urls[0]: SIZES[0] - 1}
+    assert count_local_samples(["http://127.0.0.1:9/a.tar"], stage) is None  # not read
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes((tmp_path / "shard-2.tar").read_bytes()[:1500])
+    assert count_local_samples([str(cut)], stage) is None  # damaged: unknown, said

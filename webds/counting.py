@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from .errors import LengthError, ResumeError
 from .shards.elastic import every_rank, plan_elsewhere
-from .stages.core import Count, Length, resume_kind
+from .stages.core import STATELESS, Count, Length, resume_kind
 from .stages.saved import PipelineState
 
 __all__ = [
@@ -88,7 +88,7 @@ def pass_length(pipeline: Any, number: int) -> Optional[int]:
 
     origin = pipeline._origin()
     if origin is None:
-        return None
+        return _length_by_shards(pipeline, number)
     at, src = origin
     if hasattr(src, "set_epoch"):
         src.set_epoch(number)
@@ -101,6 +101,56 @@ def pass_length(pipeline: Any, number: int) -> Optional[int]:
         return None
     i = src.stream_index()
     return counts[i].items if 0 <= i < len(counts) else None
+
+
+def _length_by_shards(pipeline: Any, number: int) -> Optional[int]:
+    """:func:`pass_length` without an index, from the samples of each shard this process reads
+    in pass ``number`` (counted once: :func:`count_shards`), where the stages before the tar
+    stage only pick shards (declared stateless) and those after it have count rules."""
+    counts = getattr(pipeline, "_shard_samples", None)
+    at = _tar_stage_at(pipeline)
+    if counts is None or at is None:
+        return None
+    src = pipeline.pipeline[0]
+    src.set_epoch(number)
+    shards: Any = iter(src)
+    for s in pipeline.pipeline[1:at]:
+        shards = s(shards)
+    try:
+        total = sum(counts[shard["url"]] for shard in shards)
+        lengths = forward_counts(pipeline.pipeline[at + 1 :], [Length(total)], "pipeline")
+    except (KeyError, LengthError):
+        return None
+    return lengths[0].items
+
+
+def _tar_stage_at(pipeline: Any) -> Optional[int]:
+    """Where the tar stage is, if only stateless stages that pick shards come before it, over a
+    shard list that says its URLs (``SimpleShardList``)."""
+    stages = pipeline.pipeline
+    expands = [getattr(getattr(s, "factory", None), "expands", False) for s in stages]
+    at = expands.index(True) if True in expands else None
+    if at is None or not isinstance(getattr(stages[0], "urls", None), list):
+        return None
+    if any(resume_kind(s) != STATELESS or hasattr(s, "factory") for s in stages[1:at]):
+        return None
+    return at
+
+
+def count_shards(pipeline: Any) -> bool:
+    """Count the samples of ``pipeline``'s local shards, once, for :func:`pass_length` (where
+    it has no index); whether they are counted."""
+    from .shards.counts import count_local_samples
+
+    if getattr(pipeline, "_shard_samples", None) is not None:
+        return True
+    at = _tar_stage_at(pipeline)
+    if pipeline._origin() is not None or at is None:
+        return False
+    counted = pipeline._shard_samples = count_local_samples(
+        pipeline.pipeline[0].urls, pipeline.pipeline[at]
+    )
+    return counted is not None
 
 
 def carries(pipeline: Any) -> bool:
@@ -150,16 +200,18 @@ def _lengths_known(pipeline: Any, epoch: int) -> bool:
     """Whether the passes' lengths are known (:func:`carry_start`); said once if not."""
     from torch.utils.data import get_worker_info
 
-    if pass_length(pipeline, 0) is not None:
+    if pass_length(pipeline, 0) is not None or (
+        count_shards(pipeline) and pass_length(pipeline, 0) is not None
+    ):
         return True
     if get_worker_info() is None and not getattr(pipeline, "_warned_carry", False):
         pipeline._warned_carry = True  # (once per pipeline, in the main process)
         log.warning(
             "webds: a with_epoch(%d) pipeline started at epoch %d in a new process starts at "
             "the beginning of pass %d, not where the uninterrupted run's epoch starts: the "
-            "passes' lengths are unknown (no shard index, or a stage such as select whose "
-            "count nobody knows). Give WebDataset an index, or load the state_dict() saved "
-            "with the model (docs/distributed.md)",
+            "passes' lengths are unknown (no shard index and shards that are not local, or a "
+            "stage such as select whose count nobody knows). Give WebDataset an index, or load "
+            "the state_dict() saved with the model (docs/distributed.md)",
             pipeline.nsamples,
             epoch,
             epoch,

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from torch.utils.data import DataLoader
 
 from .channel import EnvelopeCollate, StreamKeeper, WorkerChannel, WorkerMirrors
-from .counting import carries, source_counts
+from .counting import carries, count_shards, source_counts
 from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
@@ -190,6 +190,8 @@ class LoaderSource(StreamKeeper):
             channel.starts = self.mirrors.resume(loaded, self._epoch)
         elif handing_over:
             channel.starts = self.mirrors.hand_over(self._epoch)
+        elif self._epoch and self._carried() and self._new_workers():
+            count_shards(dataset)  # here, once, not in every worker (see counting.carry_start)
         # torch's worker loop seeds numpy.random first thing. Imported here, before the workers
         # fork, so that no forked worker imports it while a thread of this process (the last
         # iterator's queue feeders) may hold CPython's import state: a worker died so, 1 run in 8.
@@ -214,6 +216,13 @@ class LoaderSource(StreamKeeper):
             if shutdown is not None:
                 shutdown()
             self.loader._iterator = None
+
+    def _new_workers(self) -> bool:
+        """Whether iterating the DataLoader now starts new worker processes."""
+        loader = self.loader
+        return loader.num_workers > 0 and (
+            not loader.persistent_workers or getattr(loader, "_iterator", None) is None
+        )
 
     def _carried(self) -> bool:
         """Whether the dataset's stream goes on from one loader epoch to the next (with_epoch)."""
