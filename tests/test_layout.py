@@ -44,7 +44,14 @@ ROOMS: List[List[str]] = [
     ["webds.shards"],
     ["webds.stages"],
     # composition and writing: DataPipeline, WebDataset, WebLoader, the writers, map_shards
-    ["webds.counting", "webds.pipeline", "webds.keywords", "webds.fluent", "webds.channel"],
+    [
+        "webds.counting",
+        "webds.epochs",
+        "webds.pipeline",
+        "webds.keywords",
+        "webds.fluent",
+        "webds.channel",
+    ],
     ["webds.loader"],
     ["webds.tarwriter", "webds.shardwriter", "webds.writing", "webds.writer", "webds.parallel"],
     ["webds.convert", "webds.cli"],

@@ -18,7 +18,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from torch.utils.data import DataLoader
 
 from .channel import EnvelopeCollate, StreamKeeper, WorkerChannel, WorkerMirrors
-from .counting import carries, count_shards, source_counts
+from .counting import source_counts
+from .epochs import carries, count_shards, shard_pass_length
 from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
@@ -191,7 +192,7 @@ class LoaderSource(StreamKeeper):
         elif handing_over:
             channel.starts = self.mirrors.hand_over(self._epoch)
         elif self._epoch and self._carried() and self._new_workers():
-            count_shards(dataset)  # here, once, not in every worker (see counting.carry_start)
+            count_shards(dataset)  # here, once, not in every worker (see epochs.carry_start)
         # torch's worker loop seeds numpy.random first thing. Imported here, before the workers
         # fork, so that no forked worker imports it while a thread of this process (the last
         # iterator's queue feeders) may hold CPython's import state: a worker died so, 1 run in 8.
@@ -250,13 +251,28 @@ class LoaderSource(StreamKeeper):
                 "does not say how many items each worker yields; use .with_epoch(n) or "
                 ".with_length(n)"
             )
-        counts = source_counts(dataset, workers)
+        return self._batched(source_counts(dataset, workers))
+
+    def _batched(self, counts: List[Length]) -> List[Length]:
+        """Each worker's items (``counts``) as the DataLoader's batches of them, if it batches."""
+        loader = self.loader
         size = loader.batch_size
         if size is None:
             return counts
         if loader.drop_last:
             return [Length(c.items // size, Length(c.items // size * size)) for c in counts]
         return [Length(-(-c.items // size), c) for c in counts]
+
+    def counted_counts(self, number: int) -> Optional[List[Length]]:
+        """:meth:`stream_counts` of pass ``number`` for a dataset without an index whose local
+        shards can be counted (:func:`~webds.epochs.carry_start` needs them), else None."""
+        dataset, workers = self.dataset, max(1, self.loader.num_workers)
+        if not isinstance(dataset, DataPipeline) or not count_shards(dataset):
+            return None
+        per = [shard_pass_length(dataset, number, w, workers) for w in range(workers)]
+        if any(n is None for n in per):
+            return None
+        return [_total(self._batched([Length(n) for n in per]))]  # type: ignore[arg-type]
 
     def stream_lengths(self, num_workers: Optional[int] = None) -> List[int]:
         return [n.items for n in self.stream_counts(num_workers)]

@@ -25,10 +25,7 @@ from torch.utils.data import IterableDataset
 from .channel import StreamKeeper, is_worker_dataset, release_free_heap
 from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
     _exactly,
-    carries,
-    carry_start,
     check_state,
-    dropping,
     exact_count,
     forward_counts,
     gather_states,
@@ -41,6 +38,7 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     source_counts,
 )
 from .counting import stage_name as _stage_name
+from .epochs import carries, carry_start, dropping
 from .errors import ArgumentError, LengthError
 from .shards.elastic import topology_changed
 from .shards.shardlists import worker_info
@@ -177,7 +175,7 @@ class DataPipeline(IterableDataset):
         ``batched``), repeating the data as needed: epoch ``k`` is the items ``k * n`` to
         ``(k + 1) * n`` of the passes one after another, so the stream goes on where the last
         epoch stopped. With an index, a new process at epoch ``k`` (``set_epoch``) starts where
-        the uninterrupted run's epoch ``k`` does (:func:`~webds.counting.carry_start`).
+        the uninterrupted run's epoch ``k`` does (:func:`~webds.epochs.carry_start`).
         Changes and returns ``self``, as webdataset did."""
         n = max(nsamples, nbatches)
         if n < 0:

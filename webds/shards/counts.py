@@ -1,7 +1,7 @@
 """Samples per shard without an index: local shards counted by reading them once.
 
 A ``with_epoch`` pipeline started at epoch ``k`` in a new process must know its passes' lengths
-to start where the uninterrupted run's epoch ``k`` does (:func:`webds.counting.carry_start`). An
+to start where the uninterrupted run's epoch ``k`` does (:func:`webds.epochs.carry_start`). An
 index says them at once; without one, local shards are counted here by reading each once, as the
 pipeline's own tar stage reads it (its ``select_files``, ``rename_files`` and handler), without
 decoding anything. Remote shards are not counted: reading a whole dataset over the network to
