@@ -220,18 +220,12 @@ def run_open_clip(lib, root, workers, is_train, resampled=False):
     return drain(info.dataloader, image_rows, before_epoch=info.set_epoch)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("variant", ["whole", "cut", "unterminated"])
-def test_open_clip_eval_loader(data, variant, workers, monkeypatch):
-    """get_wds_dataset(is_train=False): split_by_worker, tarfile_to_samples(handler=
-    log_and_continue), select, decode("pilrgb"), rename, map_dict, to_tuple, batched(partial):
-    nothing shuffles, so webds gives webdataset's rows in its order, save the last sample of the
-    shard without its marker, which webds withholds."""
+def same_rows_but_the_unmarked_last(run, data, variant, workers, monkeypatch) -> None:
+    """An eval loader (``run``: its runner) gives webdataset's rows in its order over both
+    libraries, but for the last sample of the shard without its marker, which webds withholds
+    unless WDS_ACCEPT_UNTERMINATED=1 (then it gives webdataset's rows exactly)."""
     monkeypatch.delenv("WDS_ACCEPT_UNTERMINATED", raising=False)
-    got = {
-        name: run_open_clip(lib, data.roots[variant], workers, False) for name, lib in LIBS.items()
-    }
+    got = {name: run(lib, data.roots[variant], workers, False) for name, lib in LIBS.items()}
     (wd_epochs, wd_err), (ds_epochs, ds_err) = got["webdataset"], got["webds"]
     assert wd_err is None and ds_err is None
     check_rows(data, variant, wd_epochs)
@@ -245,7 +239,18 @@ def test_open_clip_eval_loader(data, variant, workers, monkeypatch):
     ] * 2
     if variant == "unterminated":  # read as complete, as webdataset does
         monkeypatch.setenv("WDS_ACCEPT_UNTERMINATED", "1")
-        assert run_open_clip(webds, data.roots[variant], workers, False) == (wd_epochs, None)
+        assert run(webds, data.roots[variant], workers, False) == (wd_epochs, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("variant", ["whole", "cut", "unterminated"])
+def test_open_clip_eval_loader(data, variant, workers, monkeypatch):
+    """get_wds_dataset(is_train=False): split_by_worker, tarfile_to_samples(handler=
+    log_and_continue), select, decode("pilrgb"), rename, map_dict, to_tuple, batched(partial):
+    nothing shuffles, so webds gives webdataset's rows in its order, save the last sample of the
+    shard without its marker, which webds withholds."""
+    same_rows_but_the_unmarked_last(run_open_clip, data, variant, workers, monkeypatch)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -335,22 +340,7 @@ def test_timm_eval_reader(data, variant, workers, monkeypatch):
     order. The half sample of the cut shard, which webdataset yields and timm's _decode drops
     (no jpg), webds never yields; the last sample of the shard without its marker webds
     withholds."""
-    monkeypatch.delenv("WDS_ACCEPT_UNTERMINATED", raising=False)
-    got = {name: run_timm(lib, data.roots[variant], workers, False) for name, lib in LIBS.items()}
-    (wd_epochs, wd_err), (ds_epochs, ds_err) = got["webdataset"], got["webds"]
-    assert wd_err is None and ds_err is None
-    check_rows(data, variant, wd_epochs)
-    check_rows(data, variant, ds_epochs)
-    want = [
-        [r for r in rows if variant != "unterminated" or r[0] != LAST_OF_OPEN] for rows in wd_epochs
-    ]
-    assert ds_epochs == want
-    assert [len(rows) for rows in ds_epochs] == [
-        len(VALID[variant]) - (variant == "unterminated")
-    ] * 2
-    if variant == "unterminated":  # read as complete, as webdataset does
-        monkeypatch.setenv("WDS_ACCEPT_UNTERMINATED", "1")
-        assert run_timm(webds, data.roots[variant], workers, False) == (wd_epochs, None)
+    same_rows_but_the_unmarked_last(run_timm, data, variant, workers, monkeypatch)
 
 
 @pytest.mark.slow
