@@ -424,3 +424,28 @@ def test_local_shards_are_counted_as_the_tar_stage_reads_them(indexed, tmp_path)
     cut = tmp_path / "cut.tar"
     cut.write_bytes((tmp_path / "shard-2.tar").read_bytes()[:1500])
     assert count_local_samples([str(cut)], stage) is None  # damaged: unknown, said
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+@pytest.mark.parametrize("workers", [None, 2])
+def test_an_epoch_of_batches_started_in_a_new_process(indexed, with_index, workers):
+    """One step off the test above: with_epoch counting batches (batched before it, partial
+    batches at each pass's end), with and without an index."""
+    spec = indexed if with_index else indexed.replace("index.json", "shard-{0..4}.tar")
+
+    def make():
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=3).shuffle(5)
+        ds = ds.to_tuple("__key__").batched(3).with_epoch(5)
+        if workers is None:
+            return ds
+        return webds.WebLoader(ds, batch_size=None, num_workers=workers)
+
+    whole = []
+    it = make()
+    for e in range(4):
+        it.set_epoch(e)
+        whole.append([list(b[0]) for b in it])
+    for k in (1, 3):
+        fresh = make()
+        fresh.set_epoch(k)
+        assert [list(b[0]) for b in fresh] == whole[k], k
