@@ -582,11 +582,17 @@ def test_cli_interrupted_removes_temp_files(mini: Mini, tmp_path: Path) -> None:
             time.sleep(0.02)
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=60)
+        # stdin stays open until it has exited: closed earlier, a busy process could meet the
+        # end of its input before it handles the signal, and report a truncated tar instead.
+        proc.wait(timeout=60)
+        assert proc.stderr is not None
+        stderr = proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stdin is not None
+        proc.stdin.close()
     assert proc.returncode == 130, stderr
     assert b"interrupted" in stderr
     assert list(work.iterdir()) == []

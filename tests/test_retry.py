@@ -421,7 +421,11 @@ def test_refused_s3_endpoint_fails_at_once_saying_what_to_check(
     assert info.value.url == url and url in message
     assert message.startswith(f"cannot connect to {endpoint} (ConnectionRefusedError")
     assert "'endpoint_url'" in message and "AWS_ENDPOINT_URL" in message and "network" in message
-    assert _retry_records(caplog) == []
+    # A refused connection is not retried. (Once, on a loaded CI machine, the first attempt
+    # waited past the 30 s watchdog before it was refused, and that stall was retried: a
+    # different cause, which the retry tests below cover.)
+    refused = [r for r in _retry_records(caplog) if "ReadStalled" not in r.getMessage()]
+    assert refused == []
 
 
 def test_s3_server_hanging_up_gets_no_retries_on_top_of_the_clients(
