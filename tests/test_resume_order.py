@@ -136,6 +136,7 @@ def check(make: Callable[[], Any], rng: random.Random, epochs: int = 2, one: int
     make = same_entropy(make)
     whole = make()
     runs = [[flat(x) for x in whole] for _ in range(epochs)]
+    whole.close()  # its workers (with_epoch carries its stream on) stop now, not when collected
     if not runs[0]:
         return
     points = stop_points(rng, len(runs[0]))
@@ -148,9 +149,11 @@ def check(make: Callable[[], Any], rng: random.Random, epochs: int = 2, one: int
         before = [flat(x) for x in itertools.islice(it, k)]
         state = json.loads(json.dumps(a.state_dict()))
         del it
+        a.close()
         b = make()
         b.load_state_dict(state)
         resumed = [[flat(x) for x in b] for _ in range(epochs)]
+        b.close()
         assert before + resumed[0] == runs[0], f"epoch 0, stopped after {k}"
         assert resumed[1:] == runs[1:], f"the epochs after, stopped after {k}"
 

@@ -13,6 +13,7 @@ worker channel (:mod:`webds.channel`).
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
@@ -27,6 +28,7 @@ from .stages.core import Length
 from .stages.ledger import Ledger, Pass, item_id
 from .stages.probe import PipelineStats, Probe, merged
 from .stages.saved import PipelineState
+from .stages.threads import check_threads
 
 __all__ = ["WebLoader", "LoaderSource"]
 
@@ -44,12 +46,32 @@ class WebLoader(DataPipeline, FluentMixin):
     recorded (see :mod:`webds.channel`), so :meth:`state_dict` knows exactly which samples
     the training loop has received, whatever sits in the DataLoader's queues. Loading a state
     restarts persistent workers.
+
+    ``threads=N`` runs the per-sample stages of a webds dataset that take ``threads=`` (decode,
+    map, map_tuple) and were not given it in N threads, in the process that runs them: this
+    one with ``num_workers=0``, else each worker. Samples, order, errors and resume stay as
+    with ``threads=0`` (see :mod:`webds.stages.threads`); your map functions then run in
+    several threads at once.
     """
 
     def __init__(
-        self, *args: Any, batch_buffers: bool = True, stats: bool = False, **kwargs: Any
+        self,
+        *args: Any,
+        batch_buffers: bool = True,
+        stats: bool = False,
+        threads: Optional[int] = None,
+        **kwargs: Any,
     ) -> None:
         loader = DataLoader(*args, **kwargs)
+        if threads is not None:
+            threads = check_threads("WebLoader", threads)
+            if not isinstance(loader.dataset, DataPipeline):
+                raise ArgumentError(
+                    f"WebLoader(threads={threads}) runs a webds dataset's stages in threads; "
+                    f"{type(loader.dataset).__name__} is not one: give its stages threads= "
+                    "yourself"
+                )
+            loader.dataset.threads = threads
         super().__init__(LoaderSource(loader, batch_buffers=batch_buffers))
         if stats:
             # Each worker's copy of the dataset's probe measures that worker (see stats()).
@@ -198,6 +220,12 @@ class LoaderSource(StreamKeeper):
         # iterator's queue feeders) may hold CPython's import state: a worker died so, 1 run in 8.
         import numpy.random  # noqa: F401
 
+        if self._new_workers():
+            # Loaders dropped mid-epoch may still be in reference cycles, their workers alive:
+            # collected in a forked worker, they would be stopped there (torch refuses:
+            # "can only test a child process") and slow its exit; here they stop at once.
+            gc.collect()
+
         # Open only while the DataLoader starts (its workers copy the dataset; without workers
         # it calls iter(dataset) now): the same dataset used elsewhere yields plain items.
         channel.open = True
@@ -206,16 +234,22 @@ class LoaderSource(StreamKeeper):
         finally:
             channel.open = False
             channel.starts = {}  # the workers (or this process's iterator) have their copy
-        yield from self.mirrors.receive(it, ledger, keeps)
+        try:
+            yield from self.mirrors.receive(it, ledger, keeps)
+        finally:
+            if not self.loader.persistent_workers:
+                _shut_down(it)  # closed mid-epoch: its workers stop now, not when collected
+
+    def close(self) -> None:
+        """Stop the workers (``WebLoader.close()``, the end of a ``with`` block)."""
+        self.restart_workers()
 
     def restart_workers(self) -> None:
         """Stop persistent workers: they keep their own copy of the dataset, with its own epoch,
         and must start afresh to take a new epoch or resume position."""
         it = getattr(self.loader, "_iterator", None)
         if it is not None:
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            _shut_down(it)
             self.loader._iterator = None
 
     def _new_workers(self) -> bool:
@@ -284,6 +318,15 @@ class LoaderSource(StreamKeeper):
 
     def stream_index(self) -> int:
         return 0
+
+
+def _shut_down(it: Any) -> None:
+    """Stop a DataLoader iterator's workers, if it has any. Dropped in a reference cycle, it
+    would be stopped by the garbage collector after its queues were closed: each worker then
+    exits only when its 5-second poll sees the stop, and one forked meanwhile inherits it."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def _total(counts: List[Length]) -> Length:

@@ -128,6 +128,7 @@ class DataPipeline(IterableDataset):
         #: A WebLoader's dataset: how the DataLoader workers' copies report what they read.
         self.channel: Optional["WorkerChannel"] = None
         self.probe: Optional[Probe] = None  # stats=True: where the time goes (stages.probe)
+        self.threads = 0  # for the stages that take threads= and were not given it (WebLoader)
 
     # -- composition -------------------------------------------------------------------------
 
@@ -390,6 +391,7 @@ class DataPipeline(IterableDataset):
             if isinstance(s, Stage):
                 s.set_seed(seed)
                 s.set_ledger(ledger.at(i))
+                s.threads = self.threads
         skip_at = -1
         if ledger.resuming:
             keeps = [isinstance(s, Stage) and s.factory.wants_ledger for s in self.pipeline]
@@ -525,7 +527,7 @@ class DataPipeline(IterableDataset):
         # Pipelines pickled by webds 0.1 lack what resuming now keeps.
         self.__dict__.update(state)
         defaults = {"_stream": None, "_resume": None, "_drop": 0, "channel": None, "probe": None}
-        for name, value in dict(defaults, _entropy=secrets.randbits(63)).items():
+        for name, value in dict(defaults, threads=0, _entropy=secrets.randbits(63)).items():
             self.__dict__.setdefault(name, value)
 
     def __getstate__(self) -> dict:

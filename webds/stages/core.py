@@ -148,6 +148,8 @@ class StageFactory:
         self.wants_epoch = "epoch" in sig.parameters
         self.wants_seed = "pipeline_seed" in sig.parameters
         self.wants_ledger = "ledger" in sig.parameters
+        #: Its per-item work can run in a pool: a pipeline's ``threads`` sets it when not given.
+        self.takes_threads = "threads" in sig.parameters
         if stateless and self.wants_ledger:
             raise ArgumentError(
                 f"stage function {fn.__qualname__} takes a ledger, so it records what it holds: "
@@ -202,6 +204,8 @@ class Stage:
         self.epoch = 0
         self.seed: Optional[int] = None
         self.ledger: Any = None
+        #: ``threads=`` when the stage takes it and was not given it (the pipeline's threads).
+        self.threads = 0
 
     @property
     def count(self) -> Optional[Count]:
@@ -235,6 +239,9 @@ class Stage:
             injected["pipeline_seed"] = self.seed
         if self.factory.wants_ledger:
             injected["ledger"] = getattr(self, "ledger", None)  # 0.1 pickles have none
+        threads = getattr(self, "threads", 0)
+        if threads and self.factory.takes_threads and "threads" not in self.kwargs:
+            injected["threads"] = threads
         return self.factory.fn(src, *self.args, **injected, **self.kwargs)
 
     def __repr__(self) -> str:
