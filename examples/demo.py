@@ -164,6 +164,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=1, help="training epochs (default 1)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="threads for the decode and augment stages in each worker, or in this process "
+        "with --workers 0 (default 0)",
+    )  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
     parser.add_argument(
         "--out", type=Path, default=None,
@@ -179,8 +184,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         help="measure where the training loader's time goes and print it after training",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.epochs < 1 or args.batch_size < 1 or args.workers < 0:
-        parser.error("--epochs and --batch-size must be at least 1, --workers at least 0")
+    if args.epochs < 1 or args.batch_size < 1 or args.workers < 0 or args.threads < 0:
+        parser.error(
+            "--epochs and --batch-size must be at least 1, --workers and --threads at least 0"
+        )
     if args.limit is not None and args.limit < 10:
         parser.error("--limit must be at least 10, so both splits have samples")
     return args
@@ -221,7 +228,11 @@ def run(args: argparse.Namespace, out: Path) -> float:
     # Each iter() of the loader starts the next epoch (it calls train_set.set_epoch), so the
     # shard order and the sample shuffle change from epoch to epoch.
     train_loader = webds.WebLoader(
-        train_set, batch_size=None, num_workers=args.workers, stats=args.stats
+        train_set,
+        batch_size=None,
+        num_workers=args.workers,
+        threads=args.threads,
+        stats=args.stats,
     )
     test_set = (
         webds.WebDataset(test_urls, shardshuffle=False)
