@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import bench_access as A
+from . import bench_peers as P
 from . import loaders as L
 from .data import Data
 from .harness import (
@@ -56,6 +57,9 @@ WORKLOADS: Dict[str, str] = {
     "ranged": "random reads over a 20 ms + 100 MB/s link: range requests vs the shard cache",
     "seek": "a read of each shard's last tenth, with and without the index's offsets",
     "index-load": "loading an index of 1,000,000 samples with offsets",
+    "recipe": "the JPEG recipe (crop 224 + flip + float, batches of 64, 2 workers or threads) "
+    "with webdataset, webds, SPDL and LitData",
+    "small-peers": "small records (1-2 KB) in one process: webdataset, webds, LitData, wids",
 }
 
 
@@ -123,6 +127,11 @@ RATIO_TARGETS = [
      A.SHARDS, A.FILES, "ShardListDataset[i] in a random order", None),
     ("random reads, shards/file-per-sample, small records, warm", 0.8, "random-small",
      A.SHARDS, A.FILES, "ShardListDataset[i] in a random order", None),
+    ("JPEG recipe as the README shows it, webds/webdataset", 2.5, "recipe",
+     P.WEBDS_README, P.WDS_README, "decode('pil') + PIL crop, 2 workers, batches of 64",
+     None),
+    ("small records, webds/webdataset", 40, "small-peers",
+     P.SMALL_WEBDS, P.SMALL_WDS, "decode().to_tuple('bin', 'cls'), one process", None),
 ]  # fmt: skip
 
 #: (label, workload, numerator, denominator): ratios shown for context, without a target.
@@ -163,6 +172,14 @@ OTHER_RATIOS = [
     ("seek-local: with / without offsets", "seek-local", A.WITH_OFFSETS, A.WITHOUT_OFFSETS),
     ("seek over the link: with / without offsets", A.SEEK_TAG, A.WITH_OFFSETS,
      A.WITHOUT_OFFSETS),
+    ("recipe: webds fused 2 workers / webdataset README", "recipe", P.FUSED_WORKERS,
+     P.WDS_README),
+    ("recipe: webds fused threads=2 / webdataset README", "recipe", P.FUSED_THREADS,
+     P.WDS_README),
+    ("recipe: SPDL 2 threads / webdataset README", "recipe", P.SPDL, P.WDS_README),
+    ("recipe: LitData 2 workers / webdataset README", "recipe", P.LITDATA, P.WDS_README),
+    ("small-peers: LitData / webdataset", "small-peers", P.SMALL_LITDATA, P.SMALL_WDS),
+    ("small-peers: wids / webdataset", "small-peers", P.SMALL_WIDS, P.SMALL_WDS),
 ]  # fmt: skip
 
 
@@ -281,6 +298,8 @@ class Suite:
             "ranged": lambda: A.remote_reads(self),
             "seek": lambda: A.mid_shard_starts(self),
             "index-load": lambda: A.index_load(self),
+            "recipe": lambda: P.recipe(self),
+            "small-peers": lambda: P.small_peers(self),
         }
         for name, step in steps.items():
             if self.selected(name):
