@@ -5,13 +5,16 @@ write it.
 ``recipe``: 256-pixel JPEGs (shorter side 256) in webds shards of 100, RandomResizedCrop(224)
 + random horizontal flip + float tensor CHW in [0, 1], batches of 64, 2 workers or 2 threads:
 
-- ``webdataset README``, ``webds README``: ``WebDataset(urls).decode("pil").to_tuple("jpg",
-  "cls").map_tuple(augment, identity).batched(64)`` in ``WebLoader(batch_size=None,
-  num_workers=2, persistent_workers=True)``, the crop drawn and applied in PIL
+- ``webdataset README``, ``webds, webdataset's pipeline``:
+  ``WebDataset(urls).decode("pil").to_tuple("jpg", "cls").map_tuple(augment,
+  identity).batched(64)`` in ``WebLoader(batch_size=None, num_workers=2,
+  persistent_workers=True)``, the crop drawn and applied in PIL
   (:func:`benchmarks.loaders.augment`);
-- ``webds fused, 2 workers``: ``decode(webds.RandomResizedCropDecoder(224, output="torch"))`` +
-  flip + ``float() / 255`` in the same WebLoader; ``webds fused, threads=2``: the same dataset in
-  ``WebLoader(num_workers=0, threads=2)``, its per-sample stages in 2 threads of this process;
+- ``webds README (fused, 2 workers)``: ``decode(webds.RandomResizedCropDecoder(224,
+  output="torch"))`` + flip + ``float() / 255`` in the same WebLoader, as webds's README writes
+  it; ``webds fused, threads=2``: the same dataset in ``WebLoader(num_workers=0, threads=2)``,
+  its per-sample stages in 2 threads of this process (and again with torch at one intra-op
+  thread, as in a worker);
 - ``SPDL, 2 threads``: ``spdl.pipeline.PipelineBuilder``: the samples of the same tar shards
   (``spdl.io.iter_tarfile``), a decode + crop + flip + tensor stage with ``concurrency=2``,
   ``aggregate(64)``, ``torch.stack``; a pipeline built per pass, as ``spdl.dataloader.DataLoader``
@@ -58,9 +61,15 @@ VERSION = 1
 
 #: The row names the ratios refer to.
 WDS_README = "webdataset README"
-WEBDS_README = "webds README"
-FUSED_WORKERS = "webds fused, 2 workers"
+#: webdataset's README pipeline run by webds (what webds's README showed until it took the fused
+#: decoder).
+WEBDS_PIL = "webds, webdataset's pipeline"
+#: webds's README: the fused crop decoder in persistent workers.
+FUSED_WORKERS = "webds README (fused, 2 workers)"
 FUSED_THREADS = "webds fused, threads=2"
+#: The same with torch at one intra-op thread in this process, as in a worker: the fused
+#: decoder then resizes with torch's kernel, and no intra-op thread spins beside the pool.
+FUSED_THREADS_T1 = "webds fused, threads=2, torch 1 thread"
 SPDL = "SPDL, 2 threads"
 LITDATA = "LitData, 2 workers"
 
@@ -375,6 +384,18 @@ def checked_pass(
     return run
 
 
+def one_torch_thread(batches: Any) -> Iterator[Any]:
+    """``batches`` with torch at one intra-op thread in this process, as in a worker."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield from batches
+    finally:
+        torch.set_num_threads(threads)
+
+
 def recipe(suite: "Suite") -> None:
     """The JPEG recipe side by side: webdataset and webds as their READMEs write it, webds's
     fused crop decoder in 2 workers and in 2 threads, SPDL, LitData."""
@@ -396,13 +417,15 @@ def recipe(suite: "Suite") -> None:
         ld = readme_loader("webdataset", urls)
         made[WDS_README] = (lambda ld=ld: ld, ld, expected_batches(n, WORKERS), "")
     ld = readme_loader("webds", urls)
-    made[WEBDS_README] = (lambda ld=ld: ld, ld, expected_batches(n, WORKERS), "")
+    made[WEBDS_PIL] = (lambda ld=ld: ld, ld, expected_batches(n, WORKERS), "")
     ld = webds.WebLoader(
         fused_dataset(urls), batch_size=None, num_workers=WORKERS, persistent_workers=True
     )
     made[FUSED_WORKERS] = (lambda ld=ld: ld, ld, expected_batches(n, WORKERS), "")
     ld = webds.WebLoader(fused_dataset(urls), batch_size=None, num_workers=0, threads=WORKERS)
     made[FUSED_THREADS] = (lambda ld=ld: ld, ld, expected_batches(n, 1), "")
+    ld = webds.WebLoader(fused_dataset(urls), batch_size=None, num_workers=0, threads=WORKERS)
+    made[FUSED_THREADS_T1] = (lambda ld=ld: one_torch_thread(ld), ld, expected_batches(n, 1), "")
     if _has("spdl.pipeline") and _has("spdl.io"):
         decode, note = spdl_decoder()
         made[SPDL] = (spdl_pass(urls, decode), None, expected_batches(n, 1), note)

@@ -176,16 +176,18 @@ class Decoder:
                 result = f(key, data, sample)
             else:
                 result = f(key, data)
+            if result is None:
+                continue
             if isinstance(result, Continue):
                 key, data = result.key, result.data
                 continue
-            if result is not None:
-                return result
+            return result
         return data
 
     def decode(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
         """Return a new dict with every selected field decoded; raise DecodeError naming it."""
-        if not isinstance(sample, Mapping):
+        # (type() first: isinstance against typing's Mapping costs a microsecond a sample)
+        if type(sample) is not dict and not isinstance(sample, Mapping):
             raise DecodeError(
                 f"decode works on dict samples, got a {type(sample).__name__}; "
                 "put decode before to_tuple / batched"

@@ -182,7 +182,8 @@ def map_tuple(
 
 
 def _check_dict_sample(stage_name: str, sample: Any) -> None:
-    if not isinstance(sample, Mapping):
+    # (type() first: isinstance against typing's Mapping costs a microsecond a sample)
+    if type(sample) is not dict and not isinstance(sample, Mapping):
         raise SampleError(f"{stage_name} needs dict samples, got a {type(sample).__name__}")
 
 
