@@ -70,6 +70,9 @@ FUSED_THREADS = "webds fused, threads=2"
 #: The same with torch at one intra-op thread in this process, as in a worker: the fused
 #: decoder then resizes with torch's kernel, and no intra-op thread spins beside the pool.
 FUSED_THREADS_T1 = "webds fused, threads=2, torch 1 thread"
+#: The fused recipe in ``WebLoader(num_workers="auto")``: what it picks, against the settings
+#: picked by hand above.
+RECIPE_AUTO = "webds fused, num_workers='auto'"
 SPDL = "SPDL, 2 threads"
 LITDATA = "LitData, 2 workers"
 
@@ -77,6 +80,10 @@ SMALL_WDS = "webdataset WebDataset"
 SMALL_WEBDS = "webds WebDataset"
 SMALL_LITDATA = "LitData StreamingDataset"
 SMALL_WIDS = "wids ShardListDataset"
+#: The same webds records in a WebLoader batching 64 per item: by hand, and chosen.
+SMALL_LOADER_0 = "webds WebLoader, 0 workers"
+SMALL_LOADER_2 = "webds WebLoader, 2 workers"
+SMALL_AUTO = "webds WebLoader, num_workers='auto'"
 
 
 def _has(module: str) -> bool:
@@ -426,6 +433,9 @@ def recipe(suite: "Suite") -> None:
     made[FUSED_THREADS] = (lambda ld=ld: ld, ld, expected_batches(n, 1), "")
     ld = webds.WebLoader(fused_dataset(urls), batch_size=None, num_workers=0, threads=WORKERS)
     made[FUSED_THREADS_T1] = (lambda ld=ld: one_torch_thread(ld), ld, expected_batches(n, 1), "")
+    ld = webds.WebLoader(fused_dataset(urls), batch_size=None, num_workers="auto")
+    streams = max(1, ld.loader.num_workers)
+    made[RECIPE_AUTO] = (lambda ld=ld: ld, ld, expected_batches(n, streams), str(ld.choice))
     if _has("spdl.pipeline") and _has("spdl.io"):
         decode, note = spdl_decoder()
         made[SPDL] = (spdl_pass(urls, decode), None, expected_batches(n, 1), note)
@@ -489,6 +499,21 @@ def small_peers(suite: "Suite") -> None:
         v[SMALL_WDS] = counted(SMALL_WDS, lambda: L.count(wds_ds))
     webds_ds = tuples("webds")
     v[SMALL_WEBDS] = counted(SMALL_WEBDS, lambda: L.count(webds_ds))
+    import webds
+
+    def samples(loader: Any) -> int:
+        return sum(len(batch[1]) for batch in loader)
+
+    for name, workers in ((SMALL_LOADER_0, 0), (SMALL_LOADER_2, 2), (SMALL_AUTO, "auto")):
+        ld = webds.WebLoader(
+            tuples("webds"),
+            batch_size=BATCH,
+            num_workers=workers,
+            **({"persistent_workers": True} if workers == 2 else {}),
+        )
+        note = str(ld.choice) if ld.choice is not None else ""
+        run = counted(name, lambda ld=ld: samples(ld))
+        v[name] = Variant(run, close=lambda ld=ld: _close(ld), note=note)
     if _has("litdata"):
         import litdata
 

@@ -24,7 +24,7 @@ import random
 import threading
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -244,7 +244,7 @@ def raw_dataset(lib: str, urls: Sequence[str], **kw: Any) -> Any:
     return library(lib).WebDataset(list(urls), shardshuffle=False, **kw)
 
 
-def raw_loader(lib: str, urls: Sequence[str], workers: int, **kw: Any) -> Any:
+def raw_loader(lib: str, urls: Sequence[str], workers: Union[int, str], **kw: Any) -> Any:
     """The library's ``WebLoader`` over :func:`raw_dataset`, samples one by one."""
     return library(lib).WebLoader(
         raw_dataset(lib, urls, **kw), batch_size=None, num_workers=workers

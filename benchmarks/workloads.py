@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +75,8 @@ FUSED = "webds fused crop decoder"
 #: installed (without it, "webds WebDataset" decodes with Pillow alone already).
 PILLOW_ONLY = "webds WebDataset, Pillow decode"
 
+#: link: a WebLoader that chose its workers (num_workers="auto").
+LINK_AUTO = "webds WebLoader num_workers='auto'"
 #: read-images: the shards' bytes read into a reused buffer, nothing parsed: the ceiling of any
 #: reader that brings the bytes into the process (see loaders.read_shard_bytes).
 SHARD_BYTES = "shard bytes only, no samples"
@@ -132,6 +135,14 @@ RATIO_TARGETS = [
      None),
     ("small records, webds/webdataset", 40, "small-peers",
      P.SMALL_WEBDS, P.SMALL_WDS, "decode().to_tuple('bin', 'cls'), one process", None),
+    ("num_workers='auto' / best by hand, JPEG recipe", 0.9, "recipe",
+     P.RECIPE_AUTO, P.FUSED_WORKERS, "the fused recipe; by hand: 2 workers", None),
+    ("num_workers='auto' / 1 process, slow link 100 ms + 16 MB/s", 0.9, "link-100ms-16MBps",
+     LINK_AUTO, WEBDS, "raw samples over http; by hand: see the link table", None),
+    ("num_workers='auto' / 1 process, slow link 20 ms + 100 MB/s", 0.9, "link-20ms-100MBps",
+     LINK_AUTO, WEBDS, "raw samples over http; by hand: see the link table", None),
+    ("num_workers='auto' / best by hand, small records", 0.9, "small-peers",
+     P.SMALL_AUTO, P.SMALL_LOADER_0, "WebLoader(batch_size=64); by hand: 0 workers", None),
 ]  # fmt: skip
 
 #: (label, workload, numerator, denominator): ratios shown for context, without a target.
@@ -182,6 +193,8 @@ OTHER_RATIOS = [
     ("recipe: SPDL 2 threads / webdataset README", "recipe", P.SPDL, P.WDS_README),
     ("recipe: LitData 2 workers / webdataset README", "recipe", P.LITDATA, P.WDS_README),
     ("small-peers: LitData / webdataset", "small-peers", P.SMALL_LITDATA, P.SMALL_WDS),
+    ("small-peers: WebLoader 2 workers / 0 workers", "small-peers", P.SMALL_LOADER_2,
+     P.SMALL_LOADER_0),
     ("small-peers: wids / webdataset", "small-peers", P.SMALL_WIDS, P.SMALL_WDS),
 ]  # fmt: skip
 
@@ -610,6 +623,11 @@ class Suite:
             tag = f"link-{int(latency * 1000)}ms-{int(rate / 1e6)}MBps"
             with SlowLink(Path(shards[0]).parent, latency=latency, rate=rate) as link:
                 urls = [f"{link.endpoint}/{n}" for n in names]
+                made = time.perf_counter()
+                auto = L.raw_loader("webds", urls, "auto")
+                self.notes.append(
+                    f"{tag}: {LINK_AUTO} made in {time.perf_counter() - made:.2f} s: {auto.choice}"
+                )
                 v: Dict[str, Any] = {
                     WEBDS: lambda urls=urls: L.count(L.raw_dataset("webds", urls)),
                     WEBDS + ", readahead=False": lambda urls=urls: L.count(
@@ -621,6 +639,8 @@ class Suite:
                     "webds WebLoader 2 workers, readahead=False": lambda urls=urls: L.count(
                         L.raw_loader("webds", urls, 2, readahead=False)
                     ),
+                    # made once (it measures the dataset first: see the notes for how long)
+                    LINK_AUTO: lambda auto=auto: L.count(auto),
                 }
                 if self.wds:
                     v["webdataset WebDataset"] = lambda urls=urls: L.count(
@@ -630,6 +650,7 @@ class Suite:
                         L.raw_loader("webdataset", urls, 2)
                     )
                 self._measure(tag, v)
+                auto.close()  # persistent workers, if it chose any
                 peak = L.peak_rss_growth(lambda urls=urls: L.count(L.raw_dataset("webds", urls)))
             one_trip = latency + size / rate
             # What the link allows with that many connections in flight, per process.

@@ -9,11 +9,19 @@ the exact number of batches this rank yields per epoch (also after ``.unbatched(
 in the main process), and ``state_dict()`` / ``load_state_dict()`` resume mid-epoch with exactly
 the samples that were still to come. What the workers read reaches this process through the
 worker channel (:mod:`webds.channel`).
+
+``num_workers="auto"`` measures the dataset before the loader starts and picks the workers
+(:func:`choose_workers`, a pure function of what was measured).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+import os
+import time
+from copy import deepcopy
+from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
@@ -24,13 +32,30 @@ from .epochs import carries, count_shards, shard_pass_length
 from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
+from .shards.shardlists import worker_info
 from .stages.core import Length
 from .stages.ledger import Ledger, Pass, item_id
 from .stages.probe import PipelineStats, Probe, merged
-from .stages.saved import PipelineState
+from .stages.saved import PipelineState, read_states
 from .stages.threads import check_threads
 
-__all__ = ["WebLoader", "LoaderSource"]
+__all__ = ["WebLoader", "LoaderSource", "LoaderChoice", "Measured", "choose_workers"]
+
+log = logging.getLogger("webds")
+
+#: ``WebLoader(num_workers="auto")``.
+AUTO = "auto"
+#: About what one DataLoader item costs to cross from a worker to the main process (pickling
+#: its envelope, the queues, the shared-memory batch, both sides): 0.5 ms of the main process's
+#: CPU per batch of 32 images on the benchmark machine (``mainproc``), as much again in the
+#: worker.
+TRANSFER_SECONDS = 0.001
+#: Workers pay off when making one item takes at least this many transfers' time: below it, a
+#: worker would spend a fifth or more of its time sending, and the main process receiving.
+WORTH_WORKERS = 5
+#: How long ``num_workers="auto"`` reads the dataset to measure it (after the first item,
+#: which pays for opening the first shard and first imports).
+MEASURE_SECONDS = 0.5
 
 
 class WebLoader(DataPipeline, FluentMixin):
@@ -52,6 +77,12 @@ class WebLoader(DataPipeline, FluentMixin):
     one with ``num_workers=0``, else each worker. Samples, order, errors and resume stay as
     with ``threads=0`` (see :mod:`webds.stages.threads`); your map functions then run in
     several threads at once.
+
+    ``num_workers="auto"``: before the loader starts, a copy of the dataset is read in this
+    process for half a second and thrown away, and :func:`choose_workers` picks the workers
+    from what that cost (``choice`` says what and why; so do ``stats()`` and a log line on
+    the ``webds`` logger). The loader then yields what it would with those workers given by
+    hand; a loaded state's workers win over a new measurement.
     """
 
     def __init__(
@@ -62,6 +93,12 @@ class WebLoader(DataPipeline, FluentMixin):
         threads: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
+        #: What ``num_workers="auto"`` chose (None: the workers were given).
+        self.choice: Optional[LoaderChoice] = None
+        given = kwargs  # to make the DataLoader again with a loaded state's workers
+        if kwargs.get("num_workers") == AUTO:
+            self.choice = _auto(args, kwargs)
+            kwargs = _with_workers(kwargs, self.choice.num_workers)
         loader = DataLoader(*args, **kwargs)
         if threads is not None:
             threads = check_threads("WebLoader", threads)
@@ -79,6 +116,24 @@ class WebLoader(DataPipeline, FluentMixin):
             if isinstance(loader.dataset, DataPipeline):
                 loader.dataset.probe = Probe()
         self.seed = getattr(loader.dataset, "seed", None)
+        self._made = (args, given, batch_buffers)
+
+    def load_state_dict(self, state: Any, strict: bool = True) -> None:
+        """:meth:`DataPipeline.load_state_dict`; a loader that chose its workers
+        (``num_workers="auto"``) takes the number the state was saved with, so that it resumes
+        exactly whatever this process measured."""
+        if self.choice is not None:
+            states = read_states(state)
+            first = states[0] if isinstance(states, list) else states
+            saved = first.config.get("num_workers")
+            if isinstance(saved, int) and saved != self.loader.num_workers:
+                args, given, batch_buffers = self._made
+                kwargs = _with_workers(given, saved)
+                self.pipeline[0].close()
+                self.pipeline[0] = LoaderSource(DataLoader(*args, **kwargs), batch_buffers)
+                self.choice = self.choice.taken(saved)
+                log.info("webds: WebLoader(num_workers='auto') took %s", self.choice)
+        super().load_state_dict(state, strict)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -99,7 +154,152 @@ class WebLoader(DataPipeline, FluentMixin):
         dropped at the end of its share) is not counted."""
         if self.probe is None:
             raise ArgumentError("stats() needs a loader made with WebLoader(..., stats=True)")
-        return merged(self.probe, self.pipeline[0].mirrors.worker_stats)
+        stats = merged(self.probe, self.pipeline[0].mirrors.worker_stats)
+        stats.setting = None if self.choice is None else str(self.choice)
+        return stats
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The dataset read in this process (a copy, thrown away): ``items`` after the first, in
+    ``seconds`` of wall time and ``cpu_seconds`` of this process's CPU time."""
+
+    items: int
+    seconds: float
+    cpu_seconds: float
+
+    @property
+    def per_item(self) -> float:
+        """Wall time per item."""
+        return self.seconds / self.items if self.items else 0.0
+
+    @property
+    def cpu_per_item(self) -> float:
+        """CPU time per item (every thread of this process: read-ahead, decoding pools)."""
+        return self.cpu_seconds / self.items if self.items else 0.0
+
+
+@dataclass(frozen=True)
+class LoaderChoice:
+    """What ``WebLoader(num_workers="auto")`` chose, from what, and why."""
+
+    num_workers: int
+    measured: Measured
+    items_per_transfer: int
+    cores: int
+    shards: Optional[int]
+    reason: str
+
+    def taken(self, num_workers: int) -> "LoaderChoice":
+        """This choice overridden by a loaded state's number of workers."""
+        why = f"the loaded state's ({self.num_workers} measured: {self.reason})"
+        return LoaderChoice(
+            num_workers, self.measured, self.items_per_transfer, self.cores, self.shards, why
+        )
+
+    def __str__(self) -> str:
+        return f"num_workers={self.num_workers}: {self.reason}"
+
+
+def choose_workers(
+    measured: Measured, items_per_transfer: int, cores: int, shards: Optional[int]
+) -> LoaderChoice:
+    """The workers for a dataset that made ``measured`` in this process: none when an item
+    the DataLoader sends (``items_per_transfer`` dataset items) takes under ``WORTH_WORKERS``
+    transfers' CPU time to make (workers would spend that long sending it), else one per core,
+    at most one per shard (``shards``, when known: a worker without a shard idles).
+
+    CPU time, not wall time: waiting for storage or the network is left to the read-ahead of
+    one process (``readahead_shards`` in flight), which keeps a slow link busier than workers
+    do (the benchmark's ``link`` workload)."""
+    made = measured.cpu_per_item * max(1, items_per_transfer)
+    facts = (
+        f"{measured.cpu_per_item * 1e3:.3f} ms of CPU ({measured.per_item * 1e3:.3f} ms of wall "
+        f"time) per dataset item in one process ({measured.items} measured), "
+        f"{made * 1e3:.2f} ms of CPU per item sent"
+    )
+    if measured.items == 0:
+        return LoaderChoice(
+            0, measured, items_per_transfer, cores, shards, "nothing to measure: no workers"
+        )
+    if made < WORTH_WORKERS * TRANSFER_SECONDS:
+        why = f"{facts}: too little work to send between processes"
+        return LoaderChoice(0, measured, items_per_transfer, cores, shards, why)
+    n = max(1, cores if shards is None else min(cores, shards))
+    why = f"{facts}: one worker per core ({cores})" + (
+        f", at most one per shard ({shards})" if shards is not None else ""
+    )
+    return LoaderChoice(n, measured, items_per_transfer, cores, shards, why)
+
+
+def measure_dataset(dataset: Any, seconds: float = MEASURE_SECONDS) -> Measured:
+    """Read a copy of ``dataset`` in this process for about ``seconds`` after its first item,
+    and throw it away: the dataset itself is not touched."""
+    try:
+        copy = deepcopy(dataset)  # (lambdas and local functions too, which pickle refuses)
+    except Exception as exn:
+        raise ArgumentError(
+            f"WebLoader(num_workers='auto') measures a copy of the dataset, and it can't be "
+            f"copied ({type(exn).__name__}: {exn}): give num_workers yourself"
+        ) from exn
+    if isinstance(copy, DataPipeline):
+        copy.threads, copy.probe = 0, None
+    it = iter(copy)
+    try:
+        if next(it, _END) is _END:
+            return Measured(0, 0.0, 0.0)
+        wall, cpu, n = time.perf_counter(), time.process_time(), 0
+        for _ in it:
+            n += 1
+            if time.perf_counter() - wall >= seconds:
+                break
+        return Measured(n, time.perf_counter() - wall, time.process_time() - cpu)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+        if isinstance(copy, DataPipeline):
+            copy.close()
+
+
+_END = object()
+
+
+def _auto(args: tuple, kwargs: Dict[str, Any]) -> LoaderChoice:
+    """What ``num_workers="auto"`` chooses for ``DataLoader(*args, **kwargs)``."""
+    dataset = args[0] if args else kwargs.get("dataset")
+    if not isinstance(dataset, DataPipeline):
+        raise ArgumentError(
+            "WebLoader(num_workers='auto') measures a webds dataset; "
+            f"{type(dataset).__name__} is not one: give num_workers yourself"
+        )
+    source = dataset.pipeline[0] if dataset.pipeline else None
+    if getattr(source, "claims_files", False):
+        raise ArgumentError(
+            "WebLoader(num_workers='auto') reads the dataset's first samples to measure it, "
+            f"and {type(source).__name__} claims (or deletes) the files it reads: give "
+            "num_workers yourself"
+        )
+    batch = kwargs.get("batch_size", 1) if len(args) < 2 else args[1]
+    urls = getattr(source, "urls", None)
+    shards = None
+    if isinstance(urls, list) and getattr(dataset, "plan", None) is None:
+        shards = max(1, len(urls) // max(1, worker_info().world_size))
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    choice = choose_workers(measure_dataset(dataset), batch or 1, cores, shards)
+    log.info("webds: WebLoader(num_workers='auto') chose %s", choice)
+    return choice
+
+
+def _with_workers(kwargs: Dict[str, Any], n: int) -> Dict[str, Any]:
+    """The DataLoader's keyword arguments with ``n`` workers, persistent unless told not."""
+    kwargs = dict(kwargs, num_workers=n)
+    if n > 0:
+        kwargs.setdefault("persistent_workers", True)
+    else:
+        kwargs.pop("persistent_workers", None)
+    return kwargs
 
 
 class LoaderSource(StreamKeeper):

@@ -67,6 +67,9 @@ class DirectoryShardList(IterableDataset):
     ``poll=None`` stops as soon as none is free.
     """
 
+    #: It renames (or deletes) the files it reads: nothing may read it just to measure it.
+    claims_files = True
+
     def __init__(
         self,
         path: Union[str, "os.PathLike[str]"],

@@ -223,6 +223,8 @@ class PipelineStats:
     batches: int
     wait_seconds: Optional[float] = None
     workers: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    #: What ``WebLoader(num_workers="auto")`` chose, and why (None: chosen by hand).
+    setting: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Shares of the time spent in stages; the main process's wait for workers and the
@@ -270,6 +272,7 @@ class PipelineStats:
                 for s in self.stages
             ],
             "workers": self.workers,
+            "setting": self.setting,
         }
 
     def summary(self) -> List[StageTime]:
@@ -304,6 +307,8 @@ class PipelineStats:
             )
         if self.slowest is not None:
             lines.append(f"largest share: {self.slowest}")
+        if self.setting is not None:
+            lines.append(f"loader: {self.setting}")
         verdict = self.verdict
         if verdict:
             lines.append(verdict)

@@ -1,0 +1,136 @@
+"""``WebLoader(..., num_workers="auto")``: it measures a throwaway copy of the dataset in this
+process and picks the workers by :func:`webds.loader.choose_workers`, a pure function of what
+it measured; the loader then yields what the same loader with those workers given by hand
+yields, reports its choice (``choice``, ``stats()``, a log line), and a loaded state's workers
+win over a new measurement."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+from conftest import sample_members, write_tar
+
+import webds
+from webds.compat.shardsources import DirectoryShardList
+from webds.errors import ArgumentError
+from webds.loader import TRANSFER_SECONDS, WORTH_WORKERS, LoaderChoice, Measured, choose_workers
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
+
+
+@pytest.fixture
+def spec(tmp_path):
+    for k in range(4):
+        write_tar(tmp_path / f"s-{k}.tar", sample_members(12, prefix=f"s{k}-"))
+    return str(tmp_path / "s-{0..3}.tar")
+
+
+def keys(loader):
+    with loader:
+        return [k for batch in loader for k in batch]
+
+
+def burn(sample):
+    """About 3 ms of CPU: a sample worth sending to a worker."""
+    end = time.process_time() + 0.003
+    while time.process_time() < end:
+        pass
+    return sample["__key__"]
+
+
+def test_the_choice_is_a_pure_function_of_the_measurement():
+    threshold = WORTH_WORKERS * TRANSFER_SECONDS  # CPU time per item sent
+    cheap = Measured(1000, 1.0, 1000 * threshold / 64 * 0.9)
+    heavy = Measured(100, 1.0, 100 * threshold / 64 * 1.1)
+    assert choose_workers(cheap, 64, 8, None).num_workers == 0
+    assert choose_workers(heavy, 64, 8, None).num_workers == 8
+    assert choose_workers(heavy, 64, 8, 3).num_workers == 3  # a worker per shard at most
+    assert choose_workers(heavy, 1, 8, None).num_workers == 0  # one item at a time: cheap
+    assert choose_workers(Measured(0, 0.0, 0.0), 64, 8, None).num_workers == 0
+    # Waiting (wall time far above CPU time) is left to read-ahead in one process.
+    waiting = Measured(100, 100.0, 100 * threshold / 64 * 0.5)
+    assert choose_workers(waiting, 64, 8, None).num_workers == 0
+    again = [choose_workers(heavy, 64, 8, 3) for _ in range(3)]
+    assert all(c == again[0] for c in again) and isinstance(again[0], LoaderChoice)
+    assert "one worker per core (8), at most one per shard (3)" in str(again[0])
+
+
+def test_cheap_samples_stay_in_this_process_and_nothing_is_lost(spec, caplog):
+    def make(workers):
+        ds = (
+            webds.WebDataset(spec, shardshuffle=True, seed=1).shuffle(5).map(lambda s: s["__key__"])
+        )
+        return webds.WebLoader(ds.listed(4), batch_size=None, num_workers=workers)
+
+    caplog.set_level(logging.INFO, logger="webds")
+    auto = make("auto")
+    assert auto.choice is not None and auto.choice.num_workers == 0
+    assert auto.loader.num_workers == 0 and auto.choice.measured.items > 0
+    assert any("chose num_workers=0" in r.getMessage() for r in caplog.records)
+    got = keys(auto)
+    assert got == keys(make(0)) and len(got) == 48  # the measured samples come out too
+
+
+def test_heavy_samples_go_to_workers_and_give_what_those_workers_give(spec):
+    def make(workers, **kw):
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=2).map(burn).listed(8)
+        return webds.WebLoader(ds, batch_size=None, num_workers=workers, stats=True, **kw)
+
+    auto = make("auto")
+    chosen = auto.choice.num_workers
+    assert chosen >= 1 and chosen == auto.loader.num_workers and auto.loader.persistent_workers
+    assert chosen <= 4  # 4 shards
+    got = keys(auto)
+    assert got == keys(make(chosen, persistent_workers=True)) and len(got) == 48
+    assert auto.stats().setting == str(auto.choice) and "loader: num_workers=" in str(auto.stats())
+
+
+def test_measuring_leaves_the_dataset_as_it_was(spec):
+    ds = webds.WebDataset(spec, shardshuffle=True, seed=3).shuffle(7).map(lambda s: s["__key__"])
+    before = list(ds)  # epoch 0
+    ds.set_epoch(0)
+    loader = webds.WebLoader(ds, batch_size=None, num_workers="auto")
+    assert ds.epoch == 0
+    with loader:
+        assert list(loader) == before
+
+
+def test_a_loaded_state_keeps_the_workers_it_was_saved_with(spec, monkeypatch):
+    def make():
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=4).map(burn).listed(3)
+        return webds.WebLoader(ds, batch_size=None, num_workers="auto")
+
+    whole = make()
+    workers = whole.choice.num_workers
+    assert workers >= 1
+    expected = keys(whole)
+    first = make()
+    it = iter(first)
+    before = [k for _ in range(5) for k in next(it)]
+    state = json.loads(json.dumps(first.state_dict()))
+    del it
+    first.close()
+    # Measured anew, the next process would choose no workers; the state's workers win.
+    monkeypatch.setattr(webds.loader, "WORTH_WORKERS", 10**9)
+    second = make()
+    assert second.choice.num_workers == 0
+    second.load_state_dict(state)
+    assert second.loader.num_workers == workers and second.choice.num_workers == workers
+    assert "the loaded state's" in str(second.choice)
+    assert before + keys(second) == expected
+
+
+def test_what_it_cannot_measure_is_refused(tmp_path, spec):
+    with pytest.raises(ArgumentError, match="is not one: give num_workers yourself"):
+        webds.WebLoader(list(range(10)), batch_size=None, num_workers="auto")
+    (tmp_path / "q").mkdir()
+    write_tar(tmp_path / "q" / "a.tar", sample_members(3))
+    ds = webds.DataPipeline(
+        DirectoryShardList(str(tmp_path / "q"), poll=None), webds.tarfile_to_samples()
+    )
+    with pytest.raises(ArgumentError, match="claims \\(or deletes\\) the files"):
+        webds.WebLoader(ds, batch_size=None, num_workers="auto")
+    assert (tmp_path / "q" / "a.tar").exists()  # not claimed
