@@ -10,8 +10,9 @@ write it.
   identity).batched(64)`` in ``WebLoader(batch_size=None, num_workers=2,
   persistent_workers=True)``, the crop drawn and applied in PIL
   (:func:`benchmarks.loaders.augment`);
-- ``webds README (fused, 2 workers)``: ``decode(webds.RandomResizedCropDecoder(224,
-  output="torch"))`` + flip + ``float() / 255`` in the same WebLoader, as webds's README writes
+- ``webds fused, 2 workers``: ``decode(webds.RandomResizedCropDecoder(224,
+  output="torch"))`` + flip + ``float() / 255`` in the same WebLoader; ``webds README (fused,
+  num_workers='auto')``: the same in ``WebLoader(num_workers="auto")``, as webds's README writes
   it; ``webds fused, threads=2``: the same dataset in ``WebLoader(num_workers=0, threads=2)``,
   its per-sample stages in 2 threads of this process (and again with torch at one intra-op
   thread, as in a worker);
@@ -64,15 +65,15 @@ WDS_README = "webdataset README"
 #: webdataset's README pipeline run by webds (what webds's README showed until it took the fused
 #: decoder).
 WEBDS_PIL = "webds, webdataset's pipeline"
-#: webds's README: the fused crop decoder in persistent workers.
-FUSED_WORKERS = "webds README (fused, 2 workers)"
+#: The fused crop decoder in 2 persistent workers, by hand.
+FUSED_WORKERS = "webds fused, 2 workers"
 FUSED_THREADS = "webds fused, threads=2"
 #: The same with torch at one intra-op thread in this process, as in a worker: the fused
 #: decoder then resizes with torch's kernel, and no intra-op thread spins beside the pool.
 FUSED_THREADS_T1 = "webds fused, threads=2, torch 1 thread"
-#: The fused recipe in ``WebLoader(num_workers="auto")``: what it picks, against the settings
+#: webds's README: the fused recipe in ``WebLoader(num_workers="auto")``, against the settings
 #: picked by hand above.
-RECIPE_AUTO = "webds fused, num_workers='auto'"
+RECIPE_AUTO = "webds README (fused, num_workers='auto')"
 SPDL = "SPDL, 2 threads"
 LITDATA = "LitData, 2 workers"
 

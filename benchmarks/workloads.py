@@ -131,7 +131,7 @@ RATIO_TARGETS = [
     ("random reads, shards/file-per-sample, small records, warm", 0.8, "random-small",
      A.SHARDS, A.FILES, "ShardListDataset[i] in a random order", None),
     ("JPEG recipe as the README shows it, webds/webdataset", 2.5, "recipe",
-     P.FUSED_WORKERS, P.WDS_README, "each README's recipe, 2 workers, batches of 64",
+     P.RECIPE_AUTO, P.WDS_README, "each README's recipe, batches of 64 (webdataset: 2 workers)",
      None),
     ("small records, webds/webdataset", 40, "small-peers",
      P.SMALL_WEBDS, P.SMALL_WDS, "decode().to_tuple('bin', 'cls'), one process", None),
