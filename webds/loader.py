@@ -32,6 +32,7 @@ from .epochs import carries, count_shards, shard_pass_length
 from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
+from .shards.datasets import SimpleShardList
 from .shards.shardlists import worker_info
 from .stages.core import Length
 from .stages.ledger import Ledger, Pass, item_id
@@ -281,7 +282,9 @@ def _auto(args: tuple, kwargs: Dict[str, Any]) -> LoaderChoice:
             "num_workers yourself"
         )
     batch = kwargs.get("batch_size", 1) if len(args) < 2 else args[1]
-    urls = getattr(source, "urls", None)
+    # Workers share the shards of a plain list (one with an index shares samples; resampled
+    # shards are drawn by every worker): more workers than shards would idle.
+    urls = getattr(source, "urls", None) if isinstance(source, SimpleShardList) else None
     shards = None
     if isinstance(urls, list) and getattr(dataset, "plan", None) is None:
         shards = max(1, len(urls) // max(1, worker_info().world_size))
