@@ -134,3 +134,16 @@ def test_what_it_cannot_measure_is_refused(tmp_path, spec):
     with pytest.raises(ArgumentError, match="claims \\(or deletes\\) the files"):
         webds.WebLoader(ds, batch_size=None, num_workers="auto")
     assert (tmp_path / "q" / "a.tar").exists()  # not claimed
+
+
+def test_only_a_plain_shard_list_caps_the_workers_at_one_per_shard(tmp_path, monkeypatch):
+    # (no worker starts: the loaders are only made)
+    monkeypatch.setattr(webds.loader.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    for k in range(2):
+        write_tar(tmp_path / f"t-{k}.tar", sample_members(12, prefix=f"t{k}-"))
+    spec = str(tmp_path / "t-{0..1}.tar")
+    plain = webds.WebDataset(spec).map(burn).listed(8)
+    choice = webds.WebLoader(plain, batch_size=None, num_workers="auto").choice
+    assert choice.num_workers == 2 and "at most one per shard (2)" in str(choice)
+    drawn = webds.WebDataset(spec, resampled=True).map(burn).listed(8).with_epoch(3)
+    assert webds.WebLoader(drawn, batch_size=None, num_workers="auto").choice.num_workers == 4
