@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -582,17 +583,26 @@ def test_cli_interrupted_removes_temp_files(mini: Mini, tmp_path: Path) -> None:
             time.sleep(0.02)
         time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
-        # stdin stays open until it has exited: closed earlier, a busy process could meet the
-        # end of its input before it handles the signal, and report a truncated tar instead.
-        proc.wait(timeout=60)
+        # Ctrl-C stops the whole pipeline, so the producer's end of stdin closes too: here once
+        # the process has exited, or after 10 s (its clean-up may read on to the end of the
+        # input). Closed at once, a busy process could meet the end of its input before it
+        # handles the signal and report a truncated tar instead (seen once on a loaded CI run).
+        said: List[bytes] = []
         assert proc.stderr is not None
-        stderr = proc.stderr.read()
+        reader = threading.Thread(target=lambda: said.append(proc.stderr.read()), daemon=True)
+        reader.start()
+        heard = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < heard:
+            time.sleep(0.05)
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        reader.join(timeout=60)
+        stderr = b"".join(said)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        assert proc.stdin is not None
-        proc.stdin.close()
     assert proc.returncode == 130, stderr
     assert b"interrupted" in stderr
     assert list(work.iterdir()) == []

@@ -16,7 +16,6 @@ worker channel (:mod:`webds.channel`).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -71,7 +70,8 @@ class WebLoader(DataPipeline, FluentMixin):
     With a webds dataset, every item a worker yields comes with what the worker's ledger
     recorded (see :mod:`webds.channel`), so :meth:`state_dict` knows exactly which samples
     the training loop has received, whatever sits in the DataLoader's queues. Loading a state
-    restarts persistent workers.
+    restarts persistent workers. ``close()`` (or a ``with`` block) stops the workers; a loader
+    dropped mid-epoch without it keeps them until the garbage collector finds it.
 
     ``threads=N`` runs the per-sample stages of a webds dataset that take ``threads=`` (decode,
     map, map_tuple) and were not given it in N threads, in the process that runs them: this
@@ -422,12 +422,6 @@ class LoaderSource(StreamKeeper):
         # fork, so that no forked worker imports it while a thread of this process (the last
         # iterator's queue feeders) may hold CPython's import state: a worker died so, 1 run in 8.
         import numpy.random  # noqa: F401
-
-        if self._new_workers():
-            # Loaders dropped mid-epoch may still be in reference cycles, their workers alive:
-            # collected in a forked worker, they would be stopped there (torch refuses:
-            # "can only test a child process") and slow its exit; here they stop at once.
-            gc.collect()
 
         # Open only while the DataLoader starts (its workers copy the dataset; without workers
         # it calls iter(dataset) now): the same dataset used elsewhere yields plain items.
