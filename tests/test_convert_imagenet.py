@@ -570,6 +570,9 @@ def test_cli_interrupted_removes_temp_files(mini: Mini, tmp_path: Path) -> None:
         stdin=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=cli_env(),
+        # A shell starts a background job (`.ci/run &`) with SIGINT ignored, and children keep
+        # that: Python then has no Ctrl-C handler. The command's own Ctrl-C is what is tested.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         data = mini.train.read_bytes()
