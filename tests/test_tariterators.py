@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+from clients import open_clip_data
 from conftest import sample_members, write_tar
 
 import webds
@@ -73,42 +74,16 @@ def test_functions_pickle_for_spawned_workers():
 
 
 # -- damaged shards under open_clip's own grouping code --------------------------------------
-#
-# group_by_keys_nothrow and tarfile_to_samples_nothrow below are copied from open_clip
-# (github.com/mlfoundations/open_clip, src/training/data.py; MIT licence, Copyright (c) 2012-2021
-# Gabriel Ilharco, Mitchell Wortsman, Nicholas Carlini, Rohan Taori, Achal Dave, Vaishaal Shankar,
-# John Miller, Hongseok Namkoong, Hannaneh Hajishirzi, Ali Farhadi, Ludwig Schmidt), with the
-# webdataset functions they call passed in: that is how training code meets damaged shards.
 
 
-def group_by_keys_nothrow(data, keys=t.base_plus_ext, lcase=True, suffixes=None, handler=None):
-    current_sample = None
-    for filesample in data:
-        assert isinstance(filesample, dict)
-        fname, value = filesample["fname"], filesample["data"]
-        prefix, suffix = keys(fname)
-        if prefix is None:
-            continue
-        if lcase:
-            suffix = suffix.lower()
-        if (
-            current_sample is None
-            or prefix != current_sample["__key__"]
-            or suffix in current_sample
-        ):
-            if t.valid_sample(current_sample):
-                yield current_sample
-            current_sample = dict(__key__=prefix, __url__=filesample["__url__"])
-        if suffixes is None or suffix in suffixes:
-            current_sample[suffix] = value
-    if t.valid_sample(current_sample):
-        yield current_sample
-
-
-def tarfile_to_samples_nothrow(tariterators, src, handler):
-    streams = tariterators.url_opener(src, handler=handler)
-    files = tariterators.tar_file_expander(streams, handler=handler, eof_value=None)
-    return group_by_keys_nothrow(files, handler=handler)
+def tarfile_to_samples_nothrow(wds, src, handler):
+    """open_clip's ``tarfile_to_samples_nothrow`` (tests/clients/open_clip_data.py) over
+    ``wds``, with the fix given in webdataset issue #384 / open_clip issue #935: its
+    ``tar_file_expander`` yields members only (``eof_value=None``). That is how training code
+    meets damaged shards."""
+    streams = wds.tariterators.url_opener(src, handler=handler)
+    files = wds.tariterators.tar_file_expander(streams, handler=handler, eof_value=None)
+    return open_clip_data.make(wds).group_by_keys_nothrow(files, handler=handler)
 
 
 def _damaged_shards(tmp_path, how):
@@ -143,11 +118,11 @@ def test_open_clip_grouping_on_a_damaged_shard_reads_as_with_webdataset(tmp_path
     """open_clip's tarfile_to_samples_nothrow, over webds.tariterators and over webdataset
     1.0.2's: the same samples, and the handler hears of the damage (it used to die with
     KeyError 'fname' on webds's marker after the damaged shard)."""
-    import webdataset.tariterators as wd_tariterators
+    import webdataset
 
     urls = _damaged_shards(tmp_path, how)
     got = {}
-    for name, module in (("webdataset", wd_tariterators), ("webds", t)):
+    for name, module in (("webdataset", webdataset), ("webds", webds)):
         heard: list = []
         samples = tarfile_to_samples_nothrow(
             module, [{"url": u} for u in urls], lambda exn, heard=heard: heard.append(exn) or True
