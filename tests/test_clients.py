@@ -266,6 +266,21 @@ def test_open_clip_train_loader_as_published_fails_alike(data, workers):
         assert epochs == [[]] and raised(err, KeyError) and "fname" in str(err)
 
 
+def two_epochs_of_training(data, variant, run):
+    """``run(lib)`` -> (epochs of rows, error) with each library: no error, valid rows, N rows an
+    epoch, and on whole shards every sample twice with either; each library's sample counts."""
+    got = {}
+    for name, lib in LIBS.items():
+        epochs, err = run(lib)
+        assert err is None, name
+        check_rows(data, variant, epochs)
+        assert [len(rows) for rows in epochs] == [N, N], name
+        got[name] = Counter(r[0] for rows in epochs for r in rows)
+    if variant == "whole":
+        assert got["webds"] == got["webdataset"] == Counter({i: 2 for i in range(N)})
+    return got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("variant", ["whole", "cut", "unterminated"])
@@ -276,15 +291,9 @@ def test_open_clip_train_loader(data, variant, workers):
     30 batches of 10; over both epochs whole shards give every sample twice with either library;
     damaged ones only valid samples, webds seeing at least as many distinct ones. (With open_clip's
     own grouper the last sample of the shard without its marker is yielded: nothing marks it.)"""
-    got = {}
-    for name, lib in LIBS.items():
-        epochs, err = run_open_clip(pinned(lib), data.roots[variant], workers, True)
-        assert err is None, name
-        check_rows(data, variant, epochs)
-        assert [len(rows) for rows in epochs] == [N, N], name
-        got[name] = Counter(r[0] for rows in epochs for r in rows)
-    if variant == "whole":
-        assert got["webds"] == got["webdataset"] == Counter({i: 2 for i in range(N)})
+    got = two_epochs_of_training(
+        data, variant, lambda lib: run_open_clip(pinned(lib), data.roots[variant], workers, True)
+    )
     assert len(got["webds"]) >= len(got["webdataset"])
 
 
@@ -352,15 +361,9 @@ def test_timm_train_reader(data, variant, workers):
     epoch; whole shards give every sample twice over both epochs with either library; damaged
     ones only valid samples, webds seeing at least as many distinct ones (less the one it
     withholds)."""
-    got = {}
-    for name, lib in LIBS.items():
-        epochs, err = run_timm(lib, data.roots[variant], workers, True)
-        assert err is None, name
-        check_rows(data, variant, epochs)
-        assert [len(rows) for rows in epochs] == [N, N], name
-        got[name] = Counter(r[0] for rows in epochs for r in rows)
-    if variant == "whole":
-        assert got["webds"] == got["webdataset"] == Counter({i: 2 for i in range(N)})
+    got = two_epochs_of_training(
+        data, variant, lambda lib: run_timm(lib, data.roots[variant], workers, True)
+    )
     withheld = {LAST_OF_OPEN} if variant == "unterminated" else set()
     assert LAST_OF_OPEN not in got["webds"] or not withheld
     assert len(got["webds"]) >= len(set(got["webdataset"]) - withheld)
