@@ -99,3 +99,29 @@ def test_demo_trains_on_streamed_shards(tmp_path):
         label = int(tar.extractfile(f"{first}.cls").read())
     demo = load_demo()
     assert label == int(demo.read_idx(demo.LABELS)[int(first)])
+
+
+@pytest.mark.slow
+def test_demo_trains_with_threads_in_one_process(tmp_path):
+    # --threads: the decode and augment stages in 2 threads of the training process.
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(DEMO), "--limit", "2000", "--workers", "0", "--threads", "2"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = re.search(r"^accuracy: (\d+\.\d)%", proc.stdout, re.MULTILINE)
+    assert match and float(match.group(1)) > 30.0, proc.stdout
+    bad = subprocess.run(
+        [sys.executable, str(DEMO), "--threads", "-1"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--threads at least 0" in bad.stderr

@@ -12,6 +12,8 @@ import time
 
 import pytest
 from conftest import sample_members, write_tar
+from test_resume import shards
+from test_resume_order import same_entropy
 
 import webds
 from webds.compat.shardsources import DirectoryShardList
@@ -23,9 +25,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 @pytest.fixture
 def spec(tmp_path):
-    for k in range(4):
-        write_tar(tmp_path / f"s-{k}.tar", sample_members(12, prefix=f"s{k}-"))
-    return str(tmp_path / "s-{0..3}.tar")
+    return shards(tmp_path, [12] * 4)
 
 
 def keys(loader):
@@ -123,6 +123,28 @@ def test_a_loaded_state_keeps_the_workers_it_was_saved_with(spec, monkeypatch):
     assert before + keys(second) == expected
 
 
+def test_a_state_saved_without_workers_resumes_without_workers(spec, monkeypatch):
+    def make():
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=5).map(burn).listed(3)
+        return webds.WebLoader(ds, batch_size=None, num_workers="auto")
+
+    monkeypatch.setattr(webds.loader, "WORTH_WORKERS", 10**9)  # measured: no workers
+    whole = make()
+    assert whole.choice.num_workers == 0
+    expected = keys(whole)
+    first = make()
+    it = iter(first)
+    before = [k for _ in range(4) for k in next(it)]
+    state = json.loads(json.dumps(first.state_dict()))
+    del it
+    monkeypatch.undo()  # measured anew: workers
+    second = make()
+    assert second.choice.num_workers > 0
+    second.load_state_dict(state)
+    assert second.loader.num_workers == 0 and not second.loader.persistent_workers
+    assert before + keys(second) == expected
+
+
 def test_what_it_cannot_measure_is_refused(tmp_path, spec):
     with pytest.raises(ArgumentError, match="is not one: give num_workers yourself"):
         webds.WebLoader(list(range(10)), batch_size=None, num_workers="auto")
@@ -139,11 +161,35 @@ def test_what_it_cannot_measure_is_refused(tmp_path, spec):
 def test_only_a_plain_shard_list_caps_the_workers_at_one_per_shard(tmp_path, monkeypatch):
     # (no worker starts: the loaders are only made)
     monkeypatch.setattr(webds.loader.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    for k in range(2):
-        write_tar(tmp_path / f"t-{k}.tar", sample_members(12, prefix=f"t{k}-"))
-    spec = str(tmp_path / "t-{0..1}.tar")
+    spec = shards(tmp_path, [12, 12])
     plain = webds.WebDataset(spec).map(burn).listed(8)
     choice = webds.WebLoader(plain, batch_size=None, num_workers="auto").choice
     assert choice.num_workers == 2 and "at most one per shard (2)" in str(choice)
     drawn = webds.WebDataset(spec, resampled=True).map(burn).listed(8).with_epoch(3)
     assert webds.WebLoader(drawn, batch_size=None, num_workers="auto").choice.num_workers == 4
+    # With an index the workers share samples, not shards: one per core.
+    (tmp_path / "indexed").mkdir()
+    index = shards(tmp_path / "indexed", [12, 12], index=True)
+    planned = webds.WebDataset(index).map(burn).listed(8)
+    assert webds.WebLoader(planned, batch_size=None, num_workers="auto").choice.num_workers == 4
+
+
+@pytest.mark.parametrize("heavy", [False, True])
+def test_an_unseeded_dataset_gives_what_the_chosen_setting_gives(spec, heavy):
+    # Unseeded, the shuffles draw from the dataset's own entropy: measuring a copy must not use
+    # it up or change it (the two datasets get the same entropy, as a resumed one takes its
+    # state's).
+    made = same_entropy(
+        lambda: (
+            webds.WebDataset(spec, shardshuffle=True)
+            .shuffle(6)
+            .rsample(0.8)
+            .map(burn if heavy else (lambda s: s["__key__"]))
+            .listed(3)
+        )
+    )
+    auto = webds.WebLoader(made(), batch_size=None, num_workers="auto")
+    workers = auto.choice.num_workers
+    assert (workers > 0) == heavy
+    hand = webds.WebLoader(made(), batch_size=None, num_workers=workers)
+    assert keys(auto) == keys(hand) and 0 < len(keys(hand)) < 48

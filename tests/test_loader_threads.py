@@ -10,7 +10,14 @@ import threading
 import warnings
 
 import pytest
-from test_resume_order import check, data, flat, random_stages  # noqa: F401 (data: a fixture)
+from conftest import write_tar
+from test_resume_order import (  # noqa: F401 (data: a fixture)
+    check,
+    data,
+    flat,
+    random_stages,
+    same_entropy,
+)
 from test_threads import failing, spec  # noqa: F401 (spec: a fixture)
 
 import webds
@@ -122,9 +129,12 @@ def test_random_loaders_with_threads_resume_in_the_same_order(data, case):  # no
     url = index if rng.random() < 0.5 else url_spec
     epoch = rng.choice([None, 3, 9])
     threads = rng.choice([1, 2, 3])
+    seed = rng.choice([None, 7])
+    # Unseeded, each dataset draws its own entropy: these two draw the same (see same_entropy).
+    dataset = same_entropy(lambda: webds.WebDataset(url, shardshuffle=True, seed=seed))
 
     def make(threads=threads):
-        ds = webds.WebDataset(url, shardshuffle=True, seed=7)
+        ds = dataset()
         for f in stages:
             ds = f(ds)
         ds = ds.map(lambda x: x)  # a map without threads of its own, at least
@@ -139,3 +149,57 @@ def test_random_loaders_with_threads_resume_in_the_same_order(data, case):  # no
 
     assert items(make()) == items(make(threads=None))
     check(make, rng)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("seed", [None, 4])
+def test_random_crops_are_the_same_pixels_with_threads(tmp_path, workers, seed):
+    # The fused crop decoder draws each crop from (seed, epoch, rank, worker, url, key): the
+    # loader's threads must not change one pixel, seeded or not, with workers or not.
+    import io
+
+    import torch
+    from PIL import Image
+
+    for k in range(2):
+        members = []
+        for i in range(6):
+            image = Image.new("RGB", (96 + 8 * i, 64), (40 * i, 255 - 30 * i, 17 * k))
+            image.paste((200, 10, 90), (i * 5, 3, i * 5 + 30, 40))
+            out = io.BytesIO()
+            image.save(out, "JPEG", quality=90)
+            members += [(f"{k}{i:03d}.jpg", out.getvalue()), (f"{k}{i:03d}.cls", b"%d" % i)]
+        write_tar(tmp_path / f"c-{k}.tar", members)
+    dataset = same_entropy(
+        lambda: (
+            webds.WebDataset(str(tmp_path / "c-{0..1}.tar"), shardshuffle=True, seed=seed)
+            .decode(webds.RandomResizedCropDecoder(32, output="torch"))
+            .to_tuple("jpg", "cls")
+            .batched(4)
+        )
+    )
+
+    def batches(**kw):
+        with webds.WebLoader(dataset(), batch_size=None, num_workers=workers, **kw) as loader:
+            return [(images, labels.tolist()) for images, labels in loader for _ in [0]]
+
+    plain, pooled = batches(), batches(threads=2)
+    assert [labels for _, labels in pooled] == [labels for _, labels in plain]
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(pooled, plain))
+    assert sum(len(labels) for _, labels in plain) == 12
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_close_stops_the_workers_mid_epoch(spec, persistent):  # noqa: F811
+    import multiprocessing
+
+    ds = webds.WebDataset(spec).map(lambda s: s["__key__"]).listed(2)
+    loader = webds.WebLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent)
+    it = iter(loader)
+    next(it)
+    assert len(multiprocessing.active_children()) >= 2
+    loader.close()
+    assert multiprocessing.active_children() == []
+    del it

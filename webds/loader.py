@@ -335,10 +335,16 @@ class LoaderSource(StreamKeeper):
         # The workers' with_epoch streams go on in new worker processes (not persistent).
         self._handing_over = False
         self._epoch = 0  # the pass the DataLoader reads next
+        self._reading: Any = None  # the DataLoader iterator of the epoch being read
 
     @property
     def dataset(self) -> Any:
         return self.loader.dataset
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_reading"] = None  # a running iterator stays with this process
+        return state
 
     def __repr__(self) -> str:
         return f"LoaderSource({self.loader!r})"
@@ -431,14 +437,21 @@ class LoaderSource(StreamKeeper):
         finally:
             channel.open = False
             channel.starts = {}  # the workers (or this process's iterator) have their copy
+        self._reading = it
         try:
             yield from self.mirrors.receive(it, ledger, keeps)
         finally:
+            if self._reading is it:
+                self._reading = None
             if not self.loader.persistent_workers:
                 _shut_down(it)  # closed mid-epoch: its workers stop now, not when collected
 
     def close(self) -> None:
-        """Stop the workers (``WebLoader.close()``, the end of a ``with`` block)."""
+        """Stop the workers (``WebLoader.close()``, the end of a ``with`` block), those of an
+        epoch still being read included."""
+        reading, self._reading = getattr(self, "_reading", None), None
+        if reading is not None:
+            _shut_down(reading)
         self.restart_workers()
 
     def restart_workers(self) -> None:
