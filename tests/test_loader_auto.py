@@ -160,7 +160,7 @@ def test_what_it_cannot_measure_is_refused(tmp_path, spec):
 
 def test_only_a_plain_shard_list_caps_the_workers_at_one_per_shard(tmp_path, monkeypatch):
     # (no worker starts: the loaders are only made)
-    monkeypatch.setattr(webds.loader.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 4)
     spec = shards(tmp_path, [12, 12])
     plain = webds.WebDataset(spec).map(burn).listed(8)
     choice = webds.WebLoader(plain, batch_size=None, num_workers="auto").choice

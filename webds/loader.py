@@ -17,7 +17,6 @@ worker channel (:mod:`webds.channel`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from copy import deepcopy
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin
 from .pipeline import DataPipeline
 from .shards.datasets import SimpleShardList
-from .shards.shardlists import worker_info
+from .shards.shardlists import usable_cpus, worker_info
 from .stages.core import Length
 from .stages.ledger import Ledger, Pass, item_id
 from .stages.probe import PipelineStats, Probe, merged
@@ -233,7 +232,7 @@ def choose_workers(
     return LoaderChoice(n, measured, items_per_transfer, cores, shards, why)
 
 
-def measure_dataset(dataset: Any, seconds: float = MEASURE_SECONDS) -> Measured:
+def measure_dataset(dataset: DataPipeline, seconds: float = MEASURE_SECONDS) -> Measured:
     """Read a copy of ``dataset`` in this process for about ``seconds`` after its first item,
     and throw it away: the dataset itself is not touched."""
     try:
@@ -243,24 +242,20 @@ def measure_dataset(dataset: Any, seconds: float = MEASURE_SECONDS) -> Measured:
             f"WebLoader(num_workers='auto') measures a copy of the dataset, and it can't be "
             f"copied ({type(exn).__name__}: {exn}): give num_workers yourself"
         ) from exn
-    if isinstance(copy, DataPipeline):
-        copy.threads, copy.probe = 0, None
-    it = iter(copy)
-    try:
-        if next(it, _END) is _END:
-            return Measured(0, 0.0, 0.0)
-        wall, cpu, n = time.perf_counter(), time.process_time(), 0
-        for _ in it:
-            n += 1
-            if time.perf_counter() - wall >= seconds:
-                break
-        return Measured(n, time.perf_counter() - wall, time.process_time() - cpu)
-    finally:
-        close = getattr(it, "close", None)
-        if close is not None:
-            close()
-        if isinstance(copy, DataPipeline):
-            copy.close()
+    copy.threads, copy.probe = 0, None
+    with copy:
+        it = copy.iterator()
+        try:
+            if next(it, _END) is _END:
+                return Measured(0, 0.0, 0.0)
+            wall, cpu, n = time.perf_counter(), time.process_time(), 0
+            for _ in it:
+                n += 1
+                if time.perf_counter() - wall >= seconds:
+                    break
+            return Measured(n, time.perf_counter() - wall, time.process_time() - cpu)
+        finally:
+            it.close()
 
 
 _END = object()
@@ -288,9 +283,7 @@ def _auto(args: tuple, kwargs: Dict[str, Any]) -> LoaderChoice:
     shards = None
     if isinstance(urls, list) and getattr(dataset, "plan", None) is None:
         shards = max(1, len(urls) // max(1, worker_info().world_size))
-    affinity = getattr(os, "sched_getaffinity", None)
-    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-    choice = choose_workers(measure_dataset(dataset), batch or 1, cores, shards)
+    choice = choose_workers(measure_dataset(dataset), batch or 1, usable_cpus(), shards)
     log.info("webds: WebLoader(num_workers='auto') chose %s", choice)
     return choice
 

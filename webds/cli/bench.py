@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import time
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from ..errors import ArgumentError
-from ..shards.shardlists import expand_urls
+from ..shards.shardlists import expand_urls, usable_cpus
 from ..stages.probe import COLLATE, READING, WAITING, PipelineStats
 from .common import add_inputs, add_quiet, positive_int, show_progress
 from .shardio import close_iterator
@@ -174,13 +173,6 @@ def _run_one(
     return clock.result(dataset.stats())
 
 
-def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def machine() -> Dict[str, Any]:
     """What the rates depend on: CPUs, Python, torch, webds."""
     from importlib.metadata import PackageNotFoundError, version
@@ -192,7 +184,7 @@ def machine() -> Dict[str, Any]:
     except PackageNotFoundError:  # run from a checkout that was never installed
         webds_version = "unknown"
     return {
-        "cpus": _cpus(),
+        "cpus": usable_cpus(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
@@ -215,7 +207,7 @@ def run_bench(
 
     if not seconds > 0:
         raise ArgumentError(f"--seconds must be above 0, got {seconds}")
-    cpus = _cpus()
+    cpus = usable_cpus()
     workers = workers or min(cpus, 8)
     options = options or {}
     fields: Set[str] = set()

@@ -51,6 +51,7 @@ from ..stages.core import stage, stateless
 __all__ = [
     "WorkerInfo",
     "worker_info",
+    "usable_cpus",
     "derive_seed",
     "default_seed",
     "expand_urls",
@@ -102,6 +103,14 @@ def worker_info(group: Any = None) -> WorkerInfo:
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
     return WorkerInfo(rank, world_size, worker, num_workers)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity; the machine's count where unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def default_seed() -> Optional[int]:
