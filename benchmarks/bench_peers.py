@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Sequence,
 import numpy as np
 
 from . import loaders as L
-from .harness import Variant, stderr
+from .harness import Variant, has_module, stderr
 
 if TYPE_CHECKING:
     from .workloads import Suite
@@ -85,12 +85,6 @@ SMALL_WIDS = "wids ShardListDataset"
 SMALL_LOADER_0 = "webds WebLoader, 0 workers"
 SMALL_LOADER_2 = "webds WebLoader, 2 workers"
 SMALL_AUTO = "webds WebLoader, num_workers='auto'"
-
-
-def _has(module: str) -> bool:
-    from .workloads import _has as has
-
-    return has(module)
 
 
 def _done(folder: Path, facts: Dict[str, Any]) -> bool:
@@ -437,13 +431,13 @@ def recipe(suite: "Suite") -> None:
     ld = webds.WebLoader(fused_dataset(urls), batch_size=None, num_workers="auto")
     streams = max(1, ld.loader.num_workers)
     made[RECIPE_AUTO] = (lambda ld=ld: ld, ld, expected_batches(n, streams), str(ld.choice))
-    if _has("spdl.pipeline") and _has("spdl.io"):
+    if has_module("spdl.pipeline") and has_module("spdl.io"):
         decode, note = spdl_decoder()
         made[SPDL] = (spdl_pass(urls, decode), None, expected_batches(n, 1), note)
         suite.notes.append(f"recipe: SPDL {note}")
     else:
         suite.notes.append("recipe: SPDL skipped: spdl is not installed (pip install spdl)")
-    if _has("litdata"):
+    if has_module("litdata"):
         ld = litdata_loader(suite, urls, n)
         # LitData gives its workers whole batches' worth of samples: one partial batch in all.
         made[LITDATA] = (lambda ld=ld: ld, ld, expected_batches(n, 1), "")
@@ -515,7 +509,7 @@ def small_peers(suite: "Suite") -> None:
         note = str(ld.choice) if ld.choice is not None else ""
         run = counted(name, lambda ld=ld: samples(ld))
         v[name] = Variant(run, close=lambda ld=ld: _close(ld), note=note)
-    if _has("litdata"):
+    if has_module("litdata"):
         import litdata
 
         folder = litdata_copy(suite, urls, n, ("bin", "cls"), f"small-{n}", chunk_bytes="64MB")
@@ -523,7 +517,7 @@ def small_peers(suite: "Suite") -> None:
         v[SMALL_LITDATA] = counted(SMALL_LITDATA, lambda: L.count(lit))
     else:
         suite.notes.append("small-peers: LitData skipped: litdata is not installed")
-    if _has("wids"):
+    if has_module("wids"):
         ds = wids_dataset(suite, urls, n)
         v[SMALL_WIDS] = counted(SMALL_WIDS, lambda: L.iterate_map_style(ds))
     else:

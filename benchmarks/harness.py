@@ -331,6 +331,16 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def has_module(module: str) -> bool:
+    """Whether ``module`` can be imported here (an optional contestant's package)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def package_version(name: str) -> Optional[str]:
     """The installed version of a distribution, or None."""
     from importlib import metadata

@@ -213,8 +213,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     import warnings
 
     from .data import build
-    from .harness import ROOT, stderr, write_json
-    from .workloads import Config, _has
+    from .harness import ROOT, has_module, stderr, write_json
+    from .workloads import Config
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.mainproc", description=__doc__)
     ap.add_argument("--quick", action="store_true")
@@ -227,7 +227,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="webds-bench-") as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         data = build(Path(args.data or tmp), config.images, config.small)
-        res = run(data.image_shards(config.decode), reps, _has("webdataset"), log=stderr)
+        res = run(data.image_shards(config.decode), reps, has_module("webdataset"), log=stderr)
     print(format_report(res, os.cpu_count()))
     path = write_json(Path(args.out), {"reps": reps, "quick": args.quick, "results": res})
     print(f"wrote {path}")

@@ -31,6 +31,7 @@ from .harness import (
     Measurement,
     Target,
     Variant,
+    has_module,
     measure,
     ratio,
     round_ratios,
@@ -237,15 +238,6 @@ def _webds_default(name: str, default: Any) -> Any:
     return getattr(readahead, name, default)
 
 
-def _has(module: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def _evict(paths: Sequence[Any]) -> Callable[[], None]:
     """Drop these files from the page cache (only them: POSIX_FADV_DONTNEED after fsync)."""
 
@@ -275,7 +267,7 @@ class Suite:
         self.config = config
         self.quick = quick
         self.only = only
-        self.wds = _has("webdataset")
+        self.wds = has_module("webdataset")
         self.results: Dict[str, Dict[str, Measurement]] = {}
         self.info: Dict[str, Any] = {}
         self.notes: List[str] = []
@@ -561,7 +553,7 @@ class Suite:
     # -- S3 -------------------------------------------------------------------------------------
 
     def s3(self) -> None:
-        missing = [m for m in ("moto", "boto3", "s3fs") if not _has(m)]
+        missing = [m for m in ("moto", "boto3", "s3fs") if not has_module(m)]
         if missing:
             self.notes.append(
                 f"s3 skipped: {', '.join(missing)} not installed (pip install "
@@ -689,7 +681,7 @@ class Suite:
             )
 
     def _link_s3(self, names: List[str], shards: List[str]) -> None:
-        missing = [m for m in ("moto", "boto3", "s3fs") if not _has(m)]
+        missing = [m for m in ("moto", "boto3", "s3fs") if not has_module(m)]
         if missing:
             self.notes.append(f"link-s3 skipped: {', '.join(missing)} not installed")
             return
