@@ -52,6 +52,10 @@ def test_a_stage_given_its_own_threads_keeps_them(spec):  # noqa: F811
     ds = webds.WebDataset(spec).map(tagged, threads=0).map(lambda x: x).listed(5)
     keys, names = keys_and_threads(webds.WebLoader(ds, batch_size=None, threads=3))
     assert names == {threading.current_thread().name} and len(keys) == 39
+    # given by position too: map(f, handler, threads)
+    ds = webds.WebDataset(spec).map(tagged, webds.reraise_exception, 0).listed(5)
+    keys, names = keys_and_threads(webds.WebLoader(ds, batch_size=None, threads=3))
+    assert names == {threading.current_thread().name} and len(keys) == 39
 
 
 def test_decode_and_map_tuple_take_the_loaders_threads(tmp_path):

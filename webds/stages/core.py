@@ -218,6 +218,10 @@ class Stage:
         bound.apply_defaults()
         return bound.arguments[name]
 
+    def _given(self, name: str) -> bool:
+        """Whether parameter ``name`` was given, by keyword or by position."""
+        return name in self.factory.__signature__.bind_partial(*self.args, **self.kwargs).arguments
+
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch passed to stage functions that take an ``epoch`` parameter."""
         self.epoch = epoch
@@ -240,7 +244,7 @@ class Stage:
         if self.factory.wants_ledger:
             injected["ledger"] = getattr(self, "ledger", None)  # 0.1 pickles have none
         threads = getattr(self, "threads", 0)
-        if threads and self.factory.takes_threads and "threads" not in self.kwargs:
+        if threads and self.factory.takes_threads and not self._given("threads"):
             injected["threads"] = threads
         return self.factory.fn(src, *self.args, **injected, **self.kwargs)
 
