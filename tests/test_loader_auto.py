@@ -6,6 +6,7 @@ win over a new measurement."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -193,3 +194,18 @@ def test_an_unseeded_dataset_gives_what_the_chosen_setting_gives(spec, heavy):
     assert (workers > 0) == heavy
     hand = webds.WebLoader(made(), batch_size=None, num_workers=workers)
     assert keys(auto) == keys(hand) and 0 < len(keys(hand)) < 48
+
+
+def test_persistent_workers_false_is_kept_and_an_uncopyable_dataset_refused(spec, tmp_path):
+    ds = webds.WebDataset(spec).map(burn).listed(8)
+    loader = webds.WebLoader(ds, batch_size=None, num_workers="auto", persistent_workers=False)
+    assert loader.choice.num_workers > 0 and loader.loader.persistent_workers is False
+    assert len(keys(loader)) == 48
+
+    def tagged(handle, sample):
+        return sample["__key__"]
+
+    with open(tmp_path / "log.txt", "w") as handle:  # an open file can't be copied
+        held = webds.WebDataset(spec).map(functools.partial(tagged, handle))
+        with pytest.raises(ArgumentError, match="can't be copied .*give num_workers yourself"):
+            webds.WebLoader(held, batch_size=None, num_workers="auto")
