@@ -10,12 +10,13 @@ unless ``weights_only=False``.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
 import pickle
 import tempfile
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from ..errors import ArgumentError, DecodeError
 from ..io.security import WEBDATASET_PICKLE, WEBDATASET_TORCH, refuse
@@ -74,6 +75,14 @@ imagespecs: Dict[str, tuple] = {
     "pill": ("pil", None, "l"),
     "pilrgba": ("pil", None, "rgba"),
 }
+
+
+#: What a handler does with every field of one name, told from the name alone: the functions
+#: ``f(data)`` it would call, tried in order until one returns something other than None
+#: (``()``: it never decodes such fields). A handler may offer ``decode_route(".ext") -> Route``
+#: (None: it can't tell from the name); a :class:`~webds.stages.decode.Decoder` whose handlers
+#: all can works out each field name's route once, then calls it without walking the chain.
+Route = Tuple[Callable[[bytes], Any], ...]
 
 
 def _last_ext(key: str) -> str:
@@ -155,10 +164,19 @@ class ImageHandler:
             return None
         return decode_image(data, self.imagespec, self.fast_jpeg, self.max_pixels)
 
+    def decode_route(self, key: str) -> Route:
+        if _last_ext(key) not in self.extensions:
+            return ()
+        return (functools.partial(_decoded_image, self),)
+
     def __repr__(self) -> str:
         fast = "" if self.fast_jpeg else ", fast_jpeg=False"
         limit = "" if self.max_pixels == MAX_PIXELS else f", max_pixels={self.max_pixels!r}"
         return f"imagehandler({self.imagespec!r}{fast}{limit})"
+
+
+def _decoded_image(handler: ImageHandler, data: bytes) -> Any:
+    return decode_image(data, handler.imagespec, handler.fast_jpeg, handler.max_pixels)
 
 
 def imagehandler(
@@ -287,6 +305,14 @@ class BasicHandlers:
     def __init__(self, allow_pickle: bool = False, weights_only: bool = True) -> None:
         self.allow_pickle = bool(allow_pickle)
         self.weights_only = bool(weights_only)
+
+    def decode_route(self, key: str) -> Optional[Route]:
+        ext = _last_ext(key)
+        f = self._table.get(ext)
+        if f is not None:
+            return (f,)
+        # .pth and pickles decide at each call (secure mode, allow_pickle): not routed.
+        return None if ext == "pth" or ext in _PICKLE_EXTS else ()
 
     def __call__(self, key: str, data: bytes) -> Any:
         ext = _last_ext(key)

@@ -26,7 +26,7 @@ import copy
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 from ..errors import ArgumentError, DecodeError, SecureModeError
-from .codecs import BasicHandlers, imagehandler, imagespecs
+from .codecs import BasicHandlers, Route, imagehandler, imagespecs
 from .core import SAME, stage
 from .handlers import Handler, reraise_exception
 from .limits import FIELD_CODECS, MAX_FIELD_BYTES, MAX_PIXELS, check_max, decompress_field
@@ -88,6 +88,10 @@ class Decompress:
             return None
         return Continue(stem, decompress_field(data, codec, self.max_field_bytes))
 
+    def decode_route(self, key: str) -> Optional[Route]:
+        # A codec field goes on under another key: its route is not known from this one.
+        return () if key.rpartition(".")[2].lower() not in FIELD_CODECS else None
+
     def __repr__(self) -> str:
         return f"Decompress(max_field_bytes={self.max_field_bytes!r})"
 
@@ -102,11 +106,14 @@ class ExtensionHandler:
         self.f = f
 
     def __call__(self, key: str, data: bytes) -> Any:
+        return self.f(data) if self.decode_route(key) else None
+
+    def decode_route(self, key: str) -> Route:
         parts = key.lower().lstrip(".").split(".")
         for target in self.extensions:
             if len(target) <= len(parts) and parts[-len(target) :] == target:
-                return self.f(data)
-        return None
+                return (self.f,)
+        return ()
 
     def __repr__(self) -> str:
         exts = " ".join(".".join(t) for t in self.extensions)
@@ -128,6 +135,7 @@ def handle_extension(
 
 KeyHandler = Callable[[str, bytes], Any]
 _BYTES_LIKE = (bytes, bytearray, memoryview)
+_UNPLANNED = object()
 
 
 class Decoder:
@@ -192,38 +200,81 @@ class Decoder:
                 f"decode works on dict samples, got a {type(sample).__name__}; "
                 "put decode before to_tuple / batched"
             )
-        url = sample.get("__url__")
-        skey = sample.get("__key__")
         result: Dict[str, Any] = {}
+        routes = self._routes()
+        only = self.only
         for k, v in sample.items():
             try:
-                if k.startswith("__"):
-                    result[k] = bytes(v).decode("utf-8") if isinstance(v, _BYTES_LIKE) else v
-                    continue
-                if self.only is not None and k not in self.only:
+                if k[:2] == "__":
+                    if type(v) is not str and isinstance(v, _BYTES_LIKE):
+                        v = bytes(v).decode("utf-8")
                     result[k] = v
                     continue
-                if not isinstance(v, _BYTES_LIKE):
-                    if self.partial:
-                        result[k] = v
-                        continue
-                    raise DecodeError(
-                        f"field holds a {type(v).__name__}, not bytes: decode expects raw fields "
-                        "from the tar reader. Decode only once, or pass partial=True to leave "
-                        "non-bytes fields as they are"
-                    )
-                result[k] = self.decode1(k, bytes(v) if not isinstance(v, bytes) else v, sample)
+                if only is not None and k not in only:
+                    result[k] = v
+                    continue
+                if type(v) is not bytes:
+                    if not isinstance(v, _BYTES_LIKE):
+                        if self.partial:
+                            result[k] = v
+                            continue
+                        raise DecodeError(
+                            f"field holds a {type(v).__name__}, not bytes: decode expects raw "
+                            "fields from the tar reader. Decode only once, or pass partial=True "
+                            "to leave non-bytes fields as they are"
+                        )
+                    v = bytes(v)
+                route = routes.get(k, _UNPLANNED)
+                if route is _UNPLANNED:
+                    route = routes[k] = self._route(k)
+                if route is None:
+                    result[k] = self.decode1(k, v, sample)
+                    continue
+                for f in route:
+                    value = f(v)
+                    if value is not None:
+                        result[k] = value
+                        break
+                else:
+                    result[k] = v
             except SecureModeError as exn:
                 # A refusal, not bad data: raised as it is, saying where.
+                url, skey = sample.get("__url__"), sample.get("__key__")
                 exn.url = exn.url or (url if isinstance(url, str) else None)
                 exn.member = exn.member or (f"{skey}.{k}" if isinstance(skey, str) else None)
                 raise
             except Exception as exn:
-                raise _decode_error(exn, url, skey, k) from exn
+                raise _decode_error(exn, sample.get("__url__"), sample.get("__key__"), k) from exn
         return result
 
     def __call__(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
         return self.decode(sample)
+
+    def _routes(self) -> Dict[str, Optional[Route]]:
+        # Each field name's route, worked out on first sight. Kept with the chain it was worked
+        # out from, so that a chain changed afterwards (even in place) is routed afresh.
+        cached = self.__dict__.get("_routed")
+        if cached is None or cached[0] != self.handlers:
+            cached = self._routed = (list(self.handlers), {})
+        return cached[1]
+
+    def _route(self, key: str) -> Optional[Route]:
+        """The chain's route for fields named ``key`` (see :data:`~webds.stages.codecs.Route`),
+        or None when one of its handlers can't tell it from the name."""
+        route: Route = ()
+        for h in self.handlers:
+            find = getattr(h, "decode_route", None)
+            part = find("." + key) if find is not None else None
+            if part is None:
+                return None
+            route += part
+        return route
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # The routes hold the handlers' functions (maybe lambdas): worked out again, not sent.
+        state = dict(self.__dict__)
+        state.pop("_routed", None)
+        return state
 
     def bind_pass(self, pipeline_seed: Optional[int], epoch: int) -> "Decoder":
         """The decoder one pass of a decode stage uses: handlers with a ``bind_pass`` method
