@@ -139,7 +139,7 @@ def test_a_webloader_overrides_none_of_the_pipelines_internals():
         for n, f in vars(DataPipeline).items()
         if n.startswith("_") and not n.startswith("__") and callable(f)
     }
-    assert {"_state", "_source_items", "_one_pass", "_epoch_done", "_origin"} <= internals
+    assert {"_state", "_source_items", "_one_pass", "_epoch_done", "_counted_source"} <= internals
     overridden = internals & set(vars(webds.WebLoader))
     assert overridden == set()
     assert issubclass(LoaderSource, StreamKeeper)

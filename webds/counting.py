@@ -306,7 +306,7 @@ def check_state(state: PipelineState, mine: Dict[str, Any], strict: bool) -> Non
 def exact_count(pipeline: Any, epoch: Optional[int] = None) -> Optional[int]:
     """The items this process must yield in ``epoch``, for sources that promise it (``exact``):
     its stream's length, or None (said once per pipeline) when the stages make that unknown."""
-    origin = pipeline._origin()
+    origin = pipeline._counted_source()
     if origin is None or not getattr(origin[1], "exact", False):
         return None
     if epoch is not None:

@@ -36,7 +36,7 @@ def pass_length(pipeline: Any, number: int) -> Optional[int]:
     None where nobody can know in advance (no index, or a stage such as ``select``)."""
     from .shards.shardlists import worker_info
 
-    origin = pipeline._origin()
+    origin = pipeline._counted_source()
     if origin is None:
         return shard_pass_length(pipeline, number)
     at, src = origin
@@ -109,7 +109,7 @@ def count_shards(pipeline: Any) -> bool:
     if getattr(pipeline, "_shard_samples", None) is not None:
         return True
     at = _tar_stage_at(pipeline)
-    if pipeline._origin() is not None or at is None:
+    if pipeline._counted_source() is not None or at is None:
         return False
     counted = pipeline._shard_samples = count_local_samples(
         pipeline.pipeline[0].urls, pipeline.pipeline[at]
@@ -143,7 +143,7 @@ def carry_start(pipeline: Any, epoch: int) -> Optional[Tuple[int, int]]:
         return epoch, 0
     if skip and not _lengths_known(pipeline, epoch):
         return None
-    origin = pipeline._origin()
+    origin = pipeline._counted_source()
     src = origin[1] if origin is not None else None
     was = getattr(src, "epoch", None)
     try:

@@ -11,7 +11,19 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 from .errors import ArgumentError, NoSamplesError
 from .io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead
@@ -43,6 +55,14 @@ from .tar.samples import tarfile_to_samples
 __all__ = ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"]
 
 log = logging.getLogger("webds")
+
+
+class LoaderShape(NamedTuple):
+    """What a WebLoader tells the dataset it loads: how many workers run it, and the batch
+    size (None: the loader does not batch)."""
+
+    workers: int
+    batch_size: Optional[int]
 
 
 def _chain(factory: StageFactory) -> Callable[..., Any]:
@@ -300,7 +320,8 @@ class WebDataset(DataPipeline, FluentMixin):
     ) -> None:
         super().__init__()
         self.probe = Probe() if stats else None
-        self.loader_hint: Optional[Tuple[int, Optional[int]]] = None
+        # Set by a WebLoader over this dataset: its worker count and batch size.
+        self.loader_shape: Optional[LoaderShape] = None
         extra_stages: list = []
         given = dict(mode=mode, url_to_name=url_to_name, detshuffle=detshuffle, verbose=verbose)
         legacy.update({k: v for k, v in given.items() if v is not None})
@@ -405,9 +426,9 @@ class WebDataset(DataPipeline, FluentMixin):
 
     # -- planned reading (with an index) ---------------------------------------------------------
 
-    def _origin(self) -> Optional[Tuple[int, Any]]:
+    def _counted_source(self) -> Optional[Tuple[int, Any]]:
         if self.plan is None:
-            return super()._origin()
+            return super()._counted_source()
         plan = self.aligned_plan()
         plan.set_epoch(self._position[0])  # the epoch in progress, or the next one
         return self._samples_at, plan
@@ -419,26 +440,26 @@ class WebDataset(DataPipeline, FluentMixin):
         alignment is set here, whenever the plan is about to be used.
         """
         if self.plan is not None:
-            self.plan.granule = self._granule()
+            self.plan.granule = self._aligned_batch_size()
         return self.plan
 
-    def _granule(self) -> int:
+    def _aligned_batch_size(self) -> int:
         """The batch size workers' shares are aligned to: the first batching after the samples,
-        else the DataLoader's (``loader_hint``), else 1."""
+        else the DataLoader's (``loader_shape``), else 1."""
         for s in self.pipeline[self._samples_at + 1 :]:
             if isinstance(s, Stage) and s.count is BATCH:
                 return max(1, int(s.argument("batchsize")))
             if not isinstance(getattr(s, "count", None), Count):
                 break
-        if self.loader_hint is not None and self.loader_hint[1]:
-            return int(self.loader_hint[1])
+        if self.loader_shape is not None and self.loader_shape.batch_size:
+            return int(self.loader_shape.batch_size)
         return 1
 
     def _workers_hint(self) -> Optional[int]:
-        return self.loader_hint[0] if self.loader_hint is not None else None
+        return self.loader_shape.workers if self.loader_shape is not None else None
 
     def _planned(self) -> Optional[Tuple[PlannedShards, int, int]]:
-        return None if self.plan is None else (self.plan, self._granule(), 1)
+        return None if self.plan is None else (self.plan, self._aligned_batch_size(), 1)
 
     def _resume_config(self) -> Dict[str, Any]:
         config = super()._resume_config()

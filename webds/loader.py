@@ -28,7 +28,7 @@ from .channel import EnvelopeCollate, StreamKeeper, WorkerChannel, WorkerMirrors
 from .counting import source_counts
 from .epochs import carries, count_shards, shard_pass_length
 from .errors import ArgumentError, LengthError
-from .fluent import FluentMixin
+from .fluent import FluentMixin, LoaderShape
 from .pipeline import DataPipeline
 from .shards.datasets import SimpleShardList
 from .shards.shardlists import usable_cpus, worker_info
@@ -311,9 +311,9 @@ class LoaderSource(StreamKeeper):
     def __init__(self, loader: DataLoader, batch_buffers: bool = True) -> None:
         self.loader = loader
         dataset = loader.dataset
-        if hasattr(dataset, "loader_hint"):
+        if hasattr(dataset, "loader_shape"):
             # Lets a balanced dataset align its workers' shares to the loader's batches.
-            dataset.loader_hint = (max(1, loader.num_workers), loader.batch_size)
+            dataset.loader_shape = LoaderShape(max(1, loader.num_workers), loader.batch_size)
         if isinstance(dataset, DataPipeline):
             if dataset.channel is None:
                 dataset.channel = WorkerChannel()

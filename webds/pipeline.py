@@ -204,7 +204,7 @@ class DataPipeline(IterableDataset):
             else None
         )
 
-    def _origin(self) -> Optional[Tuple[int, Any]]:
+    def _counted_source(self) -> Optional[Tuple[int, Any]]:
         """(position, source) of the stage whose output counts are known, if there is one: it has
         ``stream_lengths(num_workers)`` (a stream per DataLoader worker) and ``stream_index()``."""
         src = self.pipeline[0] if self.pipeline else None
@@ -232,7 +232,7 @@ class DataPipeline(IterableDataset):
                     "worker; use with_epoch(n) for a per-worker epoch length"
                 )
             return [Length(self.length)]
-        origin = self._origin()
+        origin = self._counted_source()
         if origin is None:
             src = self.pipeline[0] if self.pipeline else None
             raise LengthError(
