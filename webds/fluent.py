@@ -225,6 +225,77 @@ def _indexed_shards(
 _AUTO: Any = "auto"
 
 
+def _check_planning(
+    shard_index: Optional[ShardIndex],
+    balance: Optional[str],
+    resampled: bool,
+    nodesplitter: Any,
+    workersplitter: Any,
+) -> None:
+    """Refuse what a plan can't honour: ``balance`` without an index, and an index with resampled
+    shards or splitters of the caller's."""
+    if balance is not None and shard_index is None:
+        raise ArgumentError(
+            f"balance={balance!r} needs the sample count of every shard: pass index= the "
+            "index file (ShardWriter writes one; for existing shards run `webds index SHARDS "
+            "-o index.json`), or index=True to count now by reading every shard"
+        )
+    # With an index the plan splits by rank and by worker, which is what the default
+    # splitters do: 1.x code that passes them explicitly is accepted.
+    if shard_index is not None and (
+        resampled
+        or nodesplitter not in (_AUTO, split_by_node)
+        or workersplitter not in (_AUTO, split_by_worker)
+    ):
+        raise ArgumentError(
+            "an index plans which samples each rank and worker reads; it can't be combined "
+            "with resampled=True, or with a nodesplitter= or workersplitter= other than the "
+            "default split_by_node and split_by_worker"
+        )
+
+
+def _shard_source(
+    urls: URLs,
+    index: Any,
+    shard_index: Optional[ShardIndex],
+    resampled: bool,
+    shardshuffle: Union[bool, int, None],
+    seed: Optional[int],
+    balance: Optional[str],
+    storage_options: Optional[dict],
+) -> Tuple[Any, Tuple[Any, Any]]:
+    """The pipeline's first stage (an epoch plan with an index, a shard spec's sampler, resampled
+    shards, or the shard list) and the node and worker splitters it takes by default."""
+    seed0 = 0 if seed is None else seed
+    if shard_index is not None:
+        plan_urls, infos = _indexed_shards(urls, index, shard_index, storage_options)
+        plan = PlannedShards(
+            plan_urls,
+            [info.samples for info in infos],
+            balance=balance or "pad",
+            seed=seed0,
+            shuffle=bool(shardshuffle),
+            offsets=[info.offsets for info in infos],
+        )
+        return plan, (None, None)  # the plan splits by rank and worker itself
+    if is_spec(urls):
+        if resampled:
+            raise ArgumentError(
+                "a shard spec (a dict or .yaml file) selects its shards per epoch itself (its "
+                "datasets' choose: and resample:); it can't be combined with resampled=True"
+            )
+        return MultiShardSample(urls, seed=seed0), (split_by_node, split_by_worker)
+    if resampled:
+        # Each node and worker draws its own sequence: no splitting unless asked for.
+        shards = ResampledShards(
+            urls, seed=seed0, deterministic=seed is not None, storage_options=storage_options
+        )
+        return shards, (None, None)
+    shard_seed = seed0 if shardshuffle else None
+    shards = SimpleShardList(urls, seed=shard_seed, storage_options=storage_options)
+    return shards, (split_by_node, split_by_worker)
+
+
 class WebDataset(DataPipeline, FluentMixin):
     """Samples from tar shards, as an ``IterableDataset`` with chainable stages.
 
@@ -334,58 +405,12 @@ class WebDataset(DataPipeline, FluentMixin):
         check_balance(balance)
         check_readahead(readahead, readahead_shards)
         shard_index = _shard_index(urls, index, storage_options)
-        if balance is not None and shard_index is None:
-            raise ArgumentError(
-                f"balance={balance!r} needs the sample count of every shard: pass index= the "
-                "index file (ShardWriter writes one; for existing shards run `webds index SHARDS "
-                "-o index.json`), or index=True to count now by reading every shard"
-            )
-        # With an index the plan splits by rank and by worker, which is what the default
-        # splitters do: 1.x code that passes them explicitly is accepted.
-        if shard_index is not None and (
-            resampled
-            or nodesplitter not in (_AUTO, split_by_node)
-            or workersplitter not in (_AUTO, split_by_worker)
-        ):
-            raise ArgumentError(
-                "an index plans which samples each rank and worker reads; it can't be combined "
-                "with resampled=True, or with a nodesplitter= or workersplitter= other than the "
-                "default split_by_node and split_by_worker"
-            )
-        self.plan: Optional[PlannedShards] = None
+        _check_planning(shard_index, balance, resampled, nodesplitter, workersplitter)
         self.index = shard_index
-        source: Any
-        if shard_index is not None:
-            plan_urls, infos = _indexed_shards(urls, index, shard_index, storage_options)
-            self.plan = source = PlannedShards(
-                plan_urls,
-                [info.samples for info in infos],
-                balance=balance or "pad",
-                seed=0 if seed is None else seed,
-                shuffle=bool(shardshuffle),
-                offsets=[info.offsets for info in infos],
-            )
-            default_node = default_worker = None
-        elif is_spec(urls):
-            if resampled:
-                raise ArgumentError(
-                    "a shard spec (a dict or .yaml file) selects its shards per epoch itself (its "
-                    "datasets' choose: and resample:); it can't be combined with resampled=True"
-                )
-            source = MultiShardSample(urls, seed=0 if seed is None else seed)
-            default_node, default_worker = split_by_node, split_by_worker
-        elif resampled:
-            source = ResampledShards(
-                urls,
-                seed=0 if seed is None else seed,
-                deterministic=seed is not None,
-                storage_options=storage_options,
-            )
-            default_node, default_worker = None, None
-        else:
-            shard_seed = (0 if seed is None else seed) if shardshuffle else None
-            source = SimpleShardList(urls, seed=shard_seed, storage_options=storage_options)
-            default_node, default_worker = split_by_node, split_by_worker
+        source, (default_node, default_worker) = _shard_source(
+            urls, index, shard_index, resampled, shardshuffle, seed, balance, storage_options
+        )
+        self.plan: Optional[PlannedShards] = source if isinstance(source, PlannedShards) else None
         self.append(source)
         node = default_node if nodesplitter is _AUTO else nodesplitter
         worker = default_worker if workersplitter is _AUTO else workersplitter
