@@ -342,30 +342,18 @@ class PlannedShards:
         rank, world, worker, workers = self.where()
         epoch = self.epoch if epoch is None else epoch
         rest = self._rest(epoch)
-        if rest is not None:
-            return plan_rest(
-                rest,
-                self.urls,
-                world_size=world,
-                rank=rank,
-                num_workers=workers,
-                worker=worker,
-                balance=self.balance,
-                granule=self.granule,
-            )
-        return plan_worker(
-            self.counts,
-            self.urls,
-            seed=self.seed if self.shuffle else None,
-            epoch=epoch,
+        where = dict(
             world_size=world,
             rank=rank,
             num_workers=workers,
             worker=worker,
             balance=self.balance,
             granule=self.granule,
-            skip=skip,
         )
+        if rest is not None:
+            return plan_rest(rest, self.urls, **where)
+        seed = self.seed if self.shuffle else None
+        return plan_worker(self.counts, self.urls, seed=seed, epoch=epoch, skip=skip, **where)
 
     #: The pipeline must yield exactly the planned count (see DataPipeline._exact_count).
     exact = True
