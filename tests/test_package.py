@@ -6,6 +6,7 @@ fresh virtualenv (with constraints.txt) runs ``webds --help`` and reads a shard.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -93,10 +94,22 @@ def test_the_sdist_builds_and_its_tests_run(dist: Path, tmp_path: Path) -> None:
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
         "-w", str(tmp_path / "wheels"), str(src))  # fmt: skip
     assert list((tmp_path / "wheels").glob("webds-*.whl"))
+    files = ["tests/test_tario.py", "tests/test_writer.py"]
+    pytest_q = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    # All the checkout's tests of these files pass from the sdist: none skipped for a data file
+    # the sdist lacks, none missing.
+    collected = _summary(run(*pytest_q, "--collect-only", *files))
     env = dict(os.environ, PYTHONPATH=str(src))
-    out = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-              "tests/test_tario.py", "tests/test_writer.py", cwd=src, env=env)  # fmt: skip
-    assert " passed" in out and "failed" not in out
+    counts = _summary(run(*pytest_q, *files, cwd=src, env=env))
+    assert collected.keys() == {"tests collected"} and collected["tests collected"] > 0, collected
+    assert counts.keys() <= {"passed", "warning", "warnings"}, counts
+    assert counts["passed"] == collected["tests collected"], (counts, collected)
+
+
+def _summary(out: str) -> dict:
+    """pytest -q's last line as counts: {"passed": 183, "skipped": 2, ...}."""
+    last = out.strip().splitlines()[-1]
+    return {what: int(n) for n, what in re.findall(r"(\d+) ([a-z][a-z ]*?)(?:,| in )", last)}
 
 
 def test_the_wheel_installs_into_a_fresh_virtualenv(dist: Path, tmp_path: Path) -> None:
