@@ -74,6 +74,7 @@ def test_wheel_carries_the_package_and_licence_only(dist: Path) -> None:
         names = zf.namelist()
         metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "webds/py.typed" in names and "webds/cli/bench.py" in names
+    assert "webds/__init__.pyi" in names  # the stub type checkers read for the lazy names
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith("/LICENSE") for n in names)
     assert not any(n.startswith(("tests/", "benchmarks/", "examples/")) for n in names)
     assert "License-Expression: BSD-3-Clause" in metadata or "License: BSD-3-Clause" in metadata
