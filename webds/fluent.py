@@ -302,57 +302,34 @@ class WebDataset(DataPipeline, FluentMixin):
     ``WebDataset("data/train-{000..099}.tar", shardshuffle=True, seed=0).shuffle(1000)
     .decode("pil").to_tuple("jpg", "cls").batched(64)``
 
-    - ``shardshuffle``: shuffle the shard list every epoch (True, or any positive int as in
-      webdataset). The order depends only on (seed, epoch), so every node and worker agrees on it
-      and splitting after the shuffle neither loses nor repeats shards. ``seed`` defaults to the
-      environment variable ``WDS_SEED`` if set, else 0.
-    - ``resampled``: draw shards at random with replacement, endlessly (use ``.with_epoch(n)``);
-      each node and worker draws its own sequence, so no splitting is done unless asked for.
-    - ``nodesplitter`` / ``workersplitter``: functions over the shard stream; by default shards are
-      split by node (``split_by_node``) and by DataLoader worker (``split_by_worker``). ``None``
-      turns a split off.
-    - ``handler``: what to do when a shard cannot be opened or read (see
-    :mod:`webds.stages.handlers`).
+    - ``urls``: shard URLs (braces, ``::``, prefixes, globs: :func:`expand_urls`, listed once,
+      here), a shard index file, or a shard spec (:mod:`webds.shards.specs`).
+    - ``shardshuffle``: shuffle the shards every epoch by (seed, epoch), alike on every node and
+      worker (True, or an int as in webdataset); ``seed``: default ``WDS_SEED`` if set, else 0.
+    - ``resampled``: draw shards with replacement, endlessly, each node and worker its own (use
+      ``.with_epoch(n)``); ``repeat``: repeat the data forever.
+    - ``nodesplitter`` / ``workersplitter``: split the shards by node / DataLoader worker (default
+      :func:`split_by_node`, :func:`split_by_worker`; None: no split).
+    - ``handler``: what to do when a shard cannot be opened or read; ``empty_check``: raise when a
+      single-process epoch yields no sample.
     - ``select_files`` / ``rename_files``: functions on member names (rename runs first).
-    - ``empty_check``: raise when a single-process epoch yields no sample at all.
-    - ``storage_options``: passed to fsspec when opening remote URLs, and when listing a remote
-      prefix (``"s3://bucket/train/"``) or glob (``"gs://b/train-*.tar"``), which happens once,
-      here, so every worker and rank reads the same shard list (see :func:`expand_urls`).
-    - ``index``: the dataset's shard index (see :mod:`webds.shards.index`): a path or URL of its
-    JSON
-      file, a :class:`~webds.shards.index.ShardIndex`, or True to count the samples now by reading
-      every shard. ``urls`` may itself be the index file (``WebDataset("data/index.json")``);
-      otherwise its shards must all be in the index. With an index, samples are planned per
-      rank and DataLoader worker (see :mod:`webds.shards.plan`): every rank yields exactly the same
-      number of samples and batches per epoch, ``len()`` is exact, and ``state_dict()`` /
-      ``load_state_dict()`` resume mid-epoch.
-    - ``balance``: how ranks get equal shares when the samples don't divide evenly: ``"pad"``
-      (the default with an index; up to ``world_size - 1`` samples are repeated, as
-      ``DistributedSampler`` does) or ``"drop"`` (up to ``world_size - 1`` are left out).
-      It needs an index.
-    - ``cache_dir``: keep remote shards in this local directory after their first read (see
-      :mod:`webds.io.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off;
-      ``cache_local=True`` caches local files too (shards on a slow network filesystem).
-    - ``max_member_size``: the largest member read out of a compressed shard (``.tar.gz``,
-      ``.tar.bz2``, ``.tar.xz``); default 1 GiB (:data:`webds.tar.reader.DEFAULT_MAX_MEMBER_SIZE`).
-      A larger one raises :class:`~webds.errors.ShardReadError` before it is read.
-    - ``accept_unterminated``: read a shard that ends between samples without its end-of-archive
-      marker as complete, as webdataset does, with a warning naming it (default: the environment
-      variable ``WDS_ACCEPT_UNTERMINATED``; otherwise such a shard is an error, since a cut copy
-      looks the same and then samples are missing).
-    - ``readahead`` / ``readahead_shards``: while a shard is read, the next ``readahead_shards``
-      (default 8) remote shards of this process's list are fetched, each on its own connection,
-      holding at most ``readahead`` bytes not yet read (default 128 MiB per process; see
-      :mod:`webds.io.readahead`). ``readahead=False`` turns it off; ``True`` reads local files
-      and ``pipe:`` commands ahead too. Order, splitting, errors, caching and resume are as
-      without it.
-    - ``stats``: measure where the time goes, per stage, for :meth:`stats` (off by default: it
-      adds about 0.1 us per item and stage, 1-2% on an image pipeline).
+    - ``storage_options``: fsspec's, to open and list remote URLs.
+    - ``index``: the shard index (a path or URL, a :class:`~webds.shards.index.ShardIndex`, or True:
+      count now) gives every rank the same number of samples and batches, an exact ``len()`` and
+      mid-epoch resume; ``balance`` (with an index): ``"pad"`` (the default) or ``"drop"``.
+    - ``cache_dir`` / ``cache_size`` / ``cache_local``: keep remote shards (local ones too with
+      ``cache_local``) in a directory; ``cache_size`` > 0 bounds it in bytes, 0 turns it off.
+    - ``max_member_size``: the largest member read out of a compressed shard (default 1 GiB).
+    - ``accept_unterminated``: read a shard without its end-of-archive marker as complete, with a
+      warning (default: ``WDS_ACCEPT_UNTERMINATED``).
+    - ``readahead`` / ``readahead_shards``: fetch the next remote shards while one is read (128 MiB,
+      8 shards; False: off; True: local and ``pipe:`` too).
+    - ``stats``: time each stage, for :meth:`stats` (about 0.1 us per item and stage).
 
-    Older keywords still work (see :func:`webds.keywords.legacy_keywords`): webdataset 1.x's
-    ``mode="resampled"``, ``detshuffle``, ``verbose`` and ``url_to_name``, and the 0.1 style
-    ``extensions=``, ``decoder=``, ``transforms=``, ``shuffle=``, which warns with its modern
-    spelling.
+    webdataset 1.x's ``mode``, ``detshuffle``, ``verbose``, ``url_to_name`` and the 0.1 keywords
+    (``extensions=``, ...) still work (:func:`webds.keywords.legacy_keywords`). More: [distributed
+    training](../distributed.md), [remote storage](../remote.md), [damaged data](../damaged.md),
+    [handlers](errors.md#handlers), [stats](../starved.md), [migrating](../migrating.md).
     """
 
     def __init__(

@@ -1,26 +1,21 @@
 """Epoch plans: which samples each rank and DataLoader worker reads, so that every rank yields
 exactly the same number of samples, and of batches, in every epoch.
 
-Given the sample count of every shard (a :class:`~webds.shards.index.ShardIndex`), an epoch's
-*global order* is the shard list, shuffled by (seed, epoch) when asked, laid end to end: ``N``
-sample positions. Then:
+Given every shard's sample count (a :class:`~webds.shards.index.ShardIndex`), an epoch's global
+order is the shard list, shuffled by (seed, epoch) when asked, laid end to end: ``N`` positions.
+The plan depends only on (counts, seed, epoch, W, r, K, k, balance, granule), so every process
+computes its own and they fit together, with no communication:
 
-- rank ``r`` of ``W`` takes positions ``[r*M, (r+1)*M)``. With ``balance="pad"``,
-  ``M = ceil(N/W)`` and positions past ``N`` wrap round to the start of the order, so up to
-  ``W-1`` samples are read twice; with ``balance="drop"``, ``M = floor(N/W)`` and the last
-  ``N - W*M`` positions (fewer than ``W`` samples, different ones each shuffled epoch) are
-  left out;
-- a rank's ``M`` positions are cut into chunks of ``granule`` samples (the batch size, so every
-  batch but the rank's last is full), and the chunks into ``K`` near-equal contiguous runs, one
-  per DataLoader worker. A rank therefore yields ``ceil(M/granule)`` batches whatever ``K``;
-- each run maps back to *segments* of shards, ``{"url", "start", "stop"}`` in sample numbers:
-  mostly whole shards, part of one at each cut. A worker reads the part it needs: with the
-  index's sample offsets it enters the shard at ``start`` (:mod:`webds.tar.windows`); without
-  them the samples before ``start`` are read and skipped, which is why a split then costs extra
-  reading when there are fewer shards than ranks times workers (a warning says how much).
-
-The plan depends only on (counts, seed, epoch, W, r, K, k, balance, granule): every process
-computes its own and they fit together, with no communication.
+- rank ``r`` of ``W`` takes positions ``[r*M, (r+1)*M)``: ``balance="pad"`` makes
+  ``M = ceil(N/W)``, positions past ``N`` wrapping round to the start (up to ``W-1`` samples
+  read twice); ``balance="drop"`` makes ``M = floor(N/W)`` and leaves the last ``N - W*M`` out;
+- a rank's positions are cut into chunks of ``granule`` samples (the batch size, so every batch
+  but the rank's last is full), and the chunks into ``K`` near-equal contiguous runs, one per
+  worker: a rank yields ``ceil(M/granule)`` batches whatever ``K``;
+- each run maps back to segments ``{"url", "start", "stop"}`` of shards. A worker enters a shard
+  at ``start`` with the index's sample offsets (:mod:`webds.tar.windows`), or else reads and
+  skips the samples before it (a warning says how much when there are fewer shards than ranks
+  times workers).
 """
 
 from __future__ import annotations

@@ -146,26 +146,22 @@ def _is_shard_source(obj: Any) -> bool:
 def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
     """Expand a URL spec into a list of shard URLs, listing directories and globs.
 
-    A string may hold several specs joined by ``::``; a list or tuple holds one spec per element.
-    Each spec has its ``${NAME}`` variables replaced (:func:`expand_env`: ``WDS_NAME`` from the
-    environment, as webdataset does, else ``NAME``), is brace-expanded, then each resulting URL
-    is taken by these rules:
+    Several specs are joined by ``::`` in a string, or are the elements of a list or tuple. Each has
+    its ``${NAME}`` variables replaced (:func:`expand_env`: ``WDS_NAME`` from the environment, as in
+    webdataset, else ``NAME``), is brace-expanded, and each URL it gives is taken thus:
 
-    - ending in ``/``: that directory (local) or prefix (remote) is listed, not recursively, for
-      shard files (names ending in ``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``;
-      hidden names starting with ``.`` are skipped), sorted by name;
-    - containing a glob character ``*``, ``?`` or ``[``: it is globbed (``glob`` with ``**``
-      support for local paths, fsspec's ``fs.glob`` for remote URLs), files only, sorted. For
-      ``http(s)`` URLs only the path counts, so a ``?query`` is not a glob. A local name that
-      matches nothing but exists literally (``a[1].tar``) is taken as is;
-    - otherwise the URL is taken as is, without any filesystem or network call.
+    - ending in ``/``: the directory or prefix is listed, not recursively, for shard files
+      (``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``; not hidden), sorted;
+    - containing ``*``, ``?`` or ``[``: it is globbed (``glob`` with ``**`` locally, fsspec's
+      ``fs.glob`` remotely), files only, sorted; for ``http(s)`` only the path counts, and a local
+      name that matches nothing but exists literally (``a[1].tar``) is taken as is;
+    - otherwise it is taken as is, without any filesystem or network call.
 
-    ``pipe:`` commands and ``-`` are never listed or globbed. A listing or glob that finds
-    nothing is an :class:`ArgumentError` naming the spec. Remote listings use
-    ``storage_options`` (fsspec's: credentials, endpoint) and bypass fsspec's listing cache.
+    ``pipe:`` and ``-`` are never listed or globbed; a listing or glob that finds nothing is an
+    :class:`ArgumentError` naming the spec. Remote listings use ``storage_options`` (fsspec's),
+    bypassing its listing cache ([more](../remote.md#lists-of-shards)).
 
-    ``expand_urls("a-{000..002}.tar::b.tar") == ["a-000.tar", "a-001.tar", "a-002.tar", "b.tar"]``;
-    ``expand_urls("s3://bucket/train/", storage_options=opts)`` lists the shards under the prefix.
+    ``expand_urls("a-{000..002}.tar::b.tar") == ["a-000.tar", "a-001.tar", "a-002.tar", "b.tar"]``.
     """
     if isinstance(urls, (str, os.PathLike)):
         specs = os.fspath(urls).split("::")

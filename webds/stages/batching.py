@@ -2,22 +2,16 @@
 
 :func:`batched` cuts the stream into lists of ``batchsize`` items and hands each list to its
 ``collation_fn``, :func:`default_collation_fn` unless you pass another (or ``None`` for plain
-lists). :func:`listed` / :func:`unlisted` group and flatten lists without any collation.
+lists); :func:`listed` / :func:`unlisted` group and flatten lists without any collation.
 
-The collation rules of :func:`default_collation_fn`:
-
-- The batch has the samples' shape: tuple samples give a tuple of columns, list samples a list,
-  dict samples a dict; anything else is a single column. All samples must have that shape: tuples
-  of one length, dicts with the same fields (nested dicts are collated the same way, recursively).
-- Each column is combined by what it holds: tensors with ``torch.stack`` and numpy arrays with
-  ``np.stack`` (all of one shape; otherwise a :class:`~webds.errors.SampleError` names the two
-  samples and their shapes), numbers (Python or numpy scalars, bools included) into one numpy
-  array. ``combine_tensors=False`` / ``combine_scalars=False`` keep those as lists.
-- Anything else (strings, bytes, ``None``, a mix of types) stays a list, one entry per sample.
-
-:func:`unbatched` inverts this: tensors and arrays are split along their first dimension (each
-sample gets a copy, not a view, so one sample kept downstream does not keep its whole batch
-alive) and every column must have one entry per sample.
+:func:`default_collation_fn` gives the batch the samples' shape (tuple samples a tuple of
+columns, lists a list, dicts a dict; anything else is one column) and combines each column by
+what it holds: tensors with ``torch.stack`` and numpy arrays with ``np.stack`` (of one shape,
+else a :class:`~webds.errors.SampleError` names the two samples), numbers (bools included) into
+one numpy array; dicts (JSON metadata) stay a list unless ``combine_dicts=True``, and anything
+else (strings, bytes, ``None``, a mix of types) stays a list. :func:`unbatched` inverts this:
+tensors and arrays are split along their first dimension (copies, not views, so a sample kept
+downstream does not keep its whole batch alive), and every column needs one entry per sample.
 """
 
 from __future__ import annotations
