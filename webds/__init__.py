@@ -13,16 +13,12 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-# Installs the import hook that serves webdataset's module names (webds.shardlists, ...) and
-# webds's own from before 0.2 (webds.io.urls, ...); cheap.
+# Installs the import hook that serves webdataset's module names (webds.shardlists,
+# webds.tenbin, ...); cheap.
 from .compat import aliases
 
-# The stage webds.decode has the name of the old module webds.decode (now webds.stages.decode),
-# and the first import of that module name binds the package attribute "decode" to the module.
-# Importing it here, then binding the stage, keeps webds.decode the stage whatever is imported
-# later. The decode module does not import torch or numpy.
-importlib.import_module(f"{__name__}.decode")
-from .stages.decode import decode  # noqa: E402
+# webds.decode, the stage, is bound at import: cheap, its module imports neither torch nor numpy.
+from .stages.decode import decode
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and __getattr__
     from . import compat
@@ -147,7 +143,7 @@ __version__ = "0.1.0"
 #: ``old`` as ``new``; "name=." is the module itself (``webds.cache``).
 _EXPORTS: Dict[str, List[str]] = {
     "stages.batching": ["batched", "default_collation_fn", "listed", "unbatched", "unlisted"],
-    # webds.cache: the old module name, serving webds.io.cache and the stage in webds.tar.cached
+    # webds.cache: webdataset's module name, serving webds.io.cache and webds.tar.cached
     "cache": ["cache=."],
     "io.cache": ["LRUCleanup", "pipe_cleaner"],
     "compat": ["compat=.", "gopen_schemes", "reader"],
@@ -280,7 +276,7 @@ def __getattr__(name: str) -> Any:
             value = getattr(value, attribute)
         globals()[name] = value  # later lookups find it without calling this function
         return value
-    if name in aliases.ALIASES or name in aliases.MOVED:  # webds.shardlists, webds.io.urls, ...
+    if name in aliases.ALIASES or name in aliases.MOVED:  # webds.shardlists, webds.tenbin, ...
         return aliases.package_getattr(name)
     # Every submodule used to be imported with the package, so code could use webds.shards or
     # webds.writer after a bare "import webds"; that still works.
