@@ -43,7 +43,6 @@ def stub_text() -> str:
         "",
         *sorted(imports),
         "from .compat import gopen as gopen",
-        "from .stages.decode import decode as decode",
         "",
         "__version__: str",
         "__all__: List[str]",

@@ -17,16 +17,6 @@ import pytest
 import torch
 from PIL import Image
 
-from webds.decode import (
-    Continue,
-    Decoder,
-    DecodingError,
-    decode,
-    default_decoder,
-    gzfilter,
-    handle_extension,
-    make_decoder,
-)
 from webds.errors import ArgumentError, DecodeError, EncodeError
 from webds.stages.codecs import (
     AUDIO_EXTENSIONS,
@@ -39,6 +29,16 @@ from webds.stages.codecs import (
     torch_audio,
     torch_loads,
     torch_video,
+)
+from webds.stages.decode import (
+    Continue,
+    Decoder,
+    DecodingError,
+    decode,
+    default_decoder,
+    gzfilter,
+    handle_extension,
+    make_decoder,
 )
 from webds.stages.encode import (
     cbor_dumps,

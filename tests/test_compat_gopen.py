@@ -53,7 +53,9 @@ def shards(tmp_path):
 
 def test_registry_is_the_one_in_urls_and_starts_empty():
     assert gopen_schemes is urls.SCHEMES
-    code = "import webds.compat as c, webds.urls as u; print(len(c.gopen_schemes), len(u.SCHEMES))"
+    code = (
+        "import webds.compat as c, webds.io.urls as u\nprint(len(c.gopen_schemes), len(u.SCHEMES))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )

@@ -13,11 +13,11 @@ import torch
 from conftest import sample_members, write_tar
 from PIL import Image
 
-from webds.decode import decode as decode_stage
 from webds.errors import ArgumentError, OpenError, ShardReadError, WebdsError
 from webds.fluent import FluentMixin, WebDataset
 from webds.pipeline import DataPipeline
 from webds.stages import batching, fields, filters
+from webds.stages.decode import decode as decode_stage
 from webds.stages.handlers import warn_and_continue
 
 

@@ -27,9 +27,8 @@ TORCH_FREE = (
     "webds.shards.index webds.stages.encode webds.errors webds.stages webds.shards "
     "webds.stages.filters webds.stages.decode webds.io.cache webds.shards.plan "
     "webds.stages.handlers webds.io webds.tar webds.compat webds.keywords "
-    # the same modules under their names before 0.2
-    "webds.tario webds.urls webds.samples webds.index webds.encode webds.filters webds.cache "
-    "webds.plan webds.handlers"
+    # webdataset's module names for some of them
+    "webds.filters webds.cache webds.handlers"
 ).split()
 
 
@@ -98,11 +97,11 @@ def test_every_public_name_resolves_in_a_fresh_process():
 
 
 def test_decode_stays_the_stage_whatever_is_imported_first():
-    # The submodule webds/decode.py shares the stage's name; importing it (directly, or through
-    # fluent.py) must not turn webds.decode into the module.
+    # The stage's module, webds.stages.decode, has the stage's name: importing it (directly, or
+    # through fluent.py) must not turn webds.decode into the module.
     out = _python(
         """
-        import webds.decode, webds.fluent
+        import webds.stages.decode, webds.fluent
         import webds as wds
         from webds.stages import StageFactory
         assert isinstance(wds.decode, StageFactory), wds.decode
@@ -121,7 +120,7 @@ def test_submodules_and_webdataset_modules_without_an_import_statement():
         assert webds.shards.expand_urls("a-{0..1}.tar") == ["a-0.tar", "a-1.tar"]
         assert webds.filters.shuffle is webds.shuffle
         assert webds.tenbin.__name__ == "webds.stages.tenbin"
-        assert webds.cache.__name__ == "webds.cache"  # the old name: io.cache and tar.cached
+        assert webds.cache.__name__ == "webds.cache"  # webdataset's: io.cache and tar.cached
         assert webds.cache.LRUCleanup is webds.LRUCleanup and webds.cache.cached_shards
         assert "torch" not in sys.modules
         assert webds.shardlists.SimpleShardList is webds.shards.SimpleShardList
@@ -150,13 +149,13 @@ def test_one_export_table():
     entries = [e.partition("=")[0] for _, names in webds._EXPORTS for e in names.split()]
     twice = sorted({n for n in entries if entries.count(n) > 1})
     assert not twice, f"exported twice in webds._EXPORTS: {twice}"
-    assert webds.__all__ == ["decode", "gopen", *entries]
+    assert webds.__all__ == ["gopen", *entries]
     for name in entries:
         module, attribute = webds._WHERE[name]
         value = importlib.import_module(module)
         assert getattr(webds, name) is (value if attribute is None else getattr(value, attribute))
-    # No other list: outside the table, the package's source neither imports a public name
-    # (but decode, bound early on purpose) nor lists one in a literal.
+    # No other list: outside the table, the package's source neither imports a public name nor
+    # lists one in a literal.
     tree = ast.parse((ROOT / "webds" / "__init__.py").read_text())
     table = next(n for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "_EXPORTS")
     inside = {id(n) for n in ast.walk(table)}
@@ -191,7 +190,7 @@ def test_the_stub_follows_the_table():
 
 def test_pipeline_and_shards_keep_their_names():
     # webdataset code imports these from webds.pipeline / webds.shards; they are the very objects
-    # now defined in webds.stages / webds.sharddatasets.
+    # now defined in webds.stages / webds.shards.datasets.
     for name in webds.stages.__all__:
         assert getattr(webds.pipeline, name) is getattr(webds.stages, name), name
     from webds.shards import ResampledShards as shards_resampled
@@ -200,15 +199,6 @@ def test_pipeline_and_shards_keep_their_names():
 
     assert shards_simple is SimpleShardList and shards_resampled is ResampledShards
     assert webds.shards.ResampledShardList is ResampledShardList
-
-
-def test_pickles_made_before_the_split_still_load():
-    # What pickle wrote for a stage factory, a Stage and a shard list when they lived in
-    # webds.pipeline and webds.shards (protocol 0 spells the references out).
-    factory = b"cwebds.pipeline\n_import_object\n(Vwebds.filters\nVshuffle\ntR."
-    assert pickle.loads(factory) is webds.filters.shuffle
-    assert pickle.loads(b"cwebds.pipeline\nStage\n.") is webds.stages.Stage
-    assert pickle.loads(b"cwebds.shards\nSimpleShardList\n.") is webds.shards.SimpleShardList
 
 
 def test_stages_and_shard_lists_round_trip_through_pickle(tmp_path):

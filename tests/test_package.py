@@ -60,7 +60,7 @@ def test_sdist_carries_licence_changelog_and_tests(dist: Path) -> None:
         "webds/py.typed",
         "tests/conftest.py",
         "tests/test_tario.py",
-        "tests/data/pickles/fluent.pkl",
+        "tests/clients/open_clip_data.py",
         "examples/data/fashion-mnist/LICENSE",
         "examples/demo.py",
     ):

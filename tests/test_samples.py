@@ -1,4 +1,4 @@
-"""webds.samples: grouping tar members into samples, error handling, closing, peer shards."""
+"""webds.tar.samples: grouping tar members into samples, error handling, closing, peer shards."""
 
 from __future__ import annotations
 

@@ -88,7 +88,9 @@ def test_a_typed_state_loads_as_its_dict_does(spec):
 @pytest.mark.parametrize(
     "change, says",
     [
-        (lambda s: s.update(version=3), "not a webds pipeline state"),
+        (lambda s: s.pop("version"), "not a webds pipeline state"),
+        (lambda s: s.update(version=3), "version 3, and this webds reads version 2 .*upgrade"),
+        (lambda s: s.update(version=1), r"version 1 .*webds 0\.1.*never released.*set_epoch\(0\)"),
         (lambda s: s.update(workers=[1, 2]), "'workers'"),
         (lambda s: s.update(workers={"x": {}}), "'workers'"),
         (lambda s: s.update(entropy=["a"]), "'entropy'"),

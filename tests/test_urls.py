@@ -105,7 +105,7 @@ def test_write_into_missing_directory(tmp_path):
 
 def test_stdin_and_stdout(tmp_path):
     code = (
-        "import sys; from webds.urls import open_url\n"
+        "import sys; from webds.io.urls import open_url\n"
         "f = open_url('-'); data = f.read(); f.close()\n"
         "assert not sys.stdin.closed\n"
         "g = open_url('-', 'wb'); g.write(data[::-1]); g.close()\n"

@@ -13,16 +13,9 @@ import importlib
 import importlib.util
 from typing import Any, Dict, List, Optional, Tuple
 
-# Installs the import hook that serves webdataset's module names (webds.shardlists, ...) and
-# webds's own from before 0.2 (webds.io.urls, ...); cheap.
+# Installs the import hook that serves webdataset's module names (webds.shardlists,
+# webds.tenbin, ...); cheap.
 from .compat import aliases
-
-# The stage webds.decode has the name of the old module webds.decode (now webds.stages.decode),
-# and the first import of that module name binds the package attribute "decode" to the module.
-# Importing it here, then binding the stage, keeps webds.decode the stage whatever is imported
-# later. The decode module does not import torch or numpy.
-importlib.import_module(f"{__name__}.decode")
-from .stages.decode import decode  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -81,7 +74,7 @@ _EXPORTS: List[Tuple[str, str]] = [
     ),
     ("stages.batching", "batched unbatched listed unlisted default_collation_fn"),
     # decoding
-    ("stages.decode", "Decoder Continue gzfilter handle_extension pytorch_weights_only"),
+    ("stages.decode", "decode Decoder Continue gzfilter handle_extension pytorch_weights_only"),
     (
         "stages.codecs",
         "imagehandler imagespecs IMAGE_EXTENSIONS torch_loads torch_video torch_audio",
@@ -133,7 +126,7 @@ def __getattr__(name: str) -> Any:
             value = getattr(value, attribute)
         globals()[name] = value  # later lookups find it without calling this function
         return value
-    if name in aliases.ALIASES or name in aliases.MOVED:  # webds.shardlists, webds.io.urls, ...
+    if name in aliases.ALIASES or name in aliases.MOVED:  # webds.shardlists, webds.tenbin, ...
         return aliases.package_getattr(name)
     # Every submodule used to be imported with the package, so code could use webds.shards or
     # webds.writer after a bare "import webds"; that still works.
@@ -150,5 +143,6 @@ def __dir__() -> List[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-#: ``decode`` and ``gopen`` are bound above and by the alias hook; the rest come from the table.
-__all__ = ["decode", "gopen", *_WHERE]
+#: ``gopen`` is bound by the alias hook (a module that is also the function); the rest come from
+#: the table.
+__all__ = ["gopen", *_WHERE]

@@ -88,6 +88,7 @@ from .stages.crop import RandomResizedCropDecoder as RandomResizedCropDecoder
 from .stages.decode import Continue as Continue
 from .stages.decode import Decoder as Decoder
 from .stages.decode import DecodingError as DecodingError
+from .stages.decode import decode as decode
 from .stages.decode import gzfilter as gzfilter
 from .stages.decode import handle_extension as handle_extension
 from .stages.decode import pytorch_weights_only as pytorch_weights_only
@@ -128,7 +129,6 @@ from .writer import TarWriter as TarWriter
 from .writer import numpy_dumps as numpy_dumps
 from .writer import torch_dumps as torch_dumps
 from .compat import gopen as gopen
-from .stages.decode import decode as decode
 
 __version__: str
 __all__: List[str]

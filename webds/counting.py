@@ -209,7 +209,7 @@ def own_state(state: Any, rank: int, world_size: int, strict: bool) -> PipelineS
             f"these states were saved by {saved_world} ranks, and this is rank {rank} of "
             f"{world_size}; resume with the same number of ranks; {_ELASTIC_HINT}"
         )
-    if state.version != 2 or not strict:
+    if not strict:
         return state
     saved, saved_world = state.rank, state.world_size
     if saved_world != world_size:
@@ -276,14 +276,6 @@ def check_state(state: PipelineState, mine: Dict[str, Any], strict: bool) -> Non
     """Raise :class:`~webds.errors.ResumeError` unless ``state`` (from ``state_dict()``) can be
     resumed exactly by a pipeline whose configuration is ``mine``; ``strict=False`` lets
     everything through."""
-    if state.version == 1:
-        if strict:
-            raise ResumeError(
-                "this state was saved by webds 0.1, which counted items instead of recording "
-                "which samples were read; it cannot be resumed exactly. Pass strict=False to "
-                "start its epoch again from the beginning"
-            )
-        return
     problems = state.problems()
     saved = state.config
     changed = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))

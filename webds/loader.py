@@ -135,11 +135,6 @@ class WebLoader(DataPipeline, FluentMixin):
                 log.info("webds: WebLoader(num_workers='auto') took %s", self.choice)
         super().load_state_dict(state, strict)
 
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        if isinstance(self.pipeline[0], DataLoader):  # pickled by webds 0.1
-            self.pipeline[0] = LoaderSource(self.pipeline[0], batch_buffers=False)
-
     @property
     def loader(self) -> DataLoader:
         """The underlying ``DataLoader``."""
@@ -442,7 +437,7 @@ class LoaderSource(StreamKeeper):
     def close(self) -> None:
         """Stop the workers (``WebLoader.close()``, the end of a ``with`` block), those of an
         epoch still being read included."""
-        reading, self._reading = getattr(self, "_reading", None), None
+        reading, self._reading = self._reading, None
         if reading is not None:
             _shut_down(reading)
         self.restart_workers()

@@ -43,9 +43,8 @@ from .errors import ArgumentError, LengthError
 from .shards.elastic import topology_changed
 from .shards.shardlists import worker_info
 
-# The stage machinery lives in webds.stages (no torch import); these names stay importable from
-# here, where webdataset code and pickles made before the split look for them (a pickled stage
-# factory refers to webds.pipeline._import_object).
+# The stage machinery lives in webds.stages (no torch import); these names are importable from
+# here too.
 from .stages.core import (  # noqa: F401
     BATCH,
     LEDGER,
@@ -58,7 +57,6 @@ from .stages.core import (  # noqa: F401
     Stage,
     StageFactory,
     Stateless,
-    _import_object,
     pipelinefilter,
     resume_kind,
     stage,
@@ -522,13 +520,6 @@ class DataPipeline(IterableDataset):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __setstate__(self, state: dict) -> None:
-        # Pipelines pickled by webds 0.1 lack what resuming now keeps.
-        self.__dict__.update(state)
-        defaults = {"_stream": None, "_resume": None, "_drop": 0, "channel": None, "probe": None}
-        for name, value in dict(defaults, threads=0, _entropy=secrets.randbits(63)).items():
-            self.__dict__.setdefault(name, value)
 
     def __getstate__(self) -> dict:
         # A running generator can't cross to a DataLoader worker; the worker starts its own.

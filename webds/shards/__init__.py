@@ -7,9 +7,8 @@
 - :mod:`webds.shards.index`: the shard index (sample counts and checksums per shard).
 - :mod:`webds.shards.plan`: epoch plans over an index (exact per-rank, per-worker shares).
 
-This package serves the names the flat module ``webds.shards`` had (before webds 0.2), so
-``from webds.shards import SimpleShardList, split_by_node`` and pickles naming ``webds.shards``
-still work; the torch datasets are imported on first use, as before.
+The package serves the shard lists' names (``from webds.shards import SimpleShardList,
+split_by_node``); the torch datasets are imported on first use, so importing it stays torch-free.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from typing import Any, List
 
 from .shardlists import (
     SHARD_SUFFIXES,
-    URLs,  # noqa: F401 (not public, but code used webds.shards.URLs)
     WorkerInfo,
     default_seed,
     derive_seed,

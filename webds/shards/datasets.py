@@ -9,7 +9,6 @@ without torch, for the ``webds`` command and the writers.
 
 from __future__ import annotations
 
-import os
 import random
 import secrets
 import sys
@@ -122,7 +121,7 @@ class ResampledShards(IterableDataset):
         return self.nshards >= sys.maxsize
 
     def __iter__(self) -> Iterator[Dict[str, str]]:
-        if not getattr(self, "_chosen", True):
+        if not self._chosen:
             self.epoch += 1
         self._chosen = False
         if not self.urls:
@@ -134,7 +133,7 @@ class ResampledShards(IterableDataset):
         # worker, or lambda: 1), mixed in as it is.
         parts: tuple = ("resampled", self.seed, self.epoch, where)
         if not self.deterministic:
-            parts += (getattr(self, "_entropy", None) or os.urandom(8),)
+            parts += (self._entropy,)
         rng = random.Random(derive_seed(*parts))
         for _ in range(self.nshards):
             yield {"url": rng.choice(self.urls)}

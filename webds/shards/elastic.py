@@ -120,8 +120,6 @@ def topology_changed(state: Any, world_size: int, num_workers: int) -> bool:
     """Whether ``state`` (one rank's, or every rank's list) was saved by another number of
     ranks or of DataLoader workers than ``world_size`` x ``num_workers``."""
     first = state[0] if isinstance(state, list) else state
-    if first.version != 2:
-        return False
     return first.world_size != world_size or first.num_workers() != max(1, num_workers)
 
 

@@ -329,7 +329,7 @@ class PlannedShards:
 
     def _rest(self, epoch: int) -> Optional[List[Any]]:
         """The runs an elastic resume left for ``epoch``, if it is the resumed one."""
-        elastic = getattr(self, "elastic", None)
+        elastic = self.elastic
         return elastic["runs"] if elastic is not None and elastic["epoch"] == epoch else None
 
     def plan(self, epoch: Optional[int] = None, skip: int = 0) -> WorkerPlan:
@@ -370,8 +370,7 @@ class PlannedShards:
         if self._warned or rank != 0:
             return
         self._warned = True
-        offsets = getattr(self, "offsets", None) or ()
-        seeks = [o is not None for o in offsets]
+        seeks = [o is not None for o in self.offsets]
         problem = split_warning(self.counts, world, num_workers, self.balance, self.granule, seeks)
         if problem:
             log.warning("webds: %s", problem)
@@ -385,11 +384,8 @@ class PlannedShards:
         if worker == 0:
             self.warn_split(workers)
         plan = self.plan()
-        offsets = getattr(self, "offsets", None)  # None: pickled by a webds without offsets
         for seg in plan.segments:
-            yield seg.descriptor(
-                self.counts[seg.shard], offsets[seg.shard] if offsets is not None else None
-            )
+            yield seg.descriptor(self.counts[seg.shard], self.offsets[seg.shard])
 
     def __len__(self) -> int:
         return len(self.urls)

@@ -14,12 +14,11 @@
   and replay it.
 
 The core and the handlers import nothing of webds but :mod:`webds.errors`, so every room (the tar
-reader's stages included) builds on them. This package serves the names the flat module
-``webds.stages`` had before webds 0.2, so pickles naming ``webds.stages.core.Stage`` still load.
+reader's stages included) builds on them.
 """
 
 from . import core
-from .core import (  # noqa: F401 (the private names: pickles written by webds 0.1 name them)
+from .core import (  # noqa: F401 (served from here: __all__ below is core's)
     BATCH,
     LEDGER,
     REORDER,
@@ -31,10 +30,6 @@ from .core import (  # noqa: F401 (the private names: pickles written by webds 0
     Stage,
     StageFactory,
     Stateless,
-    _Batch,
-    _import_object,
-    _Reorder,
-    _Unbatch,
     pipelinefilter,
     resume_kind,
     stage,

@@ -242,10 +242,9 @@ class Stage:
         if self.factory.wants_seed:
             injected["pipeline_seed"] = self.seed
         if self.factory.wants_ledger:
-            injected["ledger"] = getattr(self, "ledger", None)  # 0.1 pickles have none
-        threads = getattr(self, "threads", 0)
-        if threads and self.factory.takes_threads and not self._given("threads"):
-            injected["threads"] = threads
+            injected["ledger"] = self.ledger
+        if self.threads and self.factory.takes_threads and not self._given("threads"):
+            injected["threads"] = self.threads
         return self.factory.fn(src, *self.args, **injected, **self.kwargs)
 
     def __repr__(self) -> str:
