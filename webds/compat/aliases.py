@@ -129,22 +129,9 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
     "utils": [
         (
             "webds.compat.legacy",
-            [
-                "PipelineStage",
-                "repeatedly",
-                "repeatedly0",
-                "make_seed",
-                "pytorch_worker_info",
-                "pytorch_worker_seed",
-                "is_iterable",
-                "safe_eval",
-                "lookup_sym",
-                "guess_batchsize",
-                "deprecated",
-                "obsolete",
-                "ObsoleteException",
-                "compute_sample_weights",
-            ],
+            "PipelineStage repeatedly repeatedly0 make_seed pytorch_worker_info "
+            "pytorch_worker_seed is_iterable safe_eval lookup_sym guess_batchsize deprecated "
+            "obsolete ObsoleteException compute_sample_weights".split(),
         ),
         ("webds.stages.filters", ["identity"]),
         ("webds.io.security", ["enforce_security"]),
