@@ -40,7 +40,7 @@ _FLUENT = re.compile(r"^_chain\((?P<target>[\w.]+)\)$")
 _STAGE_DECORATOR = re.compile(
     r"^(?:[\w.]+\.)?(?:stage|pipelinefilter|\w*Factory)(?:\(.*\))?$", re.DOTALL
 )
-# Parameters the pipeline passes to a stage function itself (see webds.stages.core.StageFactory).
+# Parameters the pipeline passes to a stage function itself (see webds.base.stage.StageFactory).
 _INJECTED = ("epoch", "pipeline_seed")
 
 

@@ -62,9 +62,9 @@ import time  # noqa: E402
 
 from conftest import sample_members, write_tar  # noqa: E402
 
+from webds.base.handlers import ignore_and_continue  # noqa: E402
 from webds.errors import OpenError, ShardReadError  # noqa: E402
 from webds.fluent import WebDataset  # noqa: E402
-from webds.stages.handlers import ignore_and_continue  # noqa: E402
 
 
 @pytest.fixture

@@ -11,11 +11,11 @@ import pytest
 from conftest import sample_members, write_tar
 from torch.utils.data import DataLoader
 
+from webds.base.handlers import warn_and_continue
 from webds.compat import gopen, gopen_schemes, reader
 from webds.errors import ArgumentError, OpenError
 from webds.fluent import WebDataset
 from webds.io import urls
-from webds.stages.handlers import warn_and_continue
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,7 @@ TORCH_FREE = (
     "webds.io.urls webds.writer webds.tar.samples "
     "webds.shards.index webds.stages.encode webds.errors webds.stages webds.shards "
     "webds.stages.filters webds.stages.decode webds.io.cache webds.shards.plan "
-    "webds.stages.handlers webds.io webds.tar webds.compat webds.keywords "
+    "webds.base.handlers webds.io webds.tar webds.compat webds.keywords "
     # webdataset's module names for some of them
     "webds.filters webds.cache webds.handlers"
 ).split()

@@ -18,15 +18,7 @@ MAX_TOP_LEVEL = 14
 #: and saved state that resuming is built on, progress bars) imports nothing of webds but errors,
 #: so every room may build on it.
 ROOMS: List[List[str]] = [
-    [
-        "webds.errors",
-        "webds.progress",
-        "webds.stages.core",
-        "webds.stages.handlers",
-        "webds.stages.ledger",
-        "webds.stages.slots",
-        "webds.stages.saved",
-    ],
+    ["webds.errors", "webds.progress", "webds.base"],
     ["webds.io"],
     ["webds.tar"],
     ["webds.shards"],

@@ -1,4 +1,4 @@
-"""The saved state is typed (webds.stages.saved): one reader, one writer, a version, and clear
+"""The saved state is typed (webds.base.saved): one reader, one writer, a version, and clear
 errors for a malformed state; a WebLoader speaks to its pipeline only through its source."""
 
 from __future__ import annotations
@@ -11,11 +11,7 @@ import pytest
 from conftest import sample_members, write_tar
 
 import webds
-from webds.channel import StreamKeeper
-from webds.errors import ArgumentError
-from webds.loader import LoaderSource
-from webds.pipeline import DataPipeline
-from webds.stages.saved import (
+from webds.base.saved import (
     VERSION,
     LedgerState,
     PipelineState,
@@ -24,6 +20,10 @@ from webds.stages.saved import (
     read_state,
     read_states,
 )
+from webds.channel import StreamKeeper
+from webds.errors import ArgumentError
+from webds.loader import LoaderSource
+from webds.pipeline import DataPipeline
 
 
 @pytest.fixture

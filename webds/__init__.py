@@ -35,12 +35,12 @@ _EXPORTS: List[Tuple[str, str]] = [
     ("stages.decode", "DecodingError"),
     # handlers
     (
-        "stages.handlers",
+        "base.handlers",
         "reraise_exception ignore_and_continue warn_and_continue ignore_and_stop warn_and_stop",
     ),
     # engine
     (
-        "stages.core",
+        "base.stage",
         "stage stateless resume_kind pipelinefilter Stage Count SAME REORDER BATCH UNBATCH",
     ),
     ("pipeline", "DataPipeline"),
@@ -49,9 +49,9 @@ _EXPORTS: List[Tuple[str, str]] = [
     ("compat", "gopen_schemes reader"),
     (
         "shards.shardlists",
-        "expand_urls split_by_node split_by_worker single_node_only non_empty resampled "
-        "worker_info",
+        "expand_urls split_by_node split_by_worker single_node_only non_empty resampled",
     ),
+    ("base.workers", "worker_info"),
     ("shards.datasets", "SimpleShardList ResampledShards"),
     ("shards.specs", "MultiShardSample shardspec"),
     ("compat.shardsources", "DirectoryShardList"),

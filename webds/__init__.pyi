@@ -3,6 +3,22 @@
 from typing import Any, List
 
 from . import compat as compat
+from .base.handlers import ignore_and_continue as ignore_and_continue
+from .base.handlers import ignore_and_stop as ignore_and_stop
+from .base.handlers import reraise_exception as reraise_exception
+from .base.handlers import warn_and_continue as warn_and_continue
+from .base.handlers import warn_and_stop as warn_and_stop
+from .base.stage import BATCH as BATCH
+from .base.stage import Count as Count
+from .base.stage import REORDER as REORDER
+from .base.stage import SAME as SAME
+from .base.stage import Stage as Stage
+from .base.stage import UNBATCH as UNBATCH
+from .base.stage import pipelinefilter as pipelinefilter
+from .base.stage import resume_kind as resume_kind
+from .base.stage import stage as stage
+from .base.stage import stateless as stateless
+from .base.workers import worker_info as worker_info
 from .compat import gopen_schemes as gopen_schemes
 from .compat import reader as reader
 from .compat.legacy import MockDataset as MockDataset
@@ -57,7 +73,6 @@ from .shards.shardlists import resampled as resampled
 from .shards.shardlists import single_node_only as single_node_only
 from .shards.shardlists import split_by_node as split_by_node
 from .shards.shardlists import split_by_worker as split_by_worker
-from .shards.shardlists import worker_info as worker_info
 from .shards.specs import MultiShardSample as MultiShardSample
 from .shards.specs import shardspec as shardspec
 from .stages import mix as mix
@@ -73,16 +88,6 @@ from .stages.codecs import imagespecs as imagespecs
 from .stages.codecs import torch_audio as torch_audio
 from .stages.codecs import torch_loads as torch_loads
 from .stages.codecs import torch_video as torch_video
-from .stages.core import BATCH as BATCH
-from .stages.core import Count as Count
-from .stages.core import REORDER as REORDER
-from .stages.core import SAME as SAME
-from .stages.core import Stage as Stage
-from .stages.core import UNBATCH as UNBATCH
-from .stages.core import pipelinefilter as pipelinefilter
-from .stages.core import resume_kind as resume_kind
-from .stages.core import stage as stage
-from .stages.core import stateless as stateless
 from .stages.crop import CenterCropDecoder as CenterCropDecoder
 from .stages.crop import RandomResizedCropDecoder as RandomResizedCropDecoder
 from .stages.decode import Continue as Continue
@@ -108,11 +113,6 @@ from .stages.filters import rsample as rsample
 from .stages.filters import select as select
 from .stages.filters import shuffle as shuffle
 from .stages.filters import slice as slice
-from .stages.handlers import ignore_and_continue as ignore_and_continue
-from .stages.handlers import ignore_and_stop as ignore_and_stop
-from .stages.handlers import reraise_exception as reraise_exception
-from .stages.handlers import warn_and_continue as warn_and_continue
-from .stages.handlers import warn_and_stop as warn_and_stop
 from .stages.mix import RandomMix as RandomMix
 from .stages.mix import RoundRobin as RoundRobin
 from .stages.replay import Cached as Cached

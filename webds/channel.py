@@ -3,19 +3,19 @@
 A :class:`~webds.loader.WebLoader` reads a webds dataset through a ``DataLoader``, whose workers
 each run a copy of the dataset. So that ``state_dict()`` knows exactly which samples the training
 loop has received, whatever sits in the DataLoader's queues, the main process keeps a copy of each
-worker's ledger (:mod:`webds.stages.ledger`), brought up to date by every batch:
+worker's ledger (:mod:`webds.base.ledger`), brought up to date by every batch:
 
 - the worker side: the dataset's :class:`WorkerChannel` (copied into each worker with the dataset)
   holds the pass the worker reads and the ids of the items its dataset yielded; the DataLoader's
   collate function (:class:`EnvelopeCollate`) wraps each batch in an
-  :class:`~webds.stages.ledger.Envelope` with those ids and what the ledger recorded meanwhile;
+  :class:`~webds.base.ledger.Envelope` with those ids and what the ledger recorded meanwhile;
 - the main side: :class:`WorkerMirrors` applies each envelope to its copy of that worker's ledger
   and hands the batch on, and gives each worker's saved stream to ``state_dict()``.
 
 Resuming, the main process tells each worker how to begin (a :class:`WorkerStart` per worker, in
 the channel before the workers start): its saved stream; then its first batch brings back the
 samples the main process held at the checkpoint (``Restored``), and ``PAD`` items keep the
-DataLoader's turn order (see :data:`~webds.stages.ledger.PAD`).
+DataLoader's turn order (see :data:`~webds.base.ledger.PAD`).
 
 The channel is open (:attr:`WorkerChannel.open`) only while the WebLoader starts the DataLoader:
 the copies made then send envelopes, and the same dataset iterated elsewhere yields plain items.
@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from .base.ledger import PAD, Envelope, Ledger, Pass, Restored, ids_of, qualify, unqualify
+from .base.saved import PipelineState, StreamState
 from .stages.batchbuffers import Packed, SlotPool, Unpacker
-from .stages.ledger import PAD, Envelope, Ledger, Pass, Restored, ids_of, qualify, unqualify
-from .stages.saved import PipelineState, StreamState
 
 __all__ = ["WorkerStart", "WorkerChannel", "EnvelopeCollate", "WorkerMirrors", "StreamKeeper"]
 __all__ += ["release_free_heap", "is_worker_dataset"]
@@ -141,7 +141,7 @@ class WorkerChannel:
 
 class EnvelopeCollate:
     """The DataLoader's ``collate_fn`` for a webds dataset: collates as usual, then wraps the
-    batch in an :class:`~webds.stages.ledger.Envelope` with what the dataset's channel noted
+    batch in an :class:`~webds.base.ledger.Envelope` with what the dataset's channel noted
     (it runs where the dataset does: in a worker, or in this process). ``single``: the
     DataLoader does not batch; ``pack``: send tensors in reused shared buffers."""
 
@@ -248,7 +248,7 @@ class WorkerMirrors:
         }
         # Each worker's first batch brings back what this process held (Restored); then those
         # whose turn came before the next one's pad once, as the DataLoader starts its turns at
-        # worker 0 again (see webds.stages.ledger.PAD).
+        # worker 0 again (see webds.base.ledger.PAD).
         batch, first = self.batch_size or 1, state.next_worker or 0
         starts = {
             w: WorkerStart(
@@ -302,7 +302,7 @@ class WorkerMirrors:
     def receive(self, it: Iterator[Any], ledger: Ledger, keeps: bool) -> Iterator[Any]:
         """The DataLoader's items out of their envelopes, each worker's ledger copy brought up
         to date; ``keeps``: a stage in this process holds or batches items, and needs their ids
-        (as :func:`~webds.stages.ledger.qualify` makes them) in ``ledger``."""
+        (as :func:`~webds.base.ledger.qualify` makes them) in ``ledger``."""
         self.last_worker = None  # the DataLoader's turns start at worker 0
         restored: List[Tuple[Any, Any]] = []
         for x in it:
@@ -355,7 +355,7 @@ class WorkerMirrors:
         self, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool
     ) -> Iterator[Any]:
         """The samples this process held at the checkpoint, made again by the workers, in the
-        order its stages take them back (see webds.stages.ledger.Slot.restore)."""
+        order its stages take them back (see webds.base.ledger.Slot.restore)."""
         plan = ledger.restore_plan()
         restored.sort(key=lambda pair: plan.sort_key(next(ids_of(pair[1]), -1)))
         for item, qids in restored:

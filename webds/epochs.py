@@ -15,9 +15,9 @@ import logging
 import sys
 from typing import Any, Iterator, Optional, Tuple
 
+from .base.stage import STATELESS, Length, resume_kind
 from .counting import forward_counts, source_counts
 from .errors import LengthError
-from .stages.core import STATELESS, Length, resume_kind
 
 __all__ = [
     "pass_length",
@@ -34,7 +34,7 @@ log = logging.getLogger("webds")
 def pass_length(pipeline: Any, number: int) -> Optional[int]:
     """The items pass ``number`` of this process's stream yields (``with_epoch`` aside), or
     None where nobody can know in advance (no index, or a stage such as ``select``)."""
-    from .shards.shardlists import worker_info
+    from .base.workers import worker_info
 
     origin = pipeline._counted_source()
     if origin is None:

@@ -25,6 +25,8 @@ from typing import (
     Union,
 )
 
+from .base.handlers import Handler, reraise_exception
+from .base.workers import default_seed, worker_info
 from .errors import ArgumentError, NoSamplesError
 from .io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead
 from .io.urls import url_identity
@@ -33,18 +35,10 @@ from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, sta
 from .shards.datasets import ResampledShards, SimpleShardList
 from .shards.index import ShardIndex, ShardInfo, is_index_url
 from .shards.plan import PlannedShards, check_balance
-from .shards.shardlists import (
-    URLs,
-    default_seed,
-    expand_urls,
-    split_by_node,
-    split_by_worker,
-    worker_info,
-)
+from .shards.shardlists import URLs, expand_urls, split_by_node, split_by_worker
 from .shards.specs import MultiShardSample, is_spec
 from .stages import batching, fields, filters
 from .stages.decode import decode as _decode_stage
-from .stages.handlers import Handler, reraise_exception
 from .stages.mix import RandomMix
 from .stages.probe import PipelineStats, Probe, stats_of
 from .stages.replay import Cached, LMDBCached

@@ -24,6 +24,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
+from .base.ledger import Ledger, Pass, item_id
+from .base.saved import PipelineState, read_states
+from .base.stage import Length
+from .base.workers import usable_cpus, worker_info
 from .channel import EnvelopeCollate, StreamKeeper, WorkerChannel, WorkerMirrors
 from .counting import source_counts
 from .epochs import carries, count_shards, shard_pass_length
@@ -31,11 +35,7 @@ from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin, LoaderShape
 from .pipeline import DataPipeline
 from .shards.datasets import SimpleShardList
-from .shards.shardlists import usable_cpus, worker_info
-from .stages.core import Length
-from .stages.ledger import Ledger, Pass, item_id
 from .stages.probe import PipelineStats, Probe, merged
-from .stages.saved import PipelineState, read_states
 from .stages.threads import check_threads
 
 __all__ = ["WebLoader", "LoaderSource", "LoaderChoice", "Measured", "choose_workers"]

@@ -1,15 +1,15 @@
 """DataPipeline: a source followed by stages, the engine everything else in webds is built from.
 
-Stages (:mod:`webds.stages.core`) are written once, as generator functions taking the upstream
+Stages (:mod:`webds.base.stage`) are written once, as generator functions taking the upstream
 iterator first, and used both ways::
 
     DataPipeline(source, select(f), ...)  # composable style
     dataset.select(f)                     # fluent style, derived from the same definition
 
 Stages declare what they need and owe (the epoch, the pipeline's seed, the ledger; a count rule
-from which ``len()`` follows; what they owe a resume): see :mod:`webds.stages.core`. A pipeline
+from which ``len()`` follows; what they owe a resume): see :mod:`webds.base.stage`. A pipeline
 resumed mid-epoch (:meth:`DataPipeline.load_state_dict`) reads each sample not yet consumed once
-(the arithmetic is in :mod:`webds.counting`, the record in :mod:`webds.stages.ledger`).
+(the arithmetic is in :mod:`webds.counting`, the record in :mod:`webds.base.ledger`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,29 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import IterableDataset
 
+from .base.ledger import LEAF, Ledger, Pass, unconsumed
+from .base.saved import PipelineState, StreamState, read_states
+
+# The stage machinery lives in webds.stages (no torch import); these names are importable from
+# here too.
+from .base.stage import (  # noqa: F401
+    BATCH,
+    LEDGER,
+    REORDER,
+    SAME,
+    STATELESS,
+    UNBATCH,
+    Count,
+    Length,
+    Stage,
+    StageFactory,
+    Stateless,
+    pipelinefilter,
+    resume_kind,
+    stage,
+    stateless,
+)
+from .base.workers import worker_info
 from .channel import StreamKeeper, is_worker_dataset, release_free_heap
 from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
     _exactly,
@@ -41,30 +64,7 @@ from .counting import stage_name as _stage_name
 from .epochs import carries, carry_start, dropping
 from .errors import ArgumentError, LengthError
 from .shards.elastic import topology_changed
-from .shards.shardlists import worker_info
-
-# The stage machinery lives in webds.stages (no torch import); these names are importable from
-# here too.
-from .stages.core import (  # noqa: F401
-    BATCH,
-    LEDGER,
-    REORDER,
-    SAME,
-    STATELESS,
-    UNBATCH,
-    Count,
-    Length,
-    Stage,
-    StageFactory,
-    Stateless,
-    pipelinefilter,
-    resume_kind,
-    stage,
-    stateless,
-)
-from .stages.ledger import LEAF, Ledger, Pass, unconsumed
 from .stages.probe import Probe
-from .stages.saved import PipelineState, StreamState, read_states
 
 if TYPE_CHECKING:
     from .channel import WorkerChannel, WorkerStart
@@ -218,7 +218,7 @@ class DataPipeline(IterableDataset):
         return [n.items for n in self.stream_counts(num_workers)]
 
     def stream_counts(self, num_workers: Optional[int] = None) -> List[Length]:
-        """:meth:`stream_lengths` as :class:`~webds.stages.core.Length` values, which also carry the
+        """:meth:`stream_lengths` as :class:`~webds.base.stage.Length` values, which also carry the
         counts before each batching (what a later ``unbatched()`` gets back)."""
         streams = max(1, num_workers or 1)
         if self.nsamples is not None and self.repetitions == sys.maxsize:
@@ -294,7 +294,7 @@ class DataPipeline(IterableDataset):
     def state_dict(self, all_ranks: bool = False, strict: bool = True) -> Any:
         """Where this pipeline stands: the epoch in progress, how many items it has yielded, and
         which source samples it has consumed (a plain dict of lists and ints: JSON will do; its
-        fields are :class:`~webds.stages.saved.PipelineState`'s). After an epoch has run to
+        fields are :class:`~webds.base.saved.PipelineState`'s). After an epoch has run to
         its end, that is the next epoch with nothing consumed.
 
         Each rank of a distributed job reads other samples, so each rank's state is its own.
@@ -302,7 +302,7 @@ class DataPipeline(IterableDataset):
         rank at the same step); any rank can load that list, so rank 0 can save it alone.
 
         Mid-pass, a stage that does not say what it owes a resume (a plain generator, a cache:
-        :func:`~webds.stages.core.resume_kind`) raises :class:`~webds.errors.ResumeError`;
+        :func:`~webds.base.stage.resume_kind`) raises :class:`~webds.errors.ResumeError`;
         ``strict=False`` saves anyway, and loading that needs ``strict=False`` too.
         """
         state = self._state()

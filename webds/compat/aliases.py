@@ -144,7 +144,7 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
 MOVED: Dict[str, List[str]] = {
     "cache": ["webds.io.cache", "webds.tar.cached"],
     "filters": ["webds.stages.filters", "webds.stages.fields"],
-    "handlers": ["webds.stages.handlers"],
+    "handlers": ["webds.base.handlers"],
     "mix": ["webds.stages.mix"],
     "tariterators": ["webds.compat.tariterators"],
     "tenbin": ["webds.stages.tenbin"],
@@ -169,7 +169,7 @@ EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
         ),
         ("webds.stages.decode", ["decode"]),
         ("webds.stages.xdecode", ["xdecode", "default_decoders=default_xdecoders"]),
-        ("webds.stages.core", ["pipelinefilter"]),
+        ("webds.base.stage", ["pipelinefilter"]),
         ("webds.stages.replay", ["Cached", "LMDBCached"]),
         (
             "webds.compat.helpers",

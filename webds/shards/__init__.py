@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from typing import Any, List
 
+from ..base.workers import WorkerInfo, default_seed, derive_seed, worker_info
 from .shardlists import (
     SHARD_SUFFIXES,
-    WorkerInfo,
-    default_seed,
-    derive_seed,
     expand_env,
     expand_urls,
     non_empty,
@@ -27,7 +25,6 @@ from .shardlists import (
     single_node_only,
     split_by_node,
     split_by_worker,
-    worker_info,
 )
 
 __all__ = [

@@ -16,8 +16,9 @@ from typing import Any, Dict, Iterator, Optional, Union
 
 from torch.utils.data import IterableDataset
 
+from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError
-from .shardlists import URLs, derive_seed, expand_urls, worker_info
+from .shardlists import URLs, expand_urls
 
 __all__ = ["SimpleShardList", "ResampledShards", "ResampledShardList"]
 

@@ -26,8 +26,8 @@ import logging
 import random
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError
-from .shardlists import derive_seed, worker_info
 
 __all__ = [
     "BALANCE_MODES",

@@ -27,9 +27,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Union
 import braceexpand
 from torch.utils.data import IterableDataset
 
+from ..base.workers import derive_seed
 from ..errors import ArgumentError, WebdsError
 from .datasets import SimpleShardList
-from .shardlists import derive_seed
 
 __all__ = ["MultiShardSample", "shardspec", "is_spec"]
 

@@ -33,10 +33,10 @@ from typing import (
 import numpy as np
 import torch
 
+from ..base.slots import pulled_back
+from ..base.stage import BATCH, UNBATCH, stage
 from ..errors import ArgumentError, SampleError
-from .core import BATCH, UNBATCH, stage
 from .filters import _check_callable, _check_int, _where
-from .slots import pulled_back
 
 __all__ = ["batched", "listed", "unbatched", "unlisted", "default_collation_fn"]
 
@@ -212,7 +212,7 @@ def _batches(
     src: Iterable[Any], batchsize: Any, partial: bool, ledger: Any = None
 ) -> Iterator[List[Any]]:
     """Lists of ``batchsize`` items; with a ``ledger``, a list's ids become one bundle (see
-    :mod:`webds.stages.ledger`)."""
+    :mod:`webds.base.ledger`)."""
     batchsize = _check_int("batchsize", batchsize)
     if batchsize < 1:
         raise ArgumentError(f"batchsize must be at least 1, got {batchsize}")
@@ -247,7 +247,7 @@ def _batches(
 
 def _regroup(src: Iterable[Any], ledger: Any) -> Generator[List[Any], None, Iterator[Any]]:
     """Resuming: the samples that stages after this one held come first (see
-    :meth:`~webds.stages.ledger.Slot.restore`); each item they held is batched again on its
+    :meth:`~webds.base.ledger.Slot.restore`); each item they held is batched again on its
     own, as it was (a batch held whole, or one sample of a batch split later), so that the
     batches after them start where the uninterrupted run's did. Returns the rest of ``src``."""
     plan = ledger.restore_plan()

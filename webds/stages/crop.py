@@ -363,7 +363,7 @@ class RandomResizedCropDecoder(_CropDecoder):
     def bind_pass(self, pipeline_seed: Optional[int], epoch: int) -> "RandomResizedCropDecoder":
         """The copy of this decoder that one pass (epoch) of a decode stage uses: its crops
         depend on (seed or ``pipeline_seed``, ``epoch``, rank, worker) and each sample."""
-        from ..shards.shardlists import worker_info
+        from ..base.workers import worker_info
 
         seed = self.seed if self.seed is not None else pipeline_seed
         bound = RandomResizedCropDecoder.__new__(RandomResizedCropDecoder)
@@ -375,7 +375,7 @@ class RandomResizedCropDecoder(_CropDecoder):
 
     def rng(self, key: str, data: bytes, sample: Optional[Mapping[str, Any]]) -> random.Random:
         """The generator that draws the crop of field ``key`` of ``sample``."""
-        from ..shards.shardlists import derive_seed
+        from ..base.workers import derive_seed
 
         if sample is not None and self._pass is not None:
             url, skey = sample.get("__url__"), sample.get("__key__")

@@ -20,10 +20,10 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
+from ..base.handlers import Handler, reraise_exception
+from ..base.stage import SAME, stage
 from ..errors import ArgumentError, DecodeError, SecureModeError
 from .codecs import BasicHandlers, Route, imagehandler, imagespecs
-from .core import SAME, stage
-from .handlers import Handler, reraise_exception
 from .limits import FIELD_CODECS, MAX_FIELD_BYTES, MAX_PIXELS, check_max, decompress_field
 from .threads import apply_maybe_threaded, check_threads
 

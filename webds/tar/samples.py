@@ -4,7 +4,7 @@ It applies the WebDataset grouping rules of :mod:`webds.tar.grouping` (where ``u
 ``tar_file_expander`` and ``group_by_keys``, the same steps one at a time, live; their names are
 importable from here too) with the same error handling, reads planned sample ranges of indexed
 shards (:mod:`webds.shards.plan`), and records each sample it reads in the pipeline's ledger
-(:mod:`webds.stages.ledger`), skipping those a resumed epoch already consumed.
+(:mod:`webds.base.ledger`), skipping those a resumed epoch already consumed.
 
 Errors go through the stage's ``handler``. With the default (re-raise) the error surfaces after
 every complete sample before it; with a skipping handler the rest of a broken shard is skipped,
@@ -16,12 +16,12 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
+from ..base.handlers import ErrorPolicy, Handler, reraise_exception
+from ..base.ledger import LEAF, StageLedger
+from ..base.stage import stage
 from ..errors import ArgumentError, ShardReadError
 from ..io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead, fetch_ahead
 from ..io.urls import url_scheme
-from ..stages.core import stage
-from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
-from ..stages.ledger import LEAF, StageLedger
 from .grouping import (  # noqa: F401  (the one-step stages: importable from here too)
     META_PATTERN,
     _close_quietly,
@@ -91,7 +91,7 @@ def tarfile_to_samples(
     uncompressed stream) as the sample is made: the shard index records them. In a
     pipeline,
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
-    :mod:`webds.stages.ledger`); when resuming, the samples consumed before are skipped.
+    :mod:`webds.base.ledger`); when resuming, the samples consumed before are skipped.
     """
     shared = ledger.ledger if isinstance(ledger, StageLedger) else ledger
     samples = _read_samples(
@@ -101,7 +101,7 @@ def tarfile_to_samples(
     )  # fmt: skip
     if shared is not None and shared.resuming:
         # The samples held at the checkpoint, read again first, in the order their stages
-        # take them back (see webds.stages.ledger.Slot.restore).
+        # take them back (see webds.base.ledger.Slot.restore).
         return shared.restore_order(samples)
     return samples
 

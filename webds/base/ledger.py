@@ -10,7 +10,7 @@ stages do: it records reads, it predicts no counts.
 ``ledger.current`` is the id of the item last pulled: the stage that produces an item sets it,
 stages that pass items on leave it, ``batched`` makes it a list (a bundle) that ``unbatched``
 takes apart. A stage that holds items takes a ``ledger`` parameter (a :class:`StageLedger`, None
-outside a pipeline) and keeps their ids in its :class:`Slot` (:mod:`webds.stages.slots`).
+outside a pipeline) and keeps their ids in its :class:`Slot` (:mod:`webds.base.slots`).
 :meth:`Ledger.state` is the record; ``Ledger(resume=state)`` answers :meth:`Ledger.consumed` so
 the source skips what was consumed. A DataLoader worker's ledger sends its changes with every
 item (:meth:`Ledger.take_delta`) and the main process keeps a copy per worker
@@ -378,7 +378,7 @@ class _Pad:
         return "PAD"  # the same object in every process
 
     def __repr__(self) -> str:
-        return "webds.stages.ledger.PAD"
+        return "webds.base.ledger.PAD"
 
 
 PAD = _Pad()

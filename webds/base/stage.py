@@ -14,7 +14,7 @@ picklable factories by :func:`stage`::
 
 A stage function that declares a keyword parameter named ``epoch`` receives the pipeline's current
 epoch; one that declares ``pipeline_seed`` receives the pipeline's ``seed``; one that declares
-``ledger`` receives the record of what the pass has read (:mod:`webds.stages.ledger`), which
+``ledger`` receives the record of what the pass has read (:mod:`webds.base.ledger`), which
 stages that hold items back keep up to date so that resuming is exact. A stage may also say
 how it changes the number of items (``@stage(count=SAME)``, ``REORDER``, ``BATCH``, ``UNBATCH``),
 from which a pipeline computes ``len()`` and where to resume (see :mod:`webds.pipeline`).
@@ -62,7 +62,7 @@ __all__ = [
 #: the next, so that the id of the item it yields is the ledger's current one.
 STATELESS = "stateless"
 #: What a stage owes a resume: it holds items across its yields and records them in the ledger
-#: it declares as a parameter (see :mod:`webds.stages.ledger`).
+#: it declares as a parameter (see :mod:`webds.base.ledger`).
 LEDGER = "ledger"
 
 
@@ -232,7 +232,7 @@ class Stage:
 
     def set_ledger(self, ledger: Any) -> None:
         """Set the ledger passed to stage functions that take a ``ledger`` parameter (see
-        :mod:`webds.stages.ledger`)."""
+        :mod:`webds.base.ledger`)."""
         self.ledger = ledger
 
     def __call__(self, src: Iterable[Any]) -> Iterator[Any]:
@@ -265,7 +265,7 @@ def stage(
     ``@stage(stateless=True)``: the function passes each item on (or drops it) before it pulls
     the next, so a pipeline can save its position mid-pass. A function that holds items across
     its yields declares a ``ledger`` parameter instead and records them (see
-    :mod:`webds.stages.ledger`); one that does neither is refused by ``state_dict()``.
+    :mod:`webds.base.ledger`); one that does neither is refused by ``state_dict()``.
     ``@stage(expands=True)``: it reads samples out of each source item (a shard) and numbers
     and records each in the ledger itself (``tarfile_to_samples``); the pipeline then only
     says which source item is current, and leaves skipping consumed samples to it.

@@ -6,7 +6,7 @@ reader: it checks the shape, and says which field of what is wrong. ``to_dict()`
 writer. Nothing else reads or writes a saved state's keys.
 
 - :class:`SlotState`: the ids a stage holds, in its order, and its count of random draws;
-- :class:`LedgerState`: what one stream consumed and held (see :mod:`webds.stages.ledger`);
+- :class:`LedgerState`: what one stream consumed and held (see :mod:`webds.base.ledger`);
 - :class:`StreamState`: where one process's stream stands: the epoch, the items yielded in it, the
   pass being read and its ledger;
 - :class:`PipelineState`: one rank's state: its stream (or its DataLoader workers' streams, for a
