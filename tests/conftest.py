@@ -97,3 +97,26 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # The checks on the other Pythons are subprocesses only: start them now, beside the suite.
+    if any(item.path.name == "test_pythons.py" for item in session.items):
+        import tempfile
+
+        import test_pythons
+
+        folder = Path(tempfile.mkdtemp(prefix="webds-pythons-"))
+        session.config.stash[_PYTHONS_DIR] = folder
+        test_pythons.start_checks(folder)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    folder = session.config.stash.get(_PYTHONS_DIR, None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)  # four virtualenvs
+
+
+_PYTHONS_DIR = pytest.StashKey[Path]()
