@@ -99,7 +99,7 @@ def start_checks(root: Path) -> Dict[str, Future]:
             python = interpreter(version)
             if python is not None and version != f"{sys.version_info[0]}.{sys.version_info[1]}":
                 folder = root / f"python{version}"
-                folder.mkdir(parents=True)
+                folder.mkdir(parents=True, exist_ok=True)
                 _started[version] = pool.submit(check, version, python, folder)
         pool.shutdown(wait=False)  # the checks run on; results() waits for each
     return _started
