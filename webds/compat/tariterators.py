@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 from ..base.handlers import ErrorPolicy, Handler, reraise_exception
 from ..errors import WebdsError
 from ..tar import grouping
-from ..tar.grouping import META_PATTERN, _rename_select, base_plus_ext
+from ..tar.grouper import META_PATTERN, _rename_select, base_plus_ext
 from ..tar.reader import read_members
 from ..tar.samples import tarfile_samples, tarfile_to_samples
 from .helpers import meta_prefix, meta_suffix, shardlist, trace, valid_sample

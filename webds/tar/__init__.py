@@ -6,9 +6,10 @@ one sample (``0001.jpg``, ``0001.cls``) into a sample dict.
 - :mod:`~webds.tar.reader`: ``read_members``, the streaming reader of tar members.
 - :mod:`~webds.tar.writing`: encoding headers and writing members (``encode_header``,
   ``header_encoder``, ``member_bytes``, ``write_member``, ``END_OF_ARCHIVE``).
-- :mod:`~webds.tar.grouping`: the grouping rules (``base_plus_ext``) and the stages from shard
-  descriptors to samples one step at a time (``url_opener``, ``tar_file_expander``,
-  ``group_by_keys``).
+- :mod:`~webds.tar.grouper`: the grouping rules (``base_plus_ext``) in one generator,
+  ``group_members``, which both readers below use.
+- :mod:`~webds.tar.grouping`: the stages from shard descriptors to samples one step at a time
+  (``url_opener``, ``tar_file_expander``, ``group_by_keys``).
 - :mod:`~webds.tar.samples`: ``tarfile_to_samples``, the same steps in one fast generator that
   reads planned sample ranges and keeps the pipeline's ledger.
 """

@@ -1,25 +1,10 @@
-"""Tar members to samples: the WebDataset grouping rules.
-
-A sample is the run of *consecutive* tar members that share a key. The key of a member is its
-directory plus its file name up to the **first** dot of the file name; the extension is everything
-after that dot, and may itself contain dots::
-
-    "a/b.c/d.seg.jpg"  ->  key "a/b.c/d",  extension "seg.jpg"   (dots in directories are fine)
-    "0001.JPG"         ->  key "0001",     extension "jpg"       (lower-cased by default)
-    "README", "dir.v2/file", ".hidden"  ->  no key: skipped, with one warning per shard
-    "a/.hidden"        ->  key "a/",       extension "hidden"    (as webdataset does)
-
-So ``0001.jpg``, ``0001.cls``, ``0001.seg.png`` become
-``{"__key__": "0001", "__url__": url, "jpg": b"...", "cls": b"...", "seg.png": b"..."}``.
-A key that comes back later in the shard starts a new sample; samples never span two shards; two
-members with the same extension in one sample are an error (:class:`~webds.errors.SampleError`).
-Top-level meta files named like ``__meta__`` or ``__index__/...`` are skipped.
-
-Stages, each usable on its own or composed:
-``url_opener`` (shard descriptors -> open streams), ``tar_file_expander`` (streams -> members),
-``group_by_keys`` (members -> samples); :func:`webds.tar.samples.tarfile_to_samples` does all
-three in one fast generator. Only the sample in flight is held in memory; each shard's stream
-is closed as soon as the shard ends or iteration stops.
+"""Shard descriptors to samples one step at a time: the stages ``url_opener`` (shard descriptors
+-> open streams), ``tar_file_expander`` (streams -> members) and ``group_by_keys`` (members ->
+samples), each usable on its own or composed; :func:`webds.tar.samples.tarfile_to_samples` does
+all three in one fast generator. Samples are made by the rules of :mod:`webds.tar.grouper` (whose
+``base_plus_ext``, ``is_meta_name`` and ``META_PATTERN`` are importable from here too). Only the
+sample in flight is held in memory; each shard's stream is closed as soon as the shard ends or
+iteration stops.
 
 Errors go through the stage's ``handler``. With the default (re-raise) the error surfaces after
 every complete sample before it; with a skipping handler the rest of a broken shard is skipped,
@@ -31,14 +16,23 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from ..base.handlers import ErrorPolicy, Handler, reraise_exception
 from ..base.stage import stage
-from ..errors import ArgumentError, OpenError, SampleError, WebdsError
+from ..errors import ArgumentError, OpenError, WebdsError
 from ..io.streams import abandon_stream
 from ..io.urls import deferred_open, local_path
+from .grouper import (
+    END,
+    META_PATTERN,
+    Grouping,
+    ShardNotes,
+    _kept_name,
+    base_plus_ext,
+    group_members,
+    is_meta_name,
+)
 from .reader import EndWithoutMarker, read_members
 
 __all__ = [
@@ -54,42 +48,10 @@ __all__ = [
 
 log = logging.getLogger("webds")
 
-#: Top-level meta files (``__meta__``, ``__index__/x``) that are not part of any sample.
-META_PATTERN = r"__[^/]*__($|/)"
-_meta_match = re.compile(META_PATTERN).match
-
-
-def is_meta_name(name: str) -> bool:
-    """Whether a member name is a top-level meta file (:data:`META_PATTERN`), which readers skip."""
-    return name[:2] == "__" and _meta_match(name) is not None  # the prefix test is the fast path
-
-
 # Marker a stage yields after each shard so that samples never merge across shards. An empty
 # dict, as in webdataset; a dict with "__bad__" means the shard broke and the sample in flight
 # is incomplete and must be dropped.
 _END_OF_SHARD: Dict[str, Any] = {}
-
-
-def base_plus_ext(path: str) -> Tuple[Optional[str], Optional[str]]:
-    """Split a member name into ``(key, extension)`` at the first dot of its file name.
-
-    ``base_plus_ext("a/b.c/d.seg.jpg") == ("a/b.c/d", "seg.jpg")``. A file name without a dot
-    gives ``(None, None)``, and so does a top-level name starting with a dot (its key would be
-    empty); this is webdataset's rule exactly.
-    """
-    slash = path.rfind("/")
-    dot = path.find(".", slash + 1)
-    if dot > slash + 1:
-        return path[:dot], path[dot + 1 :]
-    if dot <= 0:
-        return None, None
-    # A file name starting with a dot, inside a directory ("a/.hidden"). webdataset's regex,
-    # ^((?:.*/|)[^.]+)[.]([^/]*)$, accepts it only if the key still ends with a dot-free run
-    # that starts a path component: "a/.x" -> ("a/", "x"), but "a/b.c/.x" -> (None, None).
-    last_dot = path.rfind(".", 0, dot)
-    if last_dot >= 0 and path.rfind("/", 0, slash) <= last_dot:
-        return None, None
-    return path[:dot], path[dot + 1 :]
 
 
 def _shard_url(shard: Any) -> str:
@@ -198,65 +160,6 @@ def _close_quietly(stream: Any) -> None:
         abandon_stream(stream)
     except Exception as exn:  # e.g. a pipe command killed because we stopped early
         log.debug("webds: ignoring error closing abandoned stream: %s", exn)
-
-
-def _warn_dotless(url: Optional[str], count: int, first: Optional[str]) -> None:
-    if count:
-        log.warning(
-            "webds: skipped %d member(s) without a key.extension name in shard %r "
-            "(first: %r); name them like 'key.ext' to make them part of a sample",
-            count,
-            url,
-            first,
-        )
-
-
-def _member_key(name: str) -> Optional[str]:
-    """The sample key of a member name as the shard has it (None: metadata, or no dot)."""
-    if is_meta_name(name):
-        return None
-    slash = name.rfind("/")
-    i = name.find(".", slash + 1)
-    return name[:i] if i > slash + 1 else base_plus_ext(name)[0]
-
-
-def _kept_name(
-    name: str,
-    select_files: Optional[Callable[[str], bool]],
-    rename_files: Optional[Callable[[str], Optional[str]]],
-) -> Optional[str]:
-    """The member's name as the sample sees it, or None to skip it (a metadata member such as
-    ``__index__``, or one that ``rename_files``/``select_files`` drop)."""
-    if is_meta_name(name):
-        return None
-    if select_files is None and rename_files is None:
-        return name
-    return _rename_select(name, select_files, rename_files)
-
-
-def _rename_select(
-    name: str,
-    select_files: Optional[Callable[[str], bool]],
-    rename_files: Optional[Callable[[str], Optional[str]]],
-) -> Optional[str]:
-    """webdataset order: rename first, then select on the new name. None means skip."""
-    if rename_files is not None:
-        name = rename_files(name)  # type: ignore[assignment]
-        if name is None:
-            return None
-    if select_files is not None and not select_files(name):
-        return None
-    return name
-
-
-def _duplicate(key: str, ext: str, url: Optional[str], fname: str, offset: Any) -> SampleError:
-    return SampleError(
-        f"duplicate file {ext!r} in sample {key!r}: two members of one sample have the same "
-        "extension; rename one, or write each sample's files once",
-        url=url,
-        member=fname,
-        offset=offset,
-    )
 
 
 @stage(stateless=True)
@@ -392,68 +295,70 @@ def group_by_keys(
     :class:`~webds.errors.SampleError`; if the handler skips it, the whole sample is dropped.
     """
     policy = ErrorPolicy(handler, "group_by_keys")
-    wanted = None if suffixes is None else set(suffixes)
-    cur: Optional[Dict[str, Any]] = None
-    cur_key: Optional[str] = None
-    cur_url: Any = None
-    dotless, first_dotless = 0, None
+    rules = Grouping(
+        lcase=lcase,
+        keys=None if keys is base_plus_ext else keys,
+        suffixes=None if suffixes is None else frozenset(suffixes),
+        skip_meta=False,  # tar_file_expander skips them
+    )
     try:
-        for member in src:
+        runs = _ShardRuns(src)
+        head = runs.next_run()
+        while head is not None:
+            # A run's url and local path are its first member's.
+            url, lpath = head.get("__url__"), head.get("__local_path__")
+            notes = ShardNotes()
+            members = runs.members(head)
+            for sample, start in group_members(members, url, rules, policy, notes, lpath):
+                if sample is not None and not (start is END and runs.bad):
+                    yield sample
+            notes.warn_dotless(url)
+            if policy.stopped:
+                break
+            head = runs.next_run()
+    finally:
+        policy.report()
+
+
+class _ShardRuns:
+    """:func:`group_by_keys`'s member dicts, one shard's run at a time: a run ends at an
+    end-of-shard marker or where ``__url__`` changes (a new shard without a marker between).
+    Nothing is pulled from the source before a run's last sample is given."""
+
+    def __init__(self, src: Iterable[Dict[str, Any]]) -> None:
+        self._src = iter(src)
+        self._held: Optional[Dict[str, Any]] = None  # the member that ended a run: the next's
+        #: Whether the last run ended with a broken shard's marker (``__bad__``): its sample in
+        #: flight is incomplete.
+        self.bad = False
+
+    def next_run(self) -> Optional[Dict[str, Any]]:
+        """The first member of the next run (None: no more)."""
+        member, self._held = self._held, None
+        return member if member is not None else self._next()
+
+    def members(self, head: Dict[str, Any]) -> Iterator[Tuple[str, bytes, Any]]:
+        """The run that starts with ``head``, as ``(name, data, offset)``."""
+        url = head.get("__url__")
+        self.bad = False
+        member: Optional[Dict[str, Any]] = head
+        while member is not None:
+            fname = member.get("fname")
+            if fname is None:  # the end-of-shard marker
+                self.bad = bool(member.get("__bad__"))
+                return
+            if member.get("__url__") != url:
+                self._held = member
+                return
+            yield fname, member["data"], member.get("__offset__")
+            member = self._next()
+
+    def _next(self) -> Optional[Dict[str, Any]]:
+        for member in self._src:
             if not isinstance(member, dict):
                 raise ArgumentError(
                     f"group_by_keys expects member dicts {{'fname', 'data'}} (from "
                     f"tar_file_expander), got a {type(member).__name__}"
                 )
-            fname = member.get("fname")
-            if fname is None:
-                # End-of-shard marker (or a broken shard: its sample in flight is incomplete).
-                if cur is not None and not member.get("__bad__"):
-                    yield cur
-                cur, cur_key = None, None
-                _warn_dotless(cur_url, dotless, first_dotless)
-                dotless, first_dotless = 0, None
-                continue
-            url = member.get("__url__")
-            if url != cur_url:
-                # A new shard without a marker in between: still never merge across shards.
-                if cur is not None:
-                    yield cur
-                cur, cur_key = None, None
-                _warn_dotless(cur_url, dotless, first_dotless)
-                dotless, first_dotless = 0, None
-                cur_url = url
-            try:
-                key, ext = keys(fname)
-            except Exception as exn:
-                if policy(exn):
-                    continue
-                break
-            if key is None or ext is None:
-                dotless += 1
-                if first_dotless is None:
-                    first_dotless = fname
-                continue
-            if lcase:
-                ext = ext.lower()
-            if key != cur_key:
-                if cur is not None:
-                    yield cur
-                cur = {"__key__": key, "__url__": url}
-                if "__local_path__" in member:
-                    cur["__local_path__"] = member["__local_path__"]
-                cur_key = key
-            elif cur is None:
-                continue  # the rest of a sample dropped for a duplicate
-            if ext in cur:
-                cur = None
-                if policy(_duplicate(key, ext, url, fname, member.get("__offset__"))):
-                    continue
-                break
-            if wanted is None or ext in wanted:
-                cur[ext] = member["data"]
-        else:
-            if cur is not None:
-                yield cur
-        _warn_dotless(cur_url, dotless, first_dotless)
-    finally:
-        policy.report()
+            return member
+        return None

@@ -1,10 +1,14 @@
 """Shard descriptors to samples in one fast generator: :func:`tarfile_to_samples`.
 
-It applies the WebDataset grouping rules of :mod:`webds.tar.grouping` (where ``url_opener``,
-``tar_file_expander`` and ``group_by_keys``, the same steps one at a time, live; their names are
-importable from here too) with the same error handling, reads planned sample ranges of indexed
-shards (:mod:`webds.shards.plan`), and records each sample it reads in the pipeline's ledger
-(:mod:`webds.base.ledger`), skipping those a resumed epoch already consumed.
+It groups members by the rules of :mod:`webds.tar.grouper`, as the one-step stages of
+:mod:`webds.tar.grouping` do (``url_opener``, ``tar_file_expander``, ``group_by_keys``: their
+names are importable from here too), with the same error handling, reads planned sample ranges
+of indexed shards (:mod:`webds.shards.plan`), and records each sample it reads in the pipeline's
+ledger (:mod:`webds.base.ledger`), skipping those a resumed epoch already consumed.
+
+The layers, each a generator: :func:`_read_samples`, the shard loop, where every sample leaves
+the stage; :func:`_shard_samples`, one shard's samples, numbered and checked against its index;
+:func:`~webds.tar.grouper.group_members`, the grouping; :func:`~webds.tar.reader.read_members`.
 
 Errors go through the stage's ``handler``. With the default (re-raise) the error surfaces after
 every complete sample before it; with a skipping handler the rest of a broken shard is skipped,
@@ -14,24 +18,31 @@ the incomplete sample in flight is dropped, and reading goes on with the next sh
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+    Union,
+)
 
 from ..base.handlers import ErrorPolicy, Handler, reraise_exception
-from ..base.ledger import LEAF, StageLedger
+from ..base.ledger import StageLedger, item_id, shard_of
 from ..base.stage import stage
 from ..errors import ArgumentError, ShardReadError
 from ..io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead, fetch_ahead
 from ..io.urls import url_scheme
+from .grouper import ALL_FILTERED, END, Grouping, ShardNotes, group_members
 from .grouping import (  # noqa: F401  (the one-step stages: importable from here too)
     META_PATTERN,
     _close_quietly,
-    _duplicate,
-    _kept_name,
-    _member_key,
-    _open_shard,
     _shard_opener,
     _shard_url,
-    _warn_dotless,
     accepts_unterminated,
     base_plus_ext,
     group_by_keys,
@@ -41,7 +52,7 @@ from .grouping import (  # noqa: F401  (the one-step stages: importable from her
     url_opener,
     warn_unterminated,
 )
-from .reader import EndWithoutMarker, read_members
+from .reader import read_members
 from .windows import Window, stale_index, window, window_opener
 
 __all__ = [
@@ -88,17 +99,21 @@ def tarfile_to_samples(
     ``readahead_shards`` remote shards are fetched within a ``readahead`` budget of bytes
     (:mod:`webds.io.readahead`; True reads local shards ahead too, False turns it off).
     ``sample_starts``, a list, gets the header offset of each sample's first member (in the
-    uncompressed stream) as the sample is made: the shard index records them. In a
-    pipeline,
+    uncompressed stream) as the sample is made: the shard index records them. In a pipeline,
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
     :mod:`webds.base.ledger`); when resuming, the samples consumed before are skipped.
     """
     shared = ledger.ledger if isinstance(ledger, StageLedger) else ledger
-    samples = _read_samples(
-        src, handler, select_files, rename_files, lcase, max_member_size, readahead,
-        readahead_shards, sample_starts, shared, storage_options,
+    how = _Reading(
+        Grouping(select_files, rename_files, lcase, unmarked_end=True),
+        max_member_size,
+        sample_starts,
         accepts_unterminated(accept_unterminated),
-    )  # fmt: skip
+        readahead,
+        readahead_shards,
+        storage_options,
+    )
+    samples = _read_samples(src, handler, how, shared)
     if shared is not None and shared.resuming:
         # The samples held at the checkpoint, read again first, in the order their stages
         # take them back (see webds.base.ledger.Slot.restore).
@@ -106,229 +121,181 @@ def tarfile_to_samples(
     return samples
 
 
+class _Reading(NamedTuple):
+    """How :func:`tarfile_to_samples` reads (its arguments, less the handler and the ledger)."""
+
+    rules: Grouping
+    max_member_size: Optional[int]
+    sample_starts: Optional[List[int]]
+    unterminated: bool  # shards without their end-of-archive marker are read as complete
+    readahead: Union[bool, int, None]
+    readahead_shards: int
+    storage_options: Dict[str, Any]
+
+
 def _read_samples(
-    src: Iterable[Any],
-    handler: Handler,
-    select_files: Optional[Callable[[str], bool]],
-    rename_files: Optional[Callable[[str], Optional[str]]],
-    lcase: bool,
-    max_member_size: Optional[int],
-    readahead: Union[bool, int, None],
-    readahead_shards: int,
-    sample_starts: Optional[List[int]],
-    ledger: Any,
-    storage_options: Dict[str, Any],
-    unterminated: bool = False,
+    src: Iterable[Any], handler: Handler, how: _Reading, ledger: Any
 ) -> Iterator[Dict[str, Any]]:
-    """The generator behind :func:`tarfile_to_samples` (``ledger``: the pipeline's;
-    ``unterminated``: read shards without their end-of-archive marker as complete)."""
+    """The generator behind :func:`tarfile_to_samples`, the shard loop (``ledger``: the
+    pipeline's, or None). Each sample leaves the stage at one place, recorded in the ledger."""
     policy = ErrorPolicy(handler, "tarfile_to_samples")
-    filtering = select_files is not None or rename_files is not None
-    base = -1  # the ledger id of this shard's sample 0, or -1 outside a pipeline
     resuming = ledger is not None and ledger.resuming
     # Not resuming, a sample read is recorded in the ledger's ``reading`` [shard, sample], two
     # stores, rather than through produce(): this runs once per sample.
     reading = ledger.reading if ledger is not None else None
-    budget, depth, every_shard = check_readahead(readahead, readahead_shards)
-
-    def numbered() -> Iterator[Tuple[Any, int, Optional[Window]]]:
-        # Each shard with its ledger id, taken as it is pulled (shards read ahead are pulled
-        # before the samples of the one being read are all yielded), and where to enter it.
-        for shard in src:
-            item = ledger.current if ledger is not None else None
-            k = item & ~LEAF if isinstance(item, int) else -1
-            first, last, _ = _sample_range(shard)
-            if resuming and k >= 0:
-                if ledger.skips_item(k >> 32):
-                    continue  # all its samples were consumed before the resume: not opened
-                first = ledger.first_unconsumed(k >> 32, first)
-                if first >= last:
-                    ledger.finish(k >> 32)  # consumed up to its last planned sample
+    probe = getattr(ledger, "probe", None)  # stats=True: reading is timed (stages.probe)
+    starts = how.sample_starts
+    # With an index, samples are numbered as the index counted them: before select_files and
+    # rename_files, a sample whose members are all filtered out included.
+    filtering = how.rules.select_files is not None or how.rules.rename_files is not None
+    counted = how.rules._replace(count_raw=filtering)
+    shards = _fetch_shards(src, how, ledger)
+    try:
+        for (shard, base, win), opened in shards if probe is None else probe.reads(shards):
+            if base >= 0:
+                ledger.start_reading(shard_of(base))
+            # A planned segment (see webds.shards.plan) reads samples [first, last) of the shard;
+            # entered at a window, its stream starts with sample win.first, and every sample must
+            # start where the index's offsets say.
+            first, last, indexed = _sample_range(shard)
+            n, entry = (0, 0) if win is None else (win.first, win.offset)
+            bounds = None if win is None else shard["offsets"]
+            rules = how.rules if last == _NO_RANGE else counted
+            notes, url, stream = ShardNotes(), None, None
+            try:
+                try:
+                    url, stream, lpath = opened() if probe is None else probe.open(opened)
+                    members = read_members(stream, url, how.max_member_size, entry)
+                    for done, start in group_members(members, url, rules, policy, notes, lpath):
+                        if start is END:  # the members are all read: the stream is closed first
+                            s, stream = stream, None
+                            ends = n + (done is not None)
+                            _end_of_shard(s, url, ends, last, indexed, notes, how.unterminated)
+                        elif bounds is not None and (done is not None or n == win.first):
+                            _check_start(url, bounds, n + (done is not None), start)
+                        if done is not None:
+                            if n >= first and done is not ALL_FILTERED:
+                                if base < 0:
+                                    yield done
+                                elif not resuming:
+                                    ledger.current = base | n  # item_id(shard, n)
+                                    reading[1] = n
+                                    yield done
+                                elif not ledger.consumed(base | n):
+                                    ledger.produce(base | n)
+                                    yield done
+                            n += 1
+                        if start is END:
+                            break
+                        if n >= last:
+                            if last < indexed:
+                                break  # the rest of the shard belongs to another reader
+                            raise _stale_index(url, indexed, more=True)
+                        if starts is not None:
+                            starts.append(start)
+                except ShardReadError as exn:
+                    # No member where the index says a sample starts? (An end without the
+                    # end-of-archive marker is judged by _end_of_shard.)
+                    if bounds is None or exn.offset not in bounds or exn is notes.unmarked:
+                        raise
+                    where = f"byte {exn.offset}, where sample {bounds.index(exn.offset)}"
+                    raise stale_index(url, f"no tar header at {where} starts") from exn
+            except Exception as exn:
+                if stream is not None:
+                    s, stream = stream, None
+                    _close_quietly(s)
+                notes.warn_dotless(url)
+                if policy(exn):
                     continue
-            yield shard, k, window(shard, first)
+                break
+            finally:
+                if stream is not None:  # stopped early: the consumer, the handler, the segment
+                    _close_quietly(stream)
+            notes.warn_dotless(url)
+            if policy.stopped:
+                break  # by the handler, in group_members
+            if base >= 0:
+                ledger.finish(shard_of(base))
+    finally:
+        shards.close()  # cancels the shards fetched ahead and not read
+        policy.report()
 
-    def opener(entry: Tuple[Any, int, Optional[Window]]) -> Callable[[], Tuple[Any, ...]]:
+
+def _end_of_shard(
+    stream: Any,
+    url: str,
+    n: int,
+    last: int,
+    indexed: int,
+    notes: ShardNotes,
+    unterminated: bool,
+) -> None:
+    """The members of a shard are all read, ``n`` samples counted: check that it ended as it
+    should, close ``stream`` and report the members skipped for their names.
+
+    A shard must end with its end-of-archive marker. One cut at a member boundary, or written
+    without the marker (a window ends so too), is read as complete only if an index's sample
+    count vouches for it, or the caller chose to (``accept_unterminated``: logged)."""
+    unmarked = notes.unmarked
+    try:
+        if unmarked is not None and (n < last if indexed >= 0 else not unterminated):
+            raise unmarked
+        if n < last < _NO_RANGE:
+            raise _stale_index(url, indexed, more=False, seen=n)
+    except Exception:
+        _close_quietly(stream)
+        raise
+    if unmarked is not None and indexed < 0:
+        warn_unterminated(unmarked)
+    if n >= last:
+        _close_quietly(stream)  # a planned segment: maybe not read to its end
+    else:
+        stream.close()
+    notes.warn_dotless(url)
+
+
+_Entry = Tuple[Any, int, Optional[Window]]
+
+
+def _fetch_shards(src: Iterable[Any], how: _Reading, ledger: Any) -> Any:
+    """Each shard's :func:`_entries` entry and the function that opens it, the next shards
+    fetched ahead (:func:`~webds.io.readahead.fetch_ahead`)."""
+    budget, depth, every_shard = check_readahead(how.readahead, how.readahead_shards)
+
+    def opener(entry: _Entry) -> Callable[[], Tuple[Any, ...]]:
         shard, _, win = entry
         if win is not None:
-            return window_opener(shard, win, storage_options)
-        return _shard_opener(shard, storage_options)
+            return window_opener(shard, win, how.storage_options)
+        return _shard_opener(shard, how.storage_options)
 
-    probe = getattr(ledger, "probe", None)  # stats=True: reading is timed (stages.probe)
-    shards = fetch_ahead(
-        numbered(),
+    return fetch_ahead(
+        _entries(src, ledger),
         name=lambda entry: _shard_name(entry[0]),
         opener=opener,
         ahead=lambda entry: _reads_ahead(entry[0], every_shard),
         shards=depth,
         budget=budget,
     )
-    try:
-        for (shard, base, win), opened in shards if probe is None else probe.reads(shards):
-            if base >= 0:
-                ledger.start_reading(base >> 32)
-            try:
-                url, stream, lpath = opened() if probe is None else probe.open(opened)
-            except Exception as exn:
-                if policy(exn):
-                    continue
-                break
-            cur: Optional[Dict[str, Any]] = None
-            cur_key: Optional[str] = None
-            dotless, first_dotless = 0, None
-            stop = False
-            # A planned segment (see webds.shards.plan) reads samples [first, last) of the shard;
-            # entered at a window, its stream starts with sample win.first.
-            first, last, indexed = _sample_range(shard)
-            n = 0 if win is None else win.first  # samples of this shard seen so far
-            entry = 0 if win is None else win.offset
-            # Entered by the index's offsets, every sample must start where the index says.
-            bounds = shard["offsets"] if win is not None else None
-            unmarked: Optional[EndWithoutMarker] = None
-            # With an index, samples are numbered as the index counted them: before
-            # select_files/rename_files, a sample whose members are all filtered out included.
-            count_raw = filtering and last < _NO_RANGE
-            fixed = 2 if lpath is None else 3  # __key__, __url__ and maybe __local_path__
-            try:
-                try:
-                    for name, data, offset in read_members(stream, url, max_member_size, entry):
-                        # This loop runs once per member: a plain "key.ext" name takes one
-                        # partition; everything else (folders, metadata members, renaming, names
-                        # without a dot) the general rules below.
-                        key, dot, ext = name.partition(".")
-                        sample_key = key  # what separates samples (before renaming, for an index)
-                        if not dot or not key or filtering or key[:2] == "__" or "/" in name:
-                            if count_raw:
-                                sample_key = _member_key(name)
-                            try:
-                                name = _kept_name(name, select_files, rename_files)
-                            except Exception as exn:
-                                if policy(exn):
-                                    continue
-                                stop = True
-                                break
-                            if name is None:
-                                if sample_key is None or sample_key == cur_key or not count_raw:
-                                    continue
-                                # Filtered out, but it starts a sample that the index counts.
-                                key, ext = sample_key, None
-                            else:
-                                # base_plus_ext, inlined.
-                                slash = name.rfind("/")
-                                i = name.find(".", slash + 1)
-                                if i > slash + 1:
-                                    key = name[:i]
-                                else:
-                                    key = base_plus_ext(name)[0]
-                                    if key is None:
-                                        dotless += 1
-                                        if first_dotless is None:
-                                            first_dotless = name
-                                        continue
-                                ext = name[i + 1 :]
-                            if not count_raw:
-                                sample_key = key
-                        if sample_key != cur_key:
-                            if bounds is not None and (cur is not None or n == win.first):
-                                _check_start(url, bounds, n + (cur is not None), offset)
-                            if cur is not None and count_raw and len(cur) <= fixed:
-                                cur = None  # every member filtered out: counted, not yielded
-                                n += 1
-                            if cur is not None:
-                                if n >= first:
-                                    if base < 0:
-                                        yield cur
-                                    elif not resuming:
-                                        ledger.current = base | n
-                                        reading[1] = n
-                                        yield cur
-                                    elif not ledger.consumed(base | n):
-                                        ledger.produce(base | n)
-                                        yield cur
-                                n += 1
-                            if n >= last:
-                                cur = None
-                                if last < indexed:
-                                    break  # the rest of the shard belongs to another reader
-                                raise _stale_index(url, indexed, more=True)
-                            cur = {"__key__": key, "__url__": url}
-                            if lpath is not None:
-                                cur["__local_path__"] = lpath
-                            cur_key = sample_key
-                            if sample_starts is not None:
-                                sample_starts.append(offset)
-                        elif cur is None:
-                            continue  # the rest of a sample dropped for a duplicate
-                        if ext is None:
-                            continue  # a member filtered out (count_raw)
-                        if count_raw and len(cur) == fixed:
-                            cur["__key__"] = key  # the key its first kept member has
-                        if lcase:
-                            ext = ext.lower()
-                        if ext in cur:
-                            cur = None
-                            if policy(_duplicate(key, ext, url, name, offset)):
-                                continue
-                            stop = True
-                            break
-                        cur[ext] = data
-                except EndWithoutMarker as exn:
-                    # Cut at a member boundary, or written without the marker: only an index's
-                    # sample count can vouch for the shard (checked below), or the caller's
-                    # accept_unterminated. A window ends so.
-                    if indexed >= 0:
-                        unmarked = exn
-                    elif unterminated:
-                        warn_unterminated(exn)
-                    else:
-                        raise
-                except ShardReadError as exn:
-                    if bounds is not None and exn.offset in bounds:
-                        # No member where the index says a sample starts.
-                        where = f"byte {exn.offset}, where sample {bounds.index(exn.offset)}"
-                        raise stale_index(url, f"no tar header at {where} starts") from exn
-                    raise
-                if cur is not None and count_raw and len(cur) <= fixed:
-                    cur = None
-                    n += 1
-                if cur is not None:
-                    n += 1
-                if not stop and n < last < _NO_RANGE:
-                    cur = None
-                    raise unmarked or _stale_index(url, indexed, more=False, seen=n)
-                s, stream = stream, None
-                if stop or n >= last:
-                    _close_quietly(s)
-                else:
-                    s.close()
-            except Exception as exn:
-                if stream is not None:
-                    s, stream = stream, None
-                    _close_quietly(s)
-                _warn_dotless(url, dotless, first_dotless)
-                if policy(exn):
-                    continue
-                break
-            finally:
-                if stream is not None:  # iteration stopped early
-                    _close_quietly(stream)
-            _warn_dotless(url, dotless, first_dotless)
-            if stop:
-                break
-            if cur is not None and n > first:
-                if base < 0:
-                    yield cur
-                elif not resuming:
-                    ledger.current = base | (n - 1)
-                    reading[1] = n - 1
-                    yield cur
-                elif not ledger.consumed(base | (n - 1)):
-                    ledger.produce(base | (n - 1))
-                    yield cur
-            if base >= 0:
-                ledger.finish(base >> 32)
-    finally:
-        shards.close()  # cancels the shards fetched ahead and not read
-        policy.report()
+
+
+def _entries(src: Iterable[Any], ledger: Any) -> Iterator[_Entry]:
+    """Each shard with the ledger id of its sample 0 (-1 outside a pipeline) and the window to
+    enter it at, taken as it is pulled (shards read ahead are pulled before the samples of the
+    one being read are all yielded). Resuming, the samples consumed before are not read again:
+    a shard without others is skipped unopened, and one is entered after them if it can be."""
+    resuming = ledger is not None and ledger.resuming
+    for shard in src:
+        item = ledger.current if ledger is not None else None
+        k = shard_of(item) if isinstance(item, int) else -1
+        first, last, _ = _sample_range(shard)
+        if resuming and k >= 0:
+            if ledger.skips_item(k):
+                continue  # all its samples were consumed before the resume: not opened
+            first = ledger.first_unconsumed(k, first)
+            if first >= last:
+                ledger.finish(k)  # consumed up to its last planned sample
+                continue
+        yield shard, item_id(k, 0) if k >= 0 else -1, window(shard, first)
 
 
 _NO_RANGE = sys.maxsize
