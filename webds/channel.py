@@ -99,7 +99,7 @@ class WorkerChannel:
     def __init__(self) -> None:
         self.open = False  # the WebLoader is starting the DataLoader: the copies send envelopes
         self.starts: Dict[int, WorkerStart] = {}  # resuming: how each worker begins
-        self.stream: Optional[Pass] = None  # the pass this copy reads
+        self.current_pass: Optional[Pass] = None  # the pass this copy reads
         self.pending: List[Any] = []  # the ids of the items yielded, not yet collated
         self.sent = 0  # items in the batches collated so far this epoch
         self.restored: List[Tuple[Any, Any]] = []  # what the main process held: (item, ids)
@@ -132,11 +132,11 @@ class WorkerChannel:
             yield item
 
     def _note(self, pending: List[Any]) -> None:
-        stream = self.stream
-        pending.append(stream.ledger.current if stream is not None else None)
+        current = self.current_pass
+        pending.append(current.ledger.current if current is not None else None)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "stream": None}  # a worker reads its own pass
+        return {**self.__dict__, "current_pass": None}  # a worker reads its own pass
 
 
 class EnvelopeCollate:
@@ -166,16 +166,17 @@ class EnvelopeCollate:
         first = data[0] if isinstance(data, list) and data else data
         if first is PAD:
             return Envelope(PAD, worker, None, _NO_DELTA, 0, 0)
-        stream = channel.stream
+        current = channel.current_pass
         if type(first) is Restored:
             # Each sample the main process held, collated as a batch of one, as it was split.
             items = [self.collate(x if self.single else [x]) for x in first.items]
             ids = [i if self.single else [i] for i in first.ids]
-            if stream is None:  # nothing read: this worker's stream had ended
+            if current is None:  # nothing read: this worker's stream had ended
                 return Envelope(Restored(items, ids), worker, None, _NO_DELTA, 0, None)
-            ledger = stream.ledger
+            ledger = current.ledger
             delta, problem, sent = ledger.take_delta(), ledger.problem, channel.sent
-            return Envelope(Restored(items, ids), worker, None, delta, sent, stream.number, problem)
+            number = current.number
+            return Envelope(Restored(items, ids), worker, None, delta, sent, number, problem)
         probe = getattr(dataset, "probe", None)
         if probe is None:
             batch = self.collate(data)
@@ -183,14 +184,14 @@ class EnvelopeCollate:
             began = perf_counter()
             batch = self.collate(data)
             probe.collate_seconds += perf_counter() - began
-        if stream is None or not stream.ledger.tracking:
+        if current is None or not current.ledger.tracking:
             return batch  # iterated outside a WebLoader's iter()
         ids: Any = list(channel.pending)  # the ids of the items collated
         channel.pending.clear()  # in place: WorkerChannel.tracked appends to this list
         channel.sent += len(ids)
         if self.single:
             ids = ids[0] if ids else None
-        ledger = stream.ledger
+        ledger = current.ledger
         delta = ledger.take_delta()
         if self.pack and info is not None:
             if self.pool is None:
@@ -198,7 +199,7 @@ class EnvelopeCollate:
             batch = self.pool.pack(batch)
         snapshot = None if probe is None else probe.snapshot()
         sent = channel.sent
-        return Envelope(batch, worker, ids, delta, sent, stream.number, ledger.problem, snapshot)
+        return Envelope(batch, worker, ids, delta, sent, current.number, ledger.problem, snapshot)
 
 
 #: The ledger change a PAD envelope carries: none.

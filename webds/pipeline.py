@@ -119,7 +119,7 @@ class DataPipeline(IterableDataset):
         # Resuming (see state_dict): [epoch, items yielded] of the epoch in progress; the pass
         # being read and its ledger; a saved stream to continue at the next iter().
         self._position: List[int] = [0, 0]
-        self._stream: Optional[Pass] = None
+        self._pass: Optional[Pass] = None
         self._resume: Optional[StreamState] = None
         self._drop = 0
         self._warned_inexact = False
@@ -136,7 +136,7 @@ class DataPipeline(IterableDataset):
         result.pipeline = self.pipeline + [s for s in stages if s is not None]
         result._carry = None
         result._position = list(self._position)
-        result._stream = None
+        result._pass = None
         result.channel = None
         return result
 
@@ -166,7 +166,7 @@ class DataPipeline(IterableDataset):
         self.epoch = int(epoch)
         self._carry = None
         self._resume = None
-        self._stream = None
+        self._pass = None
         self._position = [self.epoch, 0]
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> "DataPipeline":
@@ -282,13 +282,13 @@ class DataPipeline(IterableDataset):
         state = PipelineState(epoch, items, rank=where.rank, world_size=where.world_size)
         state.seed, state.config = self.effective_seed(), self._resume_config()
         state.entropy = [x._entropy for x in random_parts(self)]
-        if self._stream is not None:
-            state.pass_, ledger = self._stream
+        if self._pass is not None:
+            state.pass_, ledger = self._pass
             state.ledger, state.problem = ledger.state(), ledger.problem
             state.last = ledger.current  # what a padded epoch repeats (see _exactly)
         keeper = self._keeper()
         if keeper is not None:
-            keeper.save(state, self._stream)
+            keeper.save(state, self._pass)
         return state
 
     def state_dict(self, all_ranks: bool = False, strict: bool = True) -> Any:
@@ -333,7 +333,7 @@ class DataPipeline(IterableDataset):
             restore_entropy(self, mine)
             self.set_epoch(mine.epoch)
             self._resume = mine
-            self._carry = self._stream = None  # the next iter() starts from the resume
+            self._carry = self._pass = None  # the next iter() starts from the resume
             self._position = [self.epoch, mine.items]
         keeper = self._keeper()
         if keeper is not None:
@@ -435,11 +435,11 @@ class DataPipeline(IterableDataset):
         for epoch in range(start, end):
             ledger = Ledger(resume=saved, track=channel is not None)
             saved = None
-            self._stream = Pass(epoch, ledger)
+            self._pass = Pass(epoch, ledger)
             empty = True
             items = self._one_pass(epoch, ledger)
             if channel is not None:
-                channel.stream = self._stream
+                channel.current_pass = self._pass
                 if ledger.resuming:
                     # What a WebLoader's main process held: for this worker's first batch.
                     items = ledger.divert_held_after(items, channel.restored)
@@ -497,7 +497,7 @@ class DataPipeline(IterableDataset):
             self._position = [position[0] + 1, 0]
             keeper = self._keeper()
             if self._carry is None:  # with_epoch's stream goes on; otherwise the epoch is over
-                self._stream = None
+                self._pass = None
                 if keeper is not None:
                     keeper.epoch_done()
         if is_worker_dataset(self):
