@@ -1,30 +1,16 @@
-"""The worker channel: what a WebLoader's DataLoader workers tell it about each batch.
+"""The worker channel: what a WebLoader's DataLoader workers tell it about each batch, so that
+``state_dict()`` knows exactly which samples the training loop has received.
 
-A :class:`~webds.loader.WebLoader` reads a webds dataset through a ``DataLoader``, whose workers
-each run a copy of the dataset. So that ``state_dict()`` knows exactly which samples the training
-loop has received, whatever sits in the DataLoader's queues, the main process keeps a copy of each
-worker's ledger (:mod:`webds.base.ledger`), brought up to date by every batch:
+- in each worker, the dataset's :class:`WorkerChannel` holds the pass it reads and the ids of the
+  items it yielded, and :class:`EnvelopeCollate` wraps each batch in an
+  :class:`~webds.base.ledger.Envelope` with them and what the ledger recorded meanwhile;
+- in the main process, :class:`WorkerMirrors` applies each envelope to its copy of that worker's
+  ledger and gives each worker's saved stream to ``state_dict()``; resuming, a
+  :class:`WorkerStart` per worker says where it begins, and its first batch brings back what the
+  main process held (``Restored``; ``PAD`` keeps the DataLoader's turn order).
 
-- the worker side: the dataset's :class:`WorkerChannel` (copied into each worker with the dataset)
-  holds the pass the worker reads and the ids of the items its dataset yielded; the DataLoader's
-  collate function (:class:`EnvelopeCollate`) wraps each batch in an
-  :class:`~webds.base.ledger.Envelope` with those ids and what the ledger recorded meanwhile;
-- the main side: :class:`WorkerMirrors` applies each envelope to its copy of that worker's ledger
-  and hands the batch on, and gives each worker's saved stream to ``state_dict()``.
-
-Resuming, the main process tells each worker how to begin (a :class:`WorkerStart` per worker, in
-the channel before the workers start): its saved stream; then its first batch brings back the
-samples the main process held at the checkpoint (``Restored``), and ``PAD`` items keep the
-DataLoader's turn order (see :data:`~webds.base.ledger.PAD`).
-
-The channel is open (:attr:`WorkerChannel.open`) only while the WebLoader starts the DataLoader:
-the copies made then send envelopes, and the same dataset iterated elsewhere yields plain items.
-
-A pipeline meets all this through its source alone: the WebLoader's source (a
-:class:`~webds.loader.LoaderSource`) is a :class:`StreamKeeper`, a source that keeps streams of its
-own, which the pipeline asks to number its items, to save and load its streams, and to say when an
-epoch begins and ends. A DataLoader worker also gives the free pages of its C heap back at the end
-of each epoch (:func:`release_free_heap`).
+The channel is open only while the WebLoader starts the DataLoader. A pipeline meets all this
+through its source alone, a :class:`StreamKeeper` (docs/architecture.md, "Composition").
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Stages: the torch-free half of the engine (:mod:`webds.pipeline` composes them).
-
-A *stage* is a callable ``stage(src: Iterator) -> Iterator``. Stages are written once, as
-generator functions whose first parameter is the upstream iterator, and turned into curried,
-picklable factories by :func:`stage`::
+"""The stage machinery: :func:`stage` turns a generator function whose first parameter is the
+upstream iterator into a curried, picklable factory (:mod:`webds.pipeline` composes them)::
 
     @stage
     def select(src, predicate):
@@ -12,23 +9,12 @@ picklable factories by :func:`stage`::
 
     select(lambda s: "jpg" in s)          # -> Stage, a callable iterator -> iterator
 
-A stage function that declares a keyword parameter named ``epoch`` receives the pipeline's current
-epoch; one that declares ``pipeline_seed`` receives the pipeline's ``seed``; one that declares
-``ledger`` receives the record of what the pass has read (:mod:`webds.base.ledger`), which
-stages that hold items back keep up to date so that resuming is exact. A stage may also say
-how it changes the number of items (``@stage(count=SAME)``, ``REORDER``, ``BATCH``, ``UNBATCH``),
-from which a pipeline computes ``len()`` and where to resume (see :mod:`webds.pipeline`).
-
-Every stage says what it owes a resume (:func:`resume_kind`): :data:`STATELESS` (it passes each
-item on, or drops it, before it pulls the next: ``@stage(stateless=True)``, or
-:func:`stateless` around a plain function), or :data:`LEDGER` (it holds items across its yields
-and records them: a ``ledger`` parameter). A pipeline with a stage that says neither refuses to
-save a position mid-pass (``state_dict()`` raises :class:`~webds.errors.ResumeError`), since
-resuming could lose or repeat what that stage held.
-
-This module does not import torch, so the modules that only define stages (samples, filters,
-decode, cache) and everything built on them without a ``DataPipeline`` (the ``webds`` command,
-the writers) start fast. :mod:`webds.pipeline` re-exports every name here.
+Keyword parameters named ``epoch``, ``pipeline_seed`` and ``ledger`` receive the pipeline's
+epoch, seed and ledger. ``@stage(count=...)`` says how a stage changes the number of items
+(``SAME``, ``REORDER``, ``BATCH``, ``UNBATCH``: ``len()`` and resume follow from it), and
+:func:`resume_kind` what it owes a resume: ``STATELESS`` or ``LEDGER``; with a stage that says
+neither, ``state_dict()`` refuses mid-pass (docs/architecture.md, "A resumable stage"). No torch
+here, so that the command and the writers start fast.
 """
 
 from __future__ import annotations
