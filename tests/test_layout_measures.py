@@ -17,6 +17,13 @@ MAX_LOGIC = 80
 RUN = 6
 #: Where functions are held to MAX_LOGIC: the tar format and the composition of pipelines.
 SHORT_FUNCTIONS = ["tar", "pipeline.py", "counting.py", "epochs.py", "fluent.py", "channel.py"]
+#: Functions still over MAX_LOGIC, each with why; an entry must go once its function is short
+#: (the test below fails while one is listed but no longer long).
+OVER_FOR_NOW = {
+    # Issue 39 (open): its one loop over 512-byte headers is the small-record read's hot path;
+    # a split into helpers must first be shown to keep its speed (benchmarks' read-small).
+    "webds/tar/reader.py:read_members": "issue 39",
+}
 
 # Lines that carry no logic of their own: lone punctuation, and an argument passed on under its
 # own name (``pre=pre,``: plumbing, like a bracket).
@@ -129,12 +136,15 @@ def test_no_function_over_80_lines_of_logic_in_tar_and_the_pipeline():
     files = [p for name in SHORT_FUNCTIONS for p in sorted((PACKAGE / name).glob("**/*.py"))]
     files += [PACKAGE / name for name in SHORT_FUNCTIONS if name.endswith(".py")]
     assert len(files) > len(SHORT_FUNCTIONS), files  # the folders are there and hold modules
-    long = [
-        f"{p.relative_to(ROOT)}:{name} ({n} lines)"
+    long = {
+        f"{p.relative_to(ROOT)}:{name}": n
         for p in files
         for name, n in long_functions(p.read_text())
-    ]
-    assert not long, f"functions over {MAX_LOGIC} lines of logic: split them: {long}"
+    }
+    new = {f: n for f, n in long.items() if f not in OVER_FOR_NOW}
+    assert not new, f"functions over {MAX_LOGIC} lines of logic: split them: {new}"
+    done = sorted(set(OVER_FOR_NOW) - set(long))
+    assert not done, f"no longer over {MAX_LOGIC} lines: take them out of OVER_FOR_NOW: {done}"
 
 
 def test_no_run_of_6_lines_stands_twice_in_webds():
