@@ -40,7 +40,7 @@ _FLUENT = re.compile(r"^_chain\((?P<target>[\w.]+)\)$")
 _STAGE_DECORATOR = re.compile(
     r"^(?:[\w.]+\.)?(?:stage|pipelinefilter|\w*Factory)(?:\(.*\))?$", re.DOTALL
 )
-# Parameters the pipeline passes to a stage function itself (see webds.stages.core.StageFactory).
+# Parameters the pipeline passes to a stage function itself (see webds.base.stage.StageFactory).
 _INJECTED = ("epoch", "pipeline_seed")
 
 
@@ -208,7 +208,8 @@ def _resolve(
         obj = _lookup(candidate, loader)
         if obj is None:
             continue
-        # webds.decode is both a module and, as a public name, the stage webds.stages.decode.decode.
+        # A module may have a member of its own name (webds.stages.decode and the stage decode):
+        # a reference that asks for no module means the member.
         name = obj.name
         if obj.is_module and role != "mod" and name in obj.members:
             obj = obj.members[name]

@@ -97,3 +97,34 @@ def group_alive(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+#: Test modules whose slow steps are subprocesses only (virtualenvs, pip, builds): started as the
+#: session starts, at low priority, they run on the core that pytest, running on one, leaves
+#: idle, instead of holding the suite up when their turn comes. Each has start_...(folder).
+_BACKGROUND = {"test_pythons.py": "start_checks", "test_package.py": "start_builds"}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    selected = {item.path.name for item in session.items} & set(_BACKGROUND)
+    if not selected:
+        return
+    import importlib
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="webds-background-"))
+    session.config.stash[_BACKGROUND_DIR] = folder
+    for name in sorted(selected):
+        module = importlib.import_module(name[: -len(".py")])
+        getattr(module, _BACKGROUND[name])(folder / name[: -len(".py")])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    folder = session.config.stash.get(_BACKGROUND_DIR, None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)  # virtualenvs and builds
+
+
+_BACKGROUND_DIR = pytest.StashKey[Path]()

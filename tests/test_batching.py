@@ -1,4 +1,4 @@
-"""Tests for webds.batching: batched / unbatched, listed / unlisted and default_collation_fn."""
+"""webds.stages.batching: batched / unbatched, listed / unlisted and default_collation_fn."""
 
 from __future__ import annotations
 

@@ -62,9 +62,9 @@ import time  # noqa: E402
 
 from conftest import sample_members, write_tar  # noqa: E402
 
+from webds.base.handlers import ignore_and_continue  # noqa: E402
 from webds.errors import OpenError, ShardReadError  # noqa: E402
 from webds.fluent import WebDataset  # noqa: E402
-from webds.stages.handlers import ignore_and_continue  # noqa: E402
 
 
 @pytest.fixture
@@ -207,14 +207,17 @@ def test_killed_reader_leaves_no_visible_partial_file(tmp_path):
     # The command sends part of the shard, then stalls: the reader is killed mid-download.
     url = f"pipe:head -c 20000 {path}; sleep 60; tail -c +20001 {path}"
     proc = subprocess.Popen([sys.executable, "-c", READER, str(cache), url])
-    deadline = time.time() + 60
-    while time.time() < deadline and not any(n.startswith(".") for n in _list(cache)):
-        time.sleep(0.1)
-    time.sleep(0.5)
+    # Killed mid-download: once its temporary copy exists. (It may still be empty: the first
+    # 20000 bytes wait in the reader's 1 MiB read for the rest, which the stall holds back.)
+    deadline = time.monotonic() + 60
+    while not any(n.startswith(".") and ".tmp-" in n for n in _list(cache)):
+        assert proc.poll() is None, f"the reader exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"no partial copy in the cache: {_list(cache)}"
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert visible(cache) == [], "no partial shard under a cache name"
-    assert any(n.startswith(".") for n in os.listdir(cache))
+    assert any(n.startswith(".") and ".tmp-" in n for n in os.listdir(cache))
     # The next user of the cache removes the dead process's temporary copy.
     from webds.io.cache import ShardCache
 

@@ -456,13 +456,40 @@ def test_stopping_interleave_ends_a_command_that_keeps_its_output_open(tmp_path:
     # (it used to wait for the thread's 30 s join timeout).
     import time
 
+    from webds.cli.common import read_samples
     from webds.cli.reshard import interleave_shards
 
     # Bigger than the reader's 1 MiB chunks, so the samples arrive before the command ends.
-    write_tar(tmp_path / "a.tar", [(f"{i:06d}.bin", bytes([i]) * 400_000) for i in range(8)])
-    it = interleave_shards([f"pipe:cat {tmp_path / 'a.tar'}; sleep 60", str(tmp_path / "a.tar")], 2)
+    path = write_tar(tmp_path / "a.tar", [(f"{i:06d}.bin", bytes([i]) * 400_000) for i in range(8)])
+    size = path.stat().st_size
+    waiting = threading.Event()
+
+    class Watched:
+        """The command's stream: a read for more than the rest of the tar ends only when the
+        command's output does (or after the pipe's 60 s idle limit)."""
+
+        def __init__(self, stream):
+            self.stream, self.seen = stream, 0
+
+        def read(self, n=-1):
+            if n < 0 or self.seen + n > size:
+                waiting.set()
+            data = self.stream.read(n)
+            self.seen += len(data)
+            return data
+
+        def __getattr__(self, name):
+            return getattr(self.stream, name)
+
+    def read(shards):
+        (shard,) = shards
+        if shard["url"].startswith("pipe:"):  # the plain file's thread reads to its end at once
+            shard = dict(shard, stream=Watched(shard["stream"]))
+        return read_samples([shard])
+
+    it = interleave_shards([f"pipe:cat {path}; sleep 60", str(path)], 2, read=read)
     assert [next(it)["__key__"] for _ in range(3)] == ["000000", "000000", "000001"]
-    time.sleep(0.5)  # the pipe's thread reaches the end of the tar and waits on the command
+    assert waiting.wait(30), "the pipe's thread never came to wait on the command"
     start = time.monotonic()
     it.close()
     assert time.monotonic() - start < 10

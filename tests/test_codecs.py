@@ -17,16 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from webds.decode import (
-    Continue,
-    Decoder,
-    DecodingError,
-    decode,
-    default_decoder,
-    gzfilter,
-    handle_extension,
-    make_decoder,
-)
+from webds.base.handlers import ignore_and_continue
 from webds.errors import ArgumentError, DecodeError, EncodeError
 from webds.stages.codecs import (
     AUDIO_EXTENSIONS,
@@ -40,6 +31,16 @@ from webds.stages.codecs import (
     torch_loads,
     torch_video,
 )
+from webds.stages.decode import (
+    Continue,
+    Decoder,
+    DecodingError,
+    decode,
+    default_decoder,
+    gzfilter,
+    handle_extension,
+    make_decoder,
+)
 from webds.stages.encode import (
     cbor_dumps,
     default_handlers,
@@ -52,7 +53,6 @@ from webds.stages.encode import (
     tenbin_dumps,
     torch_dumps,
 )
-from webds.stages.handlers import ignore_and_continue
 from webds.tar.samples import tarfile_to_samples
 from webds.writer import TarWriter
 

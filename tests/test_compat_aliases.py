@@ -1,4 +1,5 @@
-"""webdataset's module names (webds.shardlists, webds.gopen, ...) served from webds.aliases."""
+"""webdataset's module names (webds.shardlists, webds.gopen, ...) served from
+webds.compat.aliases."""
 
 from __future__ import annotations
 
@@ -158,13 +159,17 @@ def test_gopen_is_callable_and_a_module(tmp_path):
 
 GOPEN_ORDERS = {
     "module first": (
-        "import webds.aliases\nfrom webds.gopen import gopen_schemes\nfrom webds import gopen\n"
+        "import webds.compat.aliases\n"
+        "from webds.gopen import gopen_schemes\n"
+        "from webds import gopen\n"
     ),
     "name first": (
-        "import webds.aliases\nfrom webds import gopen\nfrom webds.gopen import gopen_schemes\n"
+        "import webds.compat.aliases\n"
+        "from webds import gopen\n"
+        "from webds.gopen import gopen_schemes\n"
     ),
     "attribute": (
-        "import webds.aliases, webds.gopen, webds\n"
+        "import webds.compat.aliases, webds.gopen, webds\n"
         "gopen = webds.gopen\n"
         "gopen_schemes = webds.gopen.gopen_schemes\n"
     ),
@@ -176,14 +181,44 @@ def test_gopen_both_spellings_whatever_the_import_order(order, tmp_path):
     path = tmp_path / "x.bin"
     path.write_bytes(b"payload")
     code = GOPEN_ORDERS[order] + (
-        "import sys, webds, webds.urls\n"
+        "import sys, webds, webds.io.urls\n"
         "assert gopen is sys.modules['webds.gopen'] is webds.gopen\n"
-        "assert gopen_schemes is webds.urls.SCHEMES\n"
+        "assert gopen_schemes is webds.io.urls.SCHEMES\n"
         f"print(gopen({str(path)!r}).read().decode())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "payload"
+
+
+#: webdataset 1.0.2's modules (../shared/reference/webdataset-1.x.md, A.0).
+WEBDATASET_MODULES = set(
+    "autodecode cache compat extradatasets filters gopen handlers mix multi pipeline pytorch "
+    "shardlists tariterators tenbin typecheck utils writer".split()
+)
+
+
+def test_only_webdatasets_module_names_are_served():
+    assert set(aliases.ALIASES) | set(aliases.MOVED) <= WEBDATASET_MODULES
+    # webds's own module names from before its layout (webds.urls, ...) were never released.
+    for old in ("urls", "tario", "samples", "sharddatasets", "index", "legacy", "decode"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"webds.{old}")
+    assert webds.decode is decode.decode  # the stage, as always
+
+
+@pytest.mark.parametrize("alias", sorted(aliases.MOVED))
+def test_each_moved_module_name_serves_its_modules_public_names(alias):
+    module = importlib.import_module(f"webds.{alias}")
+    for target in aliases.MOVED[alias]:
+        real = importlib.import_module(target)
+        for name in getattr(real, "__all__", []):
+            assert getattr(module, name) is getattr(real, name), f"webds.{alias}.{name}"
+    if aliases._is_whole_module(alias):
+        # The very same module: mock.patch("webds.tenbin.x") patches what the code uses.
+        (target,) = aliases.MOVED[alias]
+        assert module is importlib.import_module(target)
+        assert module.__spec__.name == target  # not clobbered by the alias import
 
 
 def test_real_modules_win_and_no_alias_shadows_a_module_file():
@@ -205,7 +240,7 @@ def test_package_getattr_imports_lazily():
         [
             sys.executable,
             "-c",
-            "import sys, webds.aliases as a\n"
+            "import sys, webds.compat.aliases as a\n"
             "assert 'webds.shardlists' not in sys.modules\n"
             "m = a.package_getattr('shardlists')\n"
             "assert sys.modules['webds.shardlists'] is m\n"

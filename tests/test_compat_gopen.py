@@ -11,11 +11,11 @@ import pytest
 from conftest import sample_members, write_tar
 from torch.utils.data import DataLoader
 
+from webds.base.handlers import warn_and_continue
 from webds.compat import gopen, gopen_schemes, reader
 from webds.errors import ArgumentError, OpenError
 from webds.fluent import WebDataset
 from webds.io import urls
-from webds.stages.handlers import warn_and_continue
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,9 @@ def shards(tmp_path):
 
 def test_registry_is_the_one_in_urls_and_starts_empty():
     assert gopen_schemes is urls.SCHEMES
-    code = "import webds.compat as c, webds.urls as u; print(len(c.gopen_schemes), len(u.SCHEMES))"
+    code = (
+        "import webds.compat as c, webds.io.urls as u\nprint(len(c.gopen_schemes), len(u.SCHEMES))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )

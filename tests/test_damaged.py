@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
+from clitools import tar_members
 
 import webds
 from webds.errors import ShardReadError
@@ -271,9 +272,14 @@ def test_compressed_shards_cut_or_holed(tmp_path: Path) -> None:
 
 def test_peer_shards_still_read_whole(peer_dir: Path) -> None:
     """Shards another implementation wrote end cleanly: the stricter end check refuses none."""
-    for path in sorted(peer_dir.glob("*.t*")):
-        for _ in read_members(open(path, "rb"), str(path)):
-            pass
+    paths = sorted(peer_dir.glob("*.t*"))
+    assert paths, f"no peer shards in {peer_dir}"
+    for path in paths:
+        with open(path, "rb") as f:
+            got = [(name, data) for name, data, _ in read_members(f, str(path))]
+        assert got, f"{path.name}: no members read"
+        # Python's tarfile is the independent reader: the same regular files, in order, same bytes.
+        assert got == tar_members(path), path.name
 
 
 # -- reading unterminated shards as complete, when the caller says so ------------------------

@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from webds.decode import Decoder, Decompress, gzfilter, handle_extension
 from webds.errors import DecodeError
 from webds.stages.codecs import BasicHandlers, imagehandler
+from webds.stages.decode import Decoder, Decompress, gzfilter, handle_extension
 
 
 def _image(fmt: str) -> bytes:

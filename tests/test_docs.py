@@ -28,8 +28,8 @@ DOCUMENTED_ELSEWHERE = {
     # webds.gopen is both a module (webdataset's module name) and callable: the function is
     # documented as webds.compat.gopen.
     "gopen": "webds.compat.gopen",
-    # webds.cache is the module name of webds 0.1, now an alias serving webds.io.cache (and the
-    # stage in webds.tar.cached): the module is documented under its real name.
+    # webds.cache is webdataset's module name, an alias serving webds.io.cache (and the stage in
+    # webds.tar.cached): the module is documented under its real name.
     "cache": "webds.io.cache",
 }
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from webds.decode import decode
+from webds.base.handlers import ignore_and_continue, ignore_and_stop, warn_and_continue
 from webds.errors import ArgumentError, SampleError
 from webds.fluent import WebDataset
 from webds.pipeline import DataPipeline
@@ -28,7 +28,7 @@ from webds.shards import derive_seed, split_by_worker
 from webds.stages import batching as B
 from webds.stages import fields as FD
 from webds.stages import filters as F
-from webds.stages.handlers import ignore_and_continue, ignore_and_stop, warn_and_continue
+from webds.stages.decode import decode
 
 # -- helpers ---------------------------------------------------------------------------------------
 

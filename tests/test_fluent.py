@@ -13,12 +13,12 @@ import torch
 from conftest import sample_members, write_tar
 from PIL import Image
 
-from webds.decode import decode as decode_stage
+from webds.base.handlers import warn_and_continue
 from webds.errors import ArgumentError, OpenError, ShardReadError, WebdsError
 from webds.fluent import FluentMixin, WebDataset
 from webds.pipeline import DataPipeline
 from webds.stages import batching, fields, filters
-from webds.stages.handlers import warn_and_continue
+from webds.stages.decode import decode as decode_stage
 
 
 def jpeg_bytes(i: int) -> bytes:

@@ -4,9 +4,9 @@ import logging
 
 import pytest
 
+from webds.base.handlers import ErrorPolicy, ignore_and_continue, ignore_and_stop
 from webds.errors import SampleError
 from webds.pipeline import DataPipeline
-from webds.stages.handlers import ErrorPolicy, ignore_and_continue, ignore_and_stop
 from webds.tar.grouper import (
     ALL_FILTERED,
     END,

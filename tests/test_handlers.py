@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import Tracked, write_tar
 
-from webds.fluent import WebDataset
-from webds.stages.handlers import (
+from webds.base.handlers import (
     ErrorPolicy,
     apply_each,
     ignore_and_continue,
@@ -20,6 +19,7 @@ from webds.stages.handlers import (
     warn_and_continue,
     warn_and_stop,
 )
+from webds.fluent import WebDataset
 
 
 def fail_on_multiples_of_three(x):

@@ -4,6 +4,8 @@ every public name still resolves, the same object from every place, in a fresh p
 from __future__ import annotations
 
 import ast
+import importlib
+import importlib.util
 import pickle
 import subprocess
 import sys
@@ -24,10 +26,9 @@ TORCH_FREE = (
     "webds.io.urls webds.writer webds.tar.samples "
     "webds.shards.index webds.stages.encode webds.errors webds.stages webds.shards "
     "webds.stages.filters webds.stages.decode webds.io.cache webds.shards.plan "
-    "webds.stages.handlers webds.io webds.tar webds.compat webds.keywords "
-    # the same modules under their names before 0.2
-    "webds.tario webds.urls webds.samples webds.index webds.encode webds.filters webds.cache "
-    "webds.plan webds.handlers"
+    "webds.base.handlers webds.io webds.tar webds.compat webds.keywords "
+    # webdataset's module names for some of them
+    "webds.filters webds.cache webds.handlers"
 ).split()
 
 
@@ -96,11 +97,11 @@ def test_every_public_name_resolves_in_a_fresh_process():
 
 
 def test_decode_stays_the_stage_whatever_is_imported_first():
-    # The submodule webds/decode.py shares the stage's name; importing it (directly, or through
-    # fluent.py) must not turn webds.decode into the module.
+    # The stage's module, webds.stages.decode, has the stage's name: importing it (directly, or
+    # through fluent.py) must not turn webds.decode into the module.
     out = _python(
         """
-        import webds.decode, webds.fluent
+        import webds.stages.decode, webds.fluent
         import webds as wds
         from webds.stages import StageFactory
         assert isinstance(wds.decode, StageFactory), wds.decode
@@ -119,7 +120,7 @@ def test_submodules_and_webdataset_modules_without_an_import_statement():
         assert webds.shards.expand_urls("a-{0..1}.tar") == ["a-0.tar", "a-1.tar"]
         assert webds.filters.shuffle is webds.shuffle
         assert webds.tenbin.__name__ == "webds.stages.tenbin"
-        assert webds.cache.__name__ == "webds.cache"  # the old name: io.cache and tar.cached
+        assert webds.cache.__name__ == "webds.cache"  # webdataset's: io.cache and tar.cached
         assert webds.cache.LRUCleanup is webds.LRUCleanup and webds.cache.cached_shards
         assert "torch" not in sys.modules
         assert webds.shardlists.SimpleShardList is webds.shards.SimpleShardList
@@ -143,32 +144,53 @@ def test_dir_lists_the_public_names():
     assert {"SimpleShardList", "ResampledShards", "expand_urls"} <= set(dir(webds.shards))
 
 
-def test_lazy_table_matches_all_and_the_type_checking_imports():
-    # Three lists name the public API: __all__, the lazy table, and the imports type checkers see.
+def test_one_export_table():
+    # __all__ and the lazy lookup come from webds._EXPORTS; so does the stub type checkers read.
+    entries = [e.partition("=")[0] for _, names in webds._EXPORTS for e in names.split()]
+    twice = sorted({n for n in entries if entries.count(n) > 1})
+    assert not twice, f"exported twice in webds._EXPORTS: {twice}"
+    assert webds.__all__ == ["gopen", *entries]
+    for name in entries:
+        module, attribute = webds._WHERE[name]
+        value = importlib.import_module(module)
+        assert getattr(webds, name) is (value if attribute is None else getattr(value, attribute))
+    # No other list: outside the table, the package's source neither imports a public name nor
+    # lists one in a literal.
     tree = ast.parse((ROOT / "webds" / "__init__.py").read_text())
-    seen: dict = {}
+    table = next(n for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "_EXPORTS")
+    inside = {id(n) for n in ast.walk(table)}
+    public = set(entries)
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
-            for stmt in node.body:
-                assert isinstance(stmt, ast.ImportFrom) and stmt.level == 1, ast.dump(stmt)
-                for alias in stmt.names:
-                    package = f"webds.{stmt.module}" if stmt.module else "webds"
-                    folder = ROOT / package.replace(".", "/")
-                    if (folder / f"{alias.name}.py").exists() or (folder / alias.name).is_dir():
-                        seen[alias.name] = (f"{package}.{alias.name}", None)  # a module
-                    else:
-                        seen[alias.asname or alias.name] = (package, alias.name)
-    # webds.cache is the old module name (an alias serving webds.io.cache and webds.tar.cached);
-    # type checkers see the module that holds most of it.
-    where = dict(webds._WHERE, cache=("webds.io.cache", None))
-    assert seen == where
-    assert set(webds.__all__) == set(webds._WHERE) | {"decode", "gopen"}
-    assert len(webds.__all__) == len(set(webds.__all__))
+        if isinstance(node, ast.ImportFrom):
+            assert not {a.asname or a.name for a in node.names} & public, ast.dump(node)
+        elif isinstance(node, ast.Constant) and id(node) not in inside:
+            assert node.value not in public, f"{node.value!r} named outside webds._EXPORTS"
+
+
+def test_the_stub_follows_the_table():
+    from exports_stub import STUB, stub_text
+
+    assert STUB.read_text() == stub_text(), (
+        "webds/__init__.pyi is out of date with webds._EXPORTS: run python tests/exports_stub.py"
+    )
+    tree = ast.parse(STUB.read_text())
+    imported = {
+        a.asname for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names if a.asname
+    }
+    assert imported == set(webds.__all__)
+    for node in tree.body:  # every import in the stub resolves to a real module
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            for alias in node.names:
+                package = f"webds.{node.module}" if node.module else "webds"
+                target = importlib.import_module(package)
+                assert hasattr(target, alias.name) or importlib.util.find_spec(
+                    f"{package}.{alias.name}"
+                ), f"{package}.{alias.name}"
 
 
 def test_pipeline_and_shards_keep_their_names():
     # webdataset code imports these from webds.pipeline / webds.shards; they are the very objects
-    # now defined in webds.stages / webds.sharddatasets.
+    # now defined in webds.stages / webds.shards.datasets.
     for name in webds.stages.__all__:
         assert getattr(webds.pipeline, name) is getattr(webds.stages, name), name
     from webds.shards import ResampledShards as shards_resampled
@@ -177,15 +199,6 @@ def test_pipeline_and_shards_keep_their_names():
 
     assert shards_simple is SimpleShardList and shards_resampled is ResampledShards
     assert webds.shards.ResampledShardList is ResampledShardList
-
-
-def test_pickles_made_before_the_split_still_load():
-    # What pickle wrote for a stage factory, a Stage and a shard list when they lived in
-    # webds.pipeline and webds.shards (protocol 0 spells the references out).
-    factory = b"cwebds.pipeline\n_import_object\n(Vwebds.filters\nVshuffle\ntR."
-    assert pickle.loads(factory) is webds.filters.shuffle
-    assert pickle.loads(b"cwebds.pipeline\nStage\n.") is webds.stages.Stage
-    assert pickle.loads(b"cwebds.shards\nSimpleShardList\n.") is webds.shards.SimpleShardList
 
 
 def test_stages_and_shard_lists_round_trip_through_pickle(tmp_path):

@@ -1,6 +1,6 @@
-"""The shard index (webds.index): built from real tar files written by Python's tarfile, saved,
-moved, loaded locally and from S3 (moto on loopback), verified against damaged shards, and
-written by ShardWriter while it writes."""
+"""The shard index (webds.shards.index): built from real tar files written by Python's tarfile,
+saved, moved, loaded locally and from S3 (moto on loopback), verified against damaged shards,
+and written by ShardWriter while it writes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""webdataset 1.x helpers (utils, extradatasets) in webds.legacy."""
+"""webdataset 1.x helpers (utils, extradatasets) in webds.compat.legacy."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_make_seed_is_stable_across_processes():
     here = make_seed(*args)
     assert 0 <= here < 2**31
     assert here == make_seed(*args) and here != make_seed("shard-001.tar", 3, 7)
-    code = "from webds.legacy import make_seed; print(make_seed('shard-000.tar', 3, 7))"
+    code = "from webds.compat.legacy import make_seed; print(make_seed('shard-000.tar', 3, 7))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout) == here
 
@@ -133,7 +133,7 @@ def test_safe_eval_parses_literals_and_never_evaluates(tmp_path):
 
 def test_lookup_sym():
     assert lookup_sym("Doubler", ["os", __name__]) is Doubler
-    assert lookup_sym("batched", [".batching"]) is batched
+    assert lookup_sym("batched", [".filters"]) is batched  # webdataset's module name
     assert lookup_sym("no_such_name", ["os", ".filters"]) is None
 
 

@@ -14,11 +14,11 @@ from conftest import write_tar
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from webds.decode import handle_extension
 from webds.errors import ArgumentError
 from webds.fluent import WebDataset
 from webds.shards import ResampledShards, SimpleShardList
 from webds.stages.batching import batched
+from webds.stages.decode import handle_extension
 
 
 def image_bytes(i: int, fmt: str) -> bytes:

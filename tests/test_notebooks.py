@@ -92,6 +92,20 @@ def test_notebook_runs_top_to_bottom(path: Path, kernel_env, monkeypatch):
     except nbclient.exceptions.CellExecutionError as exn:
         pytest.fail(f"{path.name}: a cell failed:\n{exn}", pytrace=False)
     elapsed = time.monotonic() - started
+    # execute() raises only for errors it is not told to allow (a cell tagged
+    # "raises-exception" gets through): judge the executed notebook itself.
+    code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
+    assert code, f"{path.name}: no code cells"
+    unrun = [i for i, c in code if c.get("execution_count") is None]
+    assert not unrun, f"{path.name}: cells {unrun} did not run"
+    errors = [
+        (i, out.get("ename"), out.get("evalue"))
+        for i, c in code
+        for out in c.outputs
+        if out.output_type == "error"
+    ]
+    assert not errors, f"{path.name}: cells raised {errors}"
+    assert any(c.outputs for _, c in code), f"{path.name}: no cell showed anything"
     print(f"{path.name}: {elapsed:.1f} s")
 
 

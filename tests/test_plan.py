@@ -1,4 +1,4 @@
-"""Epoch plans (webds.plan): every rank gets the same count, the union is the dataset."""
+"""Epoch plans (webds.shards.plan): every rank gets the same count, the union is the dataset."""
 
 from __future__ import annotations
 

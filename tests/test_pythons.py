@@ -16,7 +16,7 @@ import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Optional
 
 import pytest
 
@@ -52,7 +52,10 @@ def interpreter(version: str) -> Optional[str]:
 
 
 def run(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=600, **kw)
+    # nice: the checks run beside the rest of the suite and must not slow it down.
+    return subprocess.run(
+        ["nice", "-n", "15", *args], capture_output=True, text=True, timeout=600, **kw
+    )
 
 
 def check(version: str, python: str, folder: Path) -> str:
@@ -80,19 +83,32 @@ def check(version: str, python: str, folder: Path) -> str:
     return ""
 
 
+_started: Dict[str, Future] = {}
+
+
+def start_checks(root: Path) -> Dict[str, Future]:
+    """Start every version's check (once per session), two at a time, in folders under ``root``.
+
+    tests/conftest.py calls this as the session starts when these tests are selected: the
+    checks are subprocesses (venv, pip, pytest), run at low priority, so they take the core
+    that pytest, running on one, leaves idle for most of the suite, instead of holding the
+    suite up for two minutes when their turn comes."""
+    if not _started:
+        pool = ThreadPoolExecutor(max_workers=2)
+        for version in VERSIONS:
+            python = interpreter(version)
+            if python is not None and version != f"{sys.version_info[0]}.{sys.version_info[1]}":
+                folder = root / f"python{version}"
+                folder.mkdir(parents=True, exist_ok=True)
+                _started[version] = pool.submit(check, version, python, folder)
+        pool.shutdown(wait=False)  # the checks run on; results() waits for each
+    return _started
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> Iterator[Dict[str, Future]]:
-    """Every version's check, started at once two at a time: pytest runs on one core, and
-    the checks are mostly CPU work, so the second core takes half of them."""
-    pool = ThreadPoolExecutor(max_workers=2)
-    futures: Dict[str, Future] = {}
-    for version in VERSIONS:
-        python = interpreter(version)
-        if python is not None and version != f"{sys.version_info[0]}.{sys.version_info[1]}":
-            folder = tmp_path_factory.mktemp(f"python{version}")
-            futures[version] = pool.submit(check, version, python, folder)
-    yield futures
-    pool.shutdown(wait=True)
+def results(tmp_path_factory) -> Dict[str, Future]:
+    """Every version's check: started with the session, or now."""
+    return start_checks(tmp_path_factory.mktemp("pythons"))
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -23,10 +23,10 @@ from conftest import sample_members, write_tar
 from test_resume import flat, random_pipeline, resume
 
 import webds
+from webds.base.handlers import warn_and_continue
 from webds.errors import ArgumentError, OpenError, ShardReadError
 from webds.io import readahead as ra
 from webds.shards.index import ShardIndex
-from webds.stages.handlers import warn_and_continue
 
 
 def serve_shards(server: Any, sizes: List[int], member_bytes: int = 10) -> List[str]:

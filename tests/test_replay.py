@@ -115,7 +115,7 @@ def test_lmdb_replay_in_another_process(tmp_path):
     assert list(DataPipeline(tuple(data), stage)) == data
     stage.close()
     code = (
-        "import sys; from webds.replay import LMDBCached; from webds.pipeline import DataPipeline\n"
+        "from webds.stages.replay import LMDBCached; from webds.pipeline import DataPipeline\n"
         f"print([s['x'] for s in DataPipeline([], LMDBCached({db!r}, map_size=2**24))])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -22,9 +22,9 @@ import pytest
 from conftest import sample_members, write_tar
 
 import webds
+from webds.base.stage import LEDGER, STATELESS, StageFactory, Stateless, resume_kind
 from webds.compat.legacy import PipelineStage
 from webds.errors import ArgumentError, ResumeError
-from webds.stages.core import LEDGER, STATELESS, StageFactory, Stateless, resume_kind
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Retries with resume (webds.retrying) against real HTTP servers on loopback.
+"""Retries with resume (webds.io.retrying) against real HTTP servers on loopback.
 
 The fault-injecting server cuts responses after N body bytes (promising the full
 Content-Length) or answers with an error status; the samples read through it must equal the

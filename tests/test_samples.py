@@ -1,4 +1,4 @@
-"""webds.samples: grouping tar members into samples, error handling, closing, peer shards."""
+"""webds.tar.samples: grouping tar members into samples, error handling, closing, peer shards."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any, Dict, List
 import pytest
 from conftest import sample_members, write_tar
 
+from webds.base.handlers import ignore_and_continue, ignore_and_stop, reraise_exception
 from webds.errors import OpenError, SampleError, ShardReadError
 from webds.pipeline import DataPipeline
-from webds.stages.handlers import ignore_and_continue, ignore_and_stop, reraise_exception
 from webds.tar.samples import (
     base_plus_ext,
     group_by_keys,

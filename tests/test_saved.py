@@ -1,4 +1,4 @@
-"""The saved state is typed (webds.stages.saved): one reader, one writer, a version, and clear
+"""The saved state is typed (webds.base.saved): one reader, one writer, a version, and clear
 errors for a malformed state; a WebLoader speaks to its pipeline only through its source."""
 
 from __future__ import annotations
@@ -11,11 +11,7 @@ import pytest
 from conftest import sample_members, write_tar
 
 import webds
-from webds.channel import StreamKeeper
-from webds.errors import ArgumentError
-from webds.loader import LoaderSource
-from webds.pipeline import DataPipeline
-from webds.stages.saved import (
+from webds.base.saved import (
     VERSION,
     LedgerState,
     PipelineState,
@@ -24,6 +20,10 @@ from webds.stages.saved import (
     read_state,
     read_states,
 )
+from webds.channel import StreamKeeper
+from webds.errors import ArgumentError
+from webds.loader import LoaderSource
+from webds.pipeline import DataPipeline
 
 
 @pytest.fixture
@@ -88,7 +88,9 @@ def test_a_typed_state_loads_as_its_dict_does(spec):
 @pytest.mark.parametrize(
     "change, says",
     [
-        (lambda s: s.update(version=3), "not a webds pipeline state"),
+        (lambda s: s.pop("version"), "not a webds pipeline state"),
+        (lambda s: s.update(version=3), "version 3, and this webds reads version 2 .*upgrade"),
+        (lambda s: s.update(version=1), r"version 1 .*webds 0\.1.*never released.*set_epoch\(0\)"),
         (lambda s: s.update(workers=[1, 2]), "'workers'"),
         (lambda s: s.update(workers={"x": {}}), "'workers'"),
         (lambda s: s.update(entropy=["a"]), "'entropy'"),
@@ -139,7 +141,7 @@ def test_a_webloader_overrides_none_of_the_pipelines_internals():
         for n, f in vars(DataPipeline).items()
         if n.startswith("_") and not n.startswith("__") and callable(f)
     }
-    assert {"_state", "_source_items", "_one_pass", "_epoch_done", "_origin"} <= internals
+    assert {"_state", "_source_items", "_one_pass", "_epoch_done", "_counted_source"} <= internals
     overridden = internals & set(vars(webds.WebLoader))
     assert overridden == set()
     assert issubclass(LoaderSource, StreamKeeper)

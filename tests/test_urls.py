@@ -105,7 +105,7 @@ def test_write_into_missing_directory(tmp_path):
 
 def test_stdin_and_stdout(tmp_path):
     code = (
-        "import sys; from webds.urls import open_url\n"
+        "import sys; from webds.io.urls import open_url\n"
         "f = open_url('-'); data = f.read(); f.close()\n"
         "assert not sys.stdin.closed\n"
         "g = open_url('-', 'wb'); g.write(data[::-1]); g.close()\n"
@@ -221,10 +221,11 @@ def test_missing_backend_says_what_to_install():
 def test_sigpipe_status_from_reader_side_is_not_an_error():
     # A command killed by SIGPIPE after we stopped reading must not be reported as a failure.
     f = open_url("pipe:yes")
-    f.read(3)
+    assert f.read(3) == b"y\ny"
     os.killpg(f.proc.pid, signal.SIGPIPE)
-    f.proc.wait()
-    f.close()
+    assert f.proc.wait() == -signal.SIGPIPE  # the status close() is about to judge
+    f.close()  # raises if it takes the status for a failure
+    assert f.closed
 
 
 def test_writing_to_a_device_or_fifo_writes_through(tmp_path):

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import webds
-from webds.decode import Decoder
 from webds.errors import ArgumentError, EncodeError, WriteError
+from webds.stages.decode import Decoder
 from webds.stages.encode import encode_sample
 from webds.tar.reader import read_members
 from webds.tar.samples import tarfile_to_samples
@@ -372,7 +372,7 @@ def test_rollover_by_count(tmp_path):
         assert (sink.count, sink.total, sink.shard) == (1, 10, 4)
     expected = [str(tmp_path / f"s-{i:03d}.tar") for i in range(4)]
     assert sink.shards == expected
-    # The shard index (webds.index) is written next to the shards.
+    # The shard index (webds.shards.index) is written next to the shards.
     assert listdir(tmp_path) == [os.path.basename(p) for p in expected] + ["s.index.json"]
     keys = [f"{i:06d}" for i in range(10)]
     assert shard_contents(expected) == [keys[0:3], keys[3:6], keys[6:9], keys[9:]]

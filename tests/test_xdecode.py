@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from conftest import write_tar
 
+from webds.base.handlers import ignore_and_continue
 from webds.errors import DecodeError
 from webds.pipeline import DataPipeline
 from webds.shards import SimpleShardList
-from webds.stages.handlers import ignore_and_continue
 from webds.stages.xdecode import decode_pickle, find_decoder, xdecode
 from webds.tar.samples import tarfile_to_samples
 

@@ -11,257 +11,103 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-# Installs the import hook that serves webdataset's module names (webds.shardlists, ...) and
-# webds's own from before 0.2 (webds.io.urls, ...); cheap.
+# Installs the import hook that serves webdataset's module names (webds.shardlists,
+# webds.tenbin, ...); cheap.
 from .compat import aliases
-
-# The stage webds.decode has the name of the old module webds.decode (now webds.stages.decode),
-# and the first import of that module name binds the package attribute "decode" to the module.
-# Importing it here, then binding the stage, keeps webds.decode the stage whatever is imported
-# later. The decode module does not import torch or numpy.
-importlib.import_module(f"{__name__}.decode")
-from .stages.decode import decode  # noqa: E402
-
-if TYPE_CHECKING:  # what type checkers and IDEs see; at run time, _EXPORTS and __getattr__
-    from . import compat
-    from .compat import gopen_schemes, reader
-    from .compat.legacy import (
-        MockDataset,
-        PipelineStage,
-        repeatedly,
-        with_epoch,
-        with_length,
-    )
-    from .compat.shardsources import DirectoryShardList
-    from .convert.folders import pack_folder
-    from .convert.imagenet import convert_imagenet
-    from .convert.packing import pack
-    from .errors import (
-        ArgumentError,
-        DecodeError,
-        EncodeError,
-        LengthError,
-        MissingFieldError,
-        NoSamplesError,
-        NotATarError,
-        NotFoundError,
-        OpenError,
-        ResumeError,
-        SampleError,
-        SecureModeError,
-        ShardReadError,
-        WebdsError,
-        WriteError,
-    )
-    from .fluent import FluentMixin, FluidInterface, FluidWrapper, WebDataset
-    from .io import cache
-    from .io.cache import LRUCleanup, pipe_cleaner
-    from .io.urls import open_url
-    from .loader import WebLoader
-    from .parallel import MapShardsError, ShardResult, map_shards
-    from .pipeline import DataPipeline
-    from .shards.access import ShardListDataset
-    from .shards.datasets import ResampledShards, SimpleShardList
-    from .shards.index import Problem as IndexProblem
-    from .shards.index import ShardIndex, ShardInfo
-    from .shards.plan import PlannedShards
-    from .shards.samplers import ChunkedSampler, DistributedChunkedSampler
-    from .shards.shardlists import (
-        expand_urls,
-        non_empty,
-        resampled,
-        single_node_only,
-        split_by_node,
-        split_by_worker,
-        worker_info,
-    )
-    from .shards.specs import MultiShardSample, shardspec
-    from .stages import mix, tenbin
-    from .stages.batching import batched, default_collation_fn, listed, unbatched, unlisted
-    from .stages.codecs import (
-        IMAGE_EXTENSIONS,
-        imagehandler,
-        imagespecs,
-        torch_audio,
-        torch_loads,
-        torch_video,
-    )
-    from .stages.core import (
-        BATCH,
-        REORDER,
-        SAME,
-        UNBATCH,
-        Count,
-        Stage,
-        pipelinefilter,
-        resume_kind,
-        stage,
-        stateless,
-    )
-    from .stages.crop import CenterCropDecoder, RandomResizedCropDecoder
-    from .stages.decode import (
-        Continue,
-        Decoder,
-        DecodingError,
-        gzfilter,
-        handle_extension,
-        pytorch_weights_only,
-    )
-    from .stages.fields import (
-        associate,
-        extract_keys,
-        getfirst,
-        map_dict,
-        map_tuple,
-        rename,
-        rename_keys,
-        to_tuple,
-        transform_with,
-    )
-    from .stages.filters import detshuffle, info, map, rsample, select, shuffle, slice
-    from .stages.handlers import (
-        ignore_and_continue,
-        ignore_and_stop,
-        reraise_exception,
-        warn_and_continue,
-        warn_and_stop,
-    )
-    from .stages.mix import RandomMix, RoundRobin
-    from .stages.replay import Cached, LMDBCached
-    from .stages.xdecode import xdecode
-    from .tar.samples import (
-        base_plus_ext,
-        group_by_keys,
-        tar_file_expander,
-        tarfile_samples,
-        tarfile_to_samples,
-        url_opener,
-    )
-    from .writer import ShardWriter, TarWriter, numpy_dumps, torch_dumps
 
 __version__ = "0.1.0"
 
-#: {module: the public names it holds}, imported on first use. "new=old" serves the module's
-#: ``old`` as ``new``; "name=." is the module itself (``webds.cache``).
-_EXPORTS: Dict[str, List[str]] = {
-    "stages.batching": ["batched", "default_collation_fn", "listed", "unbatched", "unlisted"],
-    # webds.cache: the old module name, serving webds.io.cache and the stage in webds.tar.cached
-    "cache": ["cache=."],
-    "io.cache": ["LRUCleanup", "pipe_cleaner"],
-    "compat": ["compat=.", "gopen_schemes", "reader"],
-    "stages.codecs": [
-        "IMAGE_EXTENSIONS",
-        "imagehandler",
-        "imagespecs",
-        "torch_audio",
-        "torch_loads",
-        "torch_video",
-    ],
-    "stages.crop": ["CenterCropDecoder", "RandomResizedCropDecoder"],
-    "stages.decode": [
-        "Continue",
-        "Decoder",
-        "DecodingError",
-        "gzfilter",
-        "handle_extension",
-        "pytorch_weights_only",
-    ],
-    "errors": [
-        "ArgumentError",
-        "DecodeError",
-        "EncodeError",
-        "LengthError",
-        "MissingFieldError",
-        "NoSamplesError",
-        "NotATarError",
-        "NotFoundError",
-        "OpenError",
-        "ResumeError",
-        "SampleError",
-        "SecureModeError",
-        "ShardReadError",
-        "WebdsError",
-        "WriteError",
-    ],
-    "stages.fields": [
-        "associate",
-        "extract_keys",
-        "getfirst",
-        "map_dict",
-        "map_tuple",
-        "rename",
-        "rename_keys",
-        "to_tuple",
-        "transform_with",
-    ],
-    "stages.filters": ["detshuffle", "info", "map", "rsample", "select", "shuffle", "slice"],
-    "fluent": ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"],
-    "stages.handlers": [
-        "ignore_and_continue",
-        "ignore_and_stop",
-        "reraise_exception",
-        "warn_and_continue",
-        "warn_and_stop",
-    ],
-    "shards.index": ["IndexProblem=Problem", "ShardIndex", "ShardInfo"],
-    "shards.access": ["ShardListDataset"],
-    "shards.samplers": ["ChunkedSampler", "DistributedChunkedSampler"],
-    "compat.legacy": ["MockDataset", "PipelineStage", "repeatedly", "with_epoch", "with_length"],
-    "loader": ["WebLoader"],
-    "stages.mix": ["mix=.", "RandomMix", "RoundRobin"],
-    "parallel": ["MapShardsError", "ShardResult", "map_shards"],
-    "convert.folders": ["pack_folder"],
-    "convert.imagenet": ["convert_imagenet"],
-    "convert.packing": ["pack"],
-    "pipeline": ["DataPipeline"],
-    "shards.plan": ["PlannedShards"],
-    "stages.replay": ["Cached", "LMDBCached"],
-    "stages.xdecode": ["xdecode"],
-    "tar.samples": [
-        "base_plus_ext",
-        "group_by_keys",
-        "tar_file_expander",
-        "tarfile_samples",
+#: The public API, in one place: (module, the names it holds, space-separated), imported on first
+#: use. ``new=old`` serves the module's ``old`` as ``new``; ``name=.`` is the module itself
+#: (``webds.tenbin``). ``__all__`` and the lazy lookup below follow from it, and so does
+#: ``__init__.pyi``, the imports type checkers and IDEs see (generated:
+#: ``python tests/exports_stub.py``; the suite fails when it is out of date).
+_EXPORTS: List[Tuple[str, str]] = [
+    # errors
+    (
+        "errors",
+        "WebdsError ArgumentError OpenError ShardReadError SampleError DecodeError EncodeError "
+        "WriteError LengthError ResumeError SecureModeError NotFoundError MissingFieldError "
+        "NoSamplesError NotATarError",
+    ),
+    ("stages.decode", "DecodingError"),
+    # handlers
+    (
+        "base.handlers",
+        "reraise_exception ignore_and_continue warn_and_continue ignore_and_stop warn_and_stop",
+    ),
+    # engine
+    (
+        "base.stage",
+        "stage stateless resume_kind pipelinefilter Stage Count SAME REORDER BATCH UNBATCH",
+    ),
+    ("pipeline", "DataPipeline"),
+    # sources
+    ("io.urls", "open_url"),
+    ("compat", "gopen_schemes reader"),
+    (
+        "shards.shardlists",
+        "expand_urls split_by_node split_by_worker single_node_only non_empty resampled",
+    ),
+    ("base.workers", "worker_info"),
+    ("shards.datasets", "SimpleShardList ResampledShards"),
+    ("shards.specs", "MultiShardSample shardspec"),
+    ("compat.shardsources", "DirectoryShardList"),
+    ("stages.mix", "RandomMix RoundRobin"),
+    ("shards.index", "ShardIndex ShardInfo IndexProblem=Problem"),
+    ("shards.access", "ShardListDataset"),
+    ("shards.samplers", "ChunkedSampler DistributedChunkedSampler"),
+    ("shards.plan", "PlannedShards"),
+    (
+        "tar.samples",
+        "url_opener tar_file_expander group_by_keys base_plus_ext tarfile_samples "
         "tarfile_to_samples",
-        "url_opener",
-    ],
-    "shards.datasets": ["ResampledShards", "SimpleShardList"],
-    "shards.shardlists": [
-        "expand_urls",
-        "non_empty",
-        "resampled",
-        "single_node_only",
-        "split_by_node",
-        "split_by_worker",
-        "worker_info",
-    ],
-    "compat.shardsources": ["DirectoryShardList"],
-    "shards.specs": ["MultiShardSample", "shardspec"],
-    "stages.core": [
-        "BATCH",
-        "REORDER",
-        "SAME",
-        "UNBATCH",
-        "Count",
-        "Stage",
-        "pipelinefilter",
-        "resume_kind",
-        "stage",
-        "stateless",
-    ],
-    "stages.tenbin": ["tenbin=."],
-    "io.urls": ["open_url"],
-    "writer": ["ShardWriter", "TarWriter", "numpy_dumps", "torch_dumps"],
-}
+    ),
+    # stages
+    ("stages.filters", "shuffle detshuffle select rsample slice map info"),
+    (
+        "stages.fields",
+        "map_dict map_tuple rename rename_keys extract_keys to_tuple associate getfirst "
+        "transform_with",
+    ),
+    ("stages.batching", "batched unbatched listed unlisted default_collation_fn"),
+    # decoding
+    ("stages.decode", "decode Decoder Continue gzfilter handle_extension pytorch_weights_only"),
+    (
+        "stages.codecs",
+        "imagehandler imagespecs IMAGE_EXTENSIONS torch_loads torch_video torch_audio",
+    ),
+    ("stages.xdecode", "xdecode"),
+    ("stages.crop", "RandomResizedCropDecoder CenterCropDecoder"),
+    ("stages.tenbin", "tenbin=."),
+    # faces
+    ("fluent", "FluentMixin FluidInterface FluidWrapper WebDataset"),
+    ("loader", "WebLoader"),
+    ("compat", "compat=."),
+    ("stages.mix", "mix=."),
+    ("cache", "cache=."),
+    ("io.cache", "LRUCleanup pipe_cleaner"),
+    # webdataset's helpers
+    ("compat.legacy", "PipelineStage repeatedly MockDataset with_epoch with_length"),
+    ("stages.replay", "Cached LMDBCached"),
+    # writing
+    ("writer", "TarWriter ShardWriter numpy_dumps torch_dumps"),
+    # processing shards at scale
+    ("parallel", "map_shards ShardResult MapShardsError"),
+    # converting datasets
+    ("convert.packing", "pack"),
+    ("convert.folders", "pack_folder"),
+    ("convert.imagenet", "convert_imagenet"),
+]
 
 
-def _where(exports: Dict[str, List[str]]) -> Dict[str, Tuple[str, Optional[str]]]:
+def _where(exports: List[Tuple[str, str]]) -> Dict[str, Tuple[str, Optional[str]]]:
     """{public name: (module, its attribute, or None for the module itself)}."""
     where: Dict[str, Tuple[str, Optional[str]]] = {}
-    for module, names in exports.items():
-        for entry in names:
+    for module, names in exports:
+        for entry in names.split():
             name, _, real = entry.partition("=")
             where[name] = (f"{__name__}.{module}", None if real == "." else real or name)
     return where
@@ -280,7 +126,7 @@ def __getattr__(name: str) -> Any:
             value = getattr(value, attribute)
         globals()[name] = value  # later lookups find it without calling this function
         return value
-    if name in aliases.ALIASES or name in aliases.MOVED:  # webds.shardlists, webds.io.urls, ...
+    if name in aliases.ALIASES or name in aliases.MOVED:  # webds.shardlists, webds.tenbin, ...
         return aliases.package_getattr(name)
     # Every submodule used to be imported with the package, so code could use webds.shards or
     # webds.writer after a bare "import webds"; that still works.
@@ -297,143 +143,6 @@ def __dir__() -> List[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = [
-    # errors
-    "WebdsError",
-    "ArgumentError",
-    "OpenError",
-    "ShardReadError",
-    "SampleError",
-    "DecodeError",
-    "DecodingError",
-    "EncodeError",
-    "WriteError",
-    "LengthError",
-    "ResumeError",
-    "SecureModeError",
-    "NotFoundError",
-    "MissingFieldError",
-    "NoSamplesError",
-    "NotATarError",
-    # handlers
-    "reraise_exception",
-    "ignore_and_continue",
-    "warn_and_continue",
-    "ignore_and_stop",
-    "warn_and_stop",
-    # engine
-    "stage",
-    "stateless",
-    "resume_kind",
-    "pipelinefilter",
-    "Stage",
-    "DataPipeline",
-    "Count",
-    "SAME",
-    "REORDER",
-    "BATCH",
-    "UNBATCH",
-    # sources
-    "open_url",
-    "gopen",
-    "gopen_schemes",
-    "reader",
-    "expand_urls",
-    "SimpleShardList",
-    "ResampledShards",
-    "split_by_node",
-    "split_by_worker",
-    "single_node_only",
-    "non_empty",
-    "resampled",
-    "MultiShardSample",
-    "shardspec",
-    "DirectoryShardList",
-    "RandomMix",
-    "RoundRobin",
-    "worker_info",
-    "ShardIndex",
-    "ShardInfo",
-    "IndexProblem",
-    "ShardListDataset",
-    "ChunkedSampler",
-    "DistributedChunkedSampler",
-    "PlannedShards",
-    "url_opener",
-    "tar_file_expander",
-    "group_by_keys",
-    "base_plus_ext",
-    "tarfile_samples",
-    "tarfile_to_samples",
-    # stages
-    "shuffle",
-    "detshuffle",
-    "select",
-    "rsample",
-    "slice",
-    "map",
-    "map_dict",
-    "map_tuple",
-    "rename",
-    "rename_keys",
-    "extract_keys",
-    "to_tuple",
-    "associate",
-    "info",
-    "batched",
-    "unbatched",
-    "listed",
-    "unlisted",
-    "default_collation_fn",
-    "getfirst",
-    "transform_with",
-    # decoding
-    "decode",
-    "Decoder",
-    "Continue",
-    "gzfilter",
-    "handle_extension",
-    "imagehandler",
-    "imagespecs",
-    "IMAGE_EXTENSIONS",
-    "torch_loads",
-    "torch_video",
-    "torch_audio",
-    "xdecode",
-    "RandomResizedCropDecoder",
-    "CenterCropDecoder",
-    "pytorch_weights_only",
-    "tenbin",
-    # faces
-    "FluentMixin",
-    "FluidInterface",
-    "FluidWrapper",
-    "WebDataset",
-    "WebLoader",
-    "compat",
-    "mix",
-    "cache",
-    "LRUCleanup",
-    "pipe_cleaner",
-    # webdataset's helpers
-    "PipelineStage",
-    "repeatedly",
-    "MockDataset",
-    "with_epoch",
-    "with_length",
-    "Cached",
-    "LMDBCached",
-    # writing
-    "TarWriter",
-    "ShardWriter",
-    "numpy_dumps",
-    "torch_dumps",
-    # processing shards at scale
-    "map_shards",
-    "ShardResult",
-    "MapShardsError",
-    # converting datasets
-    "pack",
-    "pack_folder",
-    "convert_imagenet",
-]
+#: ``gopen`` is bound by the alias hook (a module that is also the function); the rest come from
+#: the table.
+__all__ = ["gopen", *_WHERE]

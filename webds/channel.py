@@ -1,30 +1,16 @@
-"""The worker channel: what a WebLoader's DataLoader workers tell it about each batch.
+"""The worker channel: what a WebLoader's DataLoader workers tell it about each batch, so that
+``state_dict()`` knows exactly which samples the training loop has received.
 
-A :class:`~webds.loader.WebLoader` reads a webds dataset through a ``DataLoader``, whose workers
-each run a copy of the dataset. So that ``state_dict()`` knows exactly which samples the training
-loop has received, whatever sits in the DataLoader's queues, the main process keeps a copy of each
-worker's ledger (:mod:`webds.stages.ledger`), brought up to date by every batch:
+- in each worker, the dataset's :class:`WorkerChannel` holds the pass it reads and the ids of the
+  items it yielded, and :class:`EnvelopeCollate` wraps each batch in an
+  :class:`~webds.base.ledger.Envelope` with them and what the ledger recorded meanwhile;
+- in the main process, :class:`WorkerMirrors` applies each envelope to its copy of that worker's
+  ledger and gives each worker's saved stream to ``state_dict()``; resuming, a
+  :class:`WorkerStart` per worker says where it begins, and its first batch brings back what the
+  main process held (``Restored``; ``PAD`` keeps the DataLoader's turn order).
 
-- the worker side: the dataset's :class:`WorkerChannel` (copied into each worker with the dataset)
-  holds the pass the worker reads and the ids of the items its dataset yielded; the DataLoader's
-  collate function (:class:`EnvelopeCollate`) wraps each batch in an
-  :class:`~webds.stages.ledger.Envelope` with those ids and what the ledger recorded meanwhile;
-- the main side: :class:`WorkerMirrors` applies each envelope to its copy of that worker's ledger
-  and hands the batch on, and gives each worker's saved stream to ``state_dict()``.
-
-Resuming, the main process tells each worker how to begin (a :class:`WorkerStart` per worker, in
-the channel before the workers start): its saved stream; then its first batch brings back the
-samples the main process held at the checkpoint (``Restored``), and ``PAD`` items keep the
-DataLoader's turn order (see :data:`~webds.stages.ledger.PAD`).
-
-The channel is open (:attr:`WorkerChannel.open`) only while the WebLoader starts the DataLoader:
-the copies made then send envelopes, and the same dataset iterated elsewhere yields plain items.
-
-A pipeline meets all this through its source alone: the WebLoader's source (a
-:class:`~webds.loader.LoaderSource`) is a :class:`StreamKeeper`, a source that keeps streams of its
-own, which the pipeline asks to number its items, to save and load its streams, and to say when an
-epoch begins and ends. A DataLoader worker also gives the free pages of its C heap back at the end
-of each epoch (:func:`release_free_heap`).
+The channel is open only while the WebLoader starts the DataLoader. A pipeline meets all this
+through its source alone, a :class:`StreamKeeper` (docs/architecture.md, "Composition").
 """
 
 from __future__ import annotations
@@ -36,9 +22,9 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from .base.ledger import PAD, Envelope, Ledger, Pass, Restored, ids_of, qualify, unqualify
+from .base.saved import PipelineState, StreamState
 from .stages.batchbuffers import Packed, SlotPool, Unpacker
-from .stages.ledger import PAD, Envelope, Ledger, Pass, Restored, ids_of, qualify, unqualify
-from .stages.saved import PipelineState, StreamState
 
 __all__ = ["WorkerStart", "WorkerChannel", "EnvelopeCollate", "WorkerMirrors", "StreamKeeper"]
 __all__ += ["release_free_heap", "is_worker_dataset"]
@@ -99,7 +85,7 @@ class WorkerChannel:
     def __init__(self) -> None:
         self.open = False  # the WebLoader is starting the DataLoader: the copies send envelopes
         self.starts: Dict[int, WorkerStart] = {}  # resuming: how each worker begins
-        self.stream: Optional[Pass] = None  # the pass this copy reads
+        self.current_pass: Optional[Pass] = None  # the pass this copy reads
         self.pending: List[Any] = []  # the ids of the items yielded, not yet collated
         self.sent = 0  # items in the batches collated so far this epoch
         self.restored: List[Tuple[Any, Any]] = []  # what the main process held: (item, ids)
@@ -132,16 +118,16 @@ class WorkerChannel:
             yield item
 
     def _note(self, pending: List[Any]) -> None:
-        stream = self.stream
-        pending.append(stream.ledger.current if stream is not None else None)
+        current = self.current_pass
+        pending.append(current.ledger.current if current is not None else None)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "stream": None}  # a worker reads its own pass
+        return {**self.__dict__, "current_pass": None}  # a worker reads its own pass
 
 
 class EnvelopeCollate:
     """The DataLoader's ``collate_fn`` for a webds dataset: collates as usual, then wraps the
-    batch in an :class:`~webds.stages.ledger.Envelope` with what the dataset's channel noted
+    batch in an :class:`~webds.base.ledger.Envelope` with what the dataset's channel noted
     (it runs where the dataset does: in a worker, or in this process). ``single``: the
     DataLoader does not batch; ``pack``: send tensors in reused shared buffers."""
 
@@ -166,16 +152,17 @@ class EnvelopeCollate:
         first = data[0] if isinstance(data, list) and data else data
         if first is PAD:
             return Envelope(PAD, worker, None, _NO_DELTA, 0, 0)
-        stream = channel.stream
+        current = channel.current_pass
         if type(first) is Restored:
             # Each sample the main process held, collated as a batch of one, as it was split.
             items = [self.collate(x if self.single else [x]) for x in first.items]
             ids = [i if self.single else [i] for i in first.ids]
-            if stream is None:  # nothing read: this worker's stream had ended
+            if current is None:  # nothing read: this worker's stream had ended
                 return Envelope(Restored(items, ids), worker, None, _NO_DELTA, 0, None)
-            ledger = stream.ledger
+            ledger = current.ledger
             delta, problem, sent = ledger.take_delta(), ledger.problem, channel.sent
-            return Envelope(Restored(items, ids), worker, None, delta, sent, stream.number, problem)
+            number = current.number
+            return Envelope(Restored(items, ids), worker, None, delta, sent, number, problem)
         probe = getattr(dataset, "probe", None)
         if probe is None:
             batch = self.collate(data)
@@ -183,14 +170,14 @@ class EnvelopeCollate:
             began = perf_counter()
             batch = self.collate(data)
             probe.collate_seconds += perf_counter() - began
-        if stream is None or not stream.ledger.tracking:
+        if current is None or not current.ledger.tracking:
             return batch  # iterated outside a WebLoader's iter()
         ids: Any = list(channel.pending)  # the ids of the items collated
         channel.pending.clear()  # in place: WorkerChannel.tracked appends to this list
         channel.sent += len(ids)
         if self.single:
             ids = ids[0] if ids else None
-        ledger = stream.ledger
+        ledger = current.ledger
         delta = ledger.take_delta()
         if self.pack and info is not None:
             if self.pool is None:
@@ -198,7 +185,7 @@ class EnvelopeCollate:
             batch = self.pool.pack(batch)
         snapshot = None if probe is None else probe.snapshot()
         sent = channel.sent
-        return Envelope(batch, worker, ids, delta, sent, stream.number, ledger.problem, snapshot)
+        return Envelope(batch, worker, ids, delta, sent, current.number, ledger.problem, snapshot)
 
 
 #: The ledger change a PAD envelope carries: none.
@@ -248,7 +235,7 @@ class WorkerMirrors:
         }
         # Each worker's first batch brings back what this process held (Restored); then those
         # whose turn came before the next one's pad once, as the DataLoader starts its turns at
-        # worker 0 again (see webds.stages.ledger.PAD).
+        # worker 0 again (see webds.base.ledger.PAD).
         batch, first = self.batch_size or 1, state.next_worker or 0
         starts = {
             w: WorkerStart(
@@ -302,7 +289,7 @@ class WorkerMirrors:
     def receive(self, it: Iterator[Any], ledger: Ledger, keeps: bool) -> Iterator[Any]:
         """The DataLoader's items out of their envelopes, each worker's ledger copy brought up
         to date; ``keeps``: a stage in this process holds or batches items, and needs their ids
-        (as :func:`~webds.stages.ledger.qualify` makes them) in ``ledger``."""
+        (as :func:`~webds.base.ledger.qualify` makes them) in ``ledger``."""
         self.last_worker = None  # the DataLoader's turns start at worker 0
         restored: List[Tuple[Any, Any]] = []
         for x in it:
@@ -355,7 +342,7 @@ class WorkerMirrors:
         self, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool
     ) -> Iterator[Any]:
         """The samples this process held at the checkpoint, made again by the workers, in the
-        order its stages take them back (see webds.stages.ledger.Slot.restore)."""
+        order its stages take them back (see webds.base.ledger.Slot.restore)."""
         plan = ledger.restore_plan()
         restored.sort(key=lambda pair: plan.sort_key(next(ids_of(pair[1]), -1)))
         for item, qids in restored:

@@ -1,11 +1,11 @@
 """Length and resume arithmetic for :class:`~webds.pipeline.DataPipeline`.
 
-This module owns what follows from the stages' count rules (:class:`~webds.stages.core.Count`):
+This module owns what follows from the stages' count rules (:class:`~webds.base.stage.Count`):
 
 - how many items a pipeline yields per stream, its ``len()`` (:func:`source_counts`,
   :func:`forward_counts`);
 - whether a saved position still fits the pipeline and can be resumed exactly
-  (:func:`check_state`; what was consumed is recorded by :mod:`webds.stages.ledger`), and
+  (:func:`check_state`; what was consumed is recorded by :mod:`webds.base.ledger`), and
   whether every stage says what it owes a resume (:func:`unresumable`);
 - the count a rank must yield (:func:`exact_count`), and holding a stream to exactly that
   count, so that every rank yields as many items (:func:`_exactly`).
@@ -21,10 +21,10 @@ import logging
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
+from .base.saved import PipelineState
+from .base.stage import Count, Length, resume_kind
 from .errors import LengthError, ResumeError
 from .shards.elastic import every_rank, plan_elsewhere
-from .stages.core import Count, Length, resume_kind
-from .stages.saved import PipelineState
 
 __all__ = [
     "source_counts",
@@ -49,7 +49,7 @@ _NONE = object()
 
 
 def source_counts(source: Any, num_workers: Optional[int] = None) -> List[Length]:
-    """A counted source's items per stream as :class:`~webds.stages.core.Length` values: with what
+    """A counted source's items per stream as :class:`~webds.base.stage.Length` values: with what
     came before each batching when the source says (``stream_counts``), else plain counts."""
     if hasattr(source, "stream_counts"):
         return list(source.stream_counts(num_workers))
@@ -112,7 +112,7 @@ def _inner_pipelines(pipeline: Any) -> List[Any]:
 
 def unresumable(pipeline: Any, where: str = "") -> List[str]:
     """The stages of ``pipeline`` (and of the pipelines it reads) that do not say what they
-    owe a resume (:func:`~webds.stages.core.resume_kind` is None), each described with where
+    owe a resume (:func:`~webds.base.stage.resume_kind` is None), each described with where
     it is and what to do."""
     owner = where or type(pipeline).__name__
     out = []
@@ -194,7 +194,7 @@ _ELASTIC_HINT = (
 
 
 def own_state(state: Any, rank: int, world_size: int, strict: bool) -> PipelineState:
-    """This rank's state out of ``state`` (read by :func:`~webds.stages.saved.read_states`): one
+    """This rank's state out of ``state`` (read by :func:`~webds.base.saved.read_states`): one
     rank's ``state_dict()``, or the list of every rank's (``state_dict(all_ranks=True)``). Raises
     :class:`~webds.errors.ResumeError` for another rank's state or another world size (each rank
     reads different samples)."""
@@ -209,7 +209,7 @@ def own_state(state: Any, rank: int, world_size: int, strict: bool) -> PipelineS
             f"these states were saved by {saved_world} ranks, and this is rank {rank} of "
             f"{world_size}; resume with the same number of ranks; {_ELASTIC_HINT}"
         )
-    if state.version != 2 or not strict:
+    if not strict:
         return state
     saved, saved_world = state.rank, state.world_size
     if saved_world != world_size:
@@ -260,7 +260,7 @@ def with_topology(mine: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]
 
 
 def resume_elsewhere(pipeline: Any, state: Any, strict: bool, plan: Any, granule: int) -> int:
-    """Resume every rank's ``state`` (a list of :class:`~webds.stages.saved.PipelineState`),
+    """Resume every rank's ``state`` (a list of :class:`~webds.base.saved.PipelineState`),
     saved on another topology: make ``plan`` share out the rest of their epoch on this one (see
     :mod:`webds.shards.elastic`) and give ``pipeline`` the saved entropy; return that epoch."""
     states = every_rank(state)
@@ -276,14 +276,6 @@ def check_state(state: PipelineState, mine: Dict[str, Any], strict: bool) -> Non
     """Raise :class:`~webds.errors.ResumeError` unless ``state`` (from ``state_dict()``) can be
     resumed exactly by a pipeline whose configuration is ``mine``; ``strict=False`` lets
     everything through."""
-    if state.version == 1:
-        if strict:
-            raise ResumeError(
-                "this state was saved by webds 0.1, which counted items instead of recording "
-                "which samples were read; it cannot be resumed exactly. Pass strict=False to "
-                "start its epoch again from the beginning"
-            )
-        return
     problems = state.problems()
     saved = state.config
     changed = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
@@ -306,7 +298,7 @@ def check_state(state: PipelineState, mine: Dict[str, Any], strict: bool) -> Non
 def exact_count(pipeline: Any, epoch: Optional[int] = None) -> Optional[int]:
     """The items this process must yield in ``epoch``, for sources that promise it (``exact``):
     its stream's length, or None (said once per pipeline) when the stages make that unknown."""
-    origin = pipeline._origin()
+    origin = pipeline._counted_source()
     if origin is None or not getattr(origin[1], "exact", False):
         return None
     if epoch is not None:
@@ -326,7 +318,7 @@ def exact_count(pipeline: Any, epoch: Optional[int] = None) -> Optional[int]:
 
 def _repeated(refill: Callable[[Any], Iterator[Any]], ids: Any) -> Any:
     """The item of a new pass whose ids are ``ids`` (the first if none is), or _NONE."""
-    from .stages.ledger import Ledger
+    from .base.ledger import Ledger
 
     ledger = Ledger()
     items = iter(refill(ledger))

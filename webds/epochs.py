@@ -15,9 +15,9 @@ import logging
 import sys
 from typing import Any, Iterator, Optional, Tuple
 
+from .base.stage import STATELESS, Length, resume_kind
 from .counting import forward_counts, source_counts
 from .errors import LengthError
-from .stages.core import STATELESS, Length, resume_kind
 
 __all__ = [
     "pass_length",
@@ -34,9 +34,9 @@ log = logging.getLogger("webds")
 def pass_length(pipeline: Any, number: int) -> Optional[int]:
     """The items pass ``number`` of this process's stream yields (``with_epoch`` aside), or
     None where nobody can know in advance (no index, or a stage such as ``select``)."""
-    from .shards.shardlists import worker_info
+    from .base.workers import worker_info
 
-    origin = pipeline._origin()
+    origin = pipeline._counted_source()
     if origin is None:
         return shard_pass_length(pipeline, number)
     at, src = origin
@@ -109,7 +109,7 @@ def count_shards(pipeline: Any) -> bool:
     if getattr(pipeline, "_shard_samples", None) is not None:
         return True
     at = _tar_stage_at(pipeline)
-    if pipeline._origin() is not None or at is None:
+    if pipeline._counted_source() is not None or at is None:
         return False
     counted = pipeline._shard_samples = count_local_samples(
         pipeline.pipeline[0].urls, pipeline.pipeline[at]
@@ -143,7 +143,7 @@ def carry_start(pipeline: Any, epoch: int) -> Optional[Tuple[int, int]]:
         return epoch, 0
     if skip and not _lengths_known(pipeline, epoch):
         return None
-    origin = pipeline._origin()
+    origin = pipeline._counted_source()
     src = origin[1] if origin is not None else None
     was = getattr(src, "epoch", None)
     try:

@@ -11,8 +11,22 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
+from .base.handlers import Handler, reraise_exception
+from .base.workers import default_seed, worker_info
 from .errors import ArgumentError, NoSamplesError
 from .io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead
 from .io.urls import url_identity
@@ -21,18 +35,10 @@ from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, sta
 from .shards.datasets import ResampledShards, SimpleShardList
 from .shards.index import ShardIndex, ShardInfo, is_index_url
 from .shards.plan import PlannedShards, check_balance
-from .shards.shardlists import (
-    URLs,
-    default_seed,
-    expand_urls,
-    split_by_node,
-    split_by_worker,
-    worker_info,
-)
+from .shards.shardlists import URLs, expand_urls, split_by_node, split_by_worker
 from .shards.specs import MultiShardSample, is_spec
 from .stages import batching, fields, filters
 from .stages.decode import decode as _decode_stage
-from .stages.handlers import Handler, reraise_exception
 from .stages.mix import RandomMix
 from .stages.probe import PipelineStats, Probe, stats_of
 from .stages.replay import Cached, LMDBCached
@@ -43,6 +49,14 @@ from .tar.samples import tarfile_to_samples
 __all__ = ["FluentMixin", "FluidInterface", "FluidWrapper", "WebDataset"]
 
 log = logging.getLogger("webds")
+
+
+class LoaderShape(NamedTuple):
+    """What a WebLoader tells the dataset it loads: how many workers run it, and the batch
+    size (None: the loader does not batch)."""
+
+    workers: int
+    batch_size: Optional[int]
 
 
 def _chain(factory: StageFactory) -> Callable[..., Any]:
@@ -205,63 +219,111 @@ def _indexed_shards(
 _AUTO: Any = "auto"
 
 
+def _check_planning(
+    shard_index: Optional[ShardIndex],
+    balance: Optional[str],
+    resampled: bool,
+    nodesplitter: Any,
+    workersplitter: Any,
+) -> None:
+    """Refuse what a plan can't honour: ``balance`` without an index, and an index with resampled
+    shards or splitters of the caller's."""
+    if balance is not None and shard_index is None:
+        raise ArgumentError(
+            f"balance={balance!r} needs the sample count of every shard: pass index= the "
+            "index file (ShardWriter writes one; for existing shards run `webds index SHARDS "
+            "-o index.json`), or index=True to count now by reading every shard"
+        )
+    # With an index the plan splits by rank and by worker, which is what the default
+    # splitters do: 1.x code that passes them explicitly is accepted.
+    if shard_index is not None and (
+        resampled
+        or nodesplitter not in (_AUTO, split_by_node)
+        or workersplitter not in (_AUTO, split_by_worker)
+    ):
+        raise ArgumentError(
+            "an index plans which samples each rank and worker reads; it can't be combined "
+            "with resampled=True, or with a nodesplitter= or workersplitter= other than the "
+            "default split_by_node and split_by_worker"
+        )
+
+
+def _shard_source(
+    urls: URLs,
+    index: Any,
+    shard_index: Optional[ShardIndex],
+    resampled: bool,
+    shardshuffle: Union[bool, int, None],
+    seed: Optional[int],
+    balance: Optional[str],
+    storage_options: Optional[dict],
+) -> Tuple[Any, Tuple[Any, Any]]:
+    """The pipeline's first stage (an epoch plan with an index, a shard spec's sampler, resampled
+    shards, or the shard list) and the node and worker splitters it takes by default."""
+    seed0 = 0 if seed is None else seed
+    if shard_index is not None:
+        plan_urls, infos = _indexed_shards(urls, index, shard_index, storage_options)
+        plan = PlannedShards(
+            plan_urls,
+            [info.samples for info in infos],
+            balance=balance or "pad",
+            seed=seed0,
+            shuffle=bool(shardshuffle),
+            offsets=[info.offsets for info in infos],
+        )
+        return plan, (None, None)  # the plan splits by rank and worker itself
+    if is_spec(urls):
+        if resampled:
+            raise ArgumentError(
+                "a shard spec (a dict or .yaml file) selects its shards per epoch itself (its "
+                "datasets' choose: and resample:); it can't be combined with resampled=True"
+            )
+        return MultiShardSample(urls, seed=seed0), (split_by_node, split_by_worker)
+    if resampled:
+        # Each node and worker draws its own sequence: no splitting unless asked for.
+        shards = ResampledShards(
+            urls, seed=seed0, deterministic=seed is not None, storage_options=storage_options
+        )
+        return shards, (None, None)
+    shard_seed = seed0 if shardshuffle else None
+    shards = SimpleShardList(urls, seed=shard_seed, storage_options=storage_options)
+    return shards, (split_by_node, split_by_worker)
+
+
 class WebDataset(DataPipeline, FluentMixin):
     """Samples from tar shards, as an ``IterableDataset`` with chainable stages.
 
     ``WebDataset("data/train-{000..099}.tar", shardshuffle=True, seed=0).shuffle(1000)
     .decode("pil").to_tuple("jpg", "cls").batched(64)``
 
-    - ``shardshuffle``: shuffle the shard list every epoch (True, or any positive int as in
-      webdataset). The order depends only on (seed, epoch), so every node and worker agrees on it
-      and splitting after the shuffle neither loses nor repeats shards. ``seed`` defaults to the
-      environment variable ``WDS_SEED`` if set, else 0.
-    - ``resampled``: draw shards at random with replacement, endlessly (use ``.with_epoch(n)``);
-      each node and worker draws its own sequence, so no splitting is done unless asked for.
-    - ``nodesplitter`` / ``workersplitter``: functions over the shard stream; by default shards are
-      split by node (``split_by_node``) and by DataLoader worker (``split_by_worker``). ``None``
-      turns a split off.
-    - ``handler``: what to do when a shard cannot be opened or read (see
-    :mod:`webds.stages.handlers`).
+    - ``urls``: shard URLs (braces, ``::``, prefixes, globs: :func:`expand_urls`, listed once,
+      here), a shard index file, or a shard spec (:mod:`webds.shards.specs`).
+    - ``shardshuffle``: shuffle the shards every epoch by (seed, epoch), alike on every node and
+      worker (True, or an int as in webdataset); ``seed``: default ``WDS_SEED`` if set, else 0.
+    - ``resampled``: draw shards with replacement, endlessly, each node and worker its own (use
+      ``.with_epoch(n)``); ``repeat``: repeat the data forever.
+    - ``nodesplitter`` / ``workersplitter``: split the shards by node / DataLoader worker (default
+      :func:`split_by_node`, :func:`split_by_worker`; None: no split).
+    - ``handler``: what to do when a shard cannot be opened or read; ``empty_check``: raise when a
+      single-process epoch yields no sample.
     - ``select_files`` / ``rename_files``: functions on member names (rename runs first).
-    - ``empty_check``: raise when a single-process epoch yields no sample at all.
-    - ``storage_options``: passed to fsspec when opening remote URLs, and when listing a remote
-      prefix (``"s3://bucket/train/"``) or glob (``"gs://b/train-*.tar"``), which happens once,
-      here, so every worker and rank reads the same shard list (see :func:`expand_urls`).
-    - ``index``: the dataset's shard index (see :mod:`webds.shards.index`): a path or URL of its
-    JSON
-      file, a :class:`~webds.shards.index.ShardIndex`, or True to count the samples now by reading
-      every shard. ``urls`` may itself be the index file (``WebDataset("data/index.json")``);
-      otherwise its shards must all be in the index. With an index, samples are planned per
-      rank and DataLoader worker (see :mod:`webds.shards.plan`): every rank yields exactly the same
-      number of samples and batches per epoch, ``len()`` is exact, and ``state_dict()`` /
-      ``load_state_dict()`` resume mid-epoch.
-    - ``balance``: how ranks get equal shares when the samples don't divide evenly: ``"pad"``
-      (the default with an index; up to ``world_size - 1`` samples are repeated, as
-      ``DistributedSampler`` does) or ``"drop"`` (up to ``world_size - 1`` are left out).
-      It needs an index.
-    - ``cache_dir``: keep remote shards in this local directory after their first read (see
-      :mod:`webds.io.cache`); ``cache_size`` > 0 bounds it in bytes, 0 turns caching off;
-      ``cache_local=True`` caches local files too (shards on a slow network filesystem).
-    - ``max_member_size``: the largest member read out of a compressed shard (``.tar.gz``,
-      ``.tar.bz2``, ``.tar.xz``); default 1 GiB (:data:`webds.tar.reader.DEFAULT_MAX_MEMBER_SIZE`).
-      A larger one raises :class:`~webds.errors.ShardReadError` before it is read.
-    - ``accept_unterminated``: read a shard that ends between samples without its end-of-archive
-      marker as complete, as webdataset does, with a warning naming it (default: the environment
-      variable ``WDS_ACCEPT_UNTERMINATED``; otherwise such a shard is an error, since a cut copy
-      looks the same and then samples are missing).
-    - ``readahead`` / ``readahead_shards``: while a shard is read, the next ``readahead_shards``
-      (default 8) remote shards of this process's list are fetched, each on its own connection,
-      holding at most ``readahead`` bytes not yet read (default 128 MiB per process; see
-      :mod:`webds.io.readahead`). ``readahead=False`` turns it off; ``True`` reads local files
-      and ``pipe:`` commands ahead too. Order, splitting, errors, caching and resume are as
-      without it.
-    - ``stats``: measure where the time goes, per stage, for :meth:`stats` (off by default: it
-      adds about 0.1 us per item and stage, 1-2% on an image pipeline).
+    - ``storage_options``: fsspec's, to open and list remote URLs.
+    - ``index``: the shard index (a path or URL, a :class:`~webds.shards.index.ShardIndex`, or True:
+      count now) gives every rank the same number of samples and batches, an exact ``len()`` and
+      mid-epoch resume; ``balance`` (with an index): ``"pad"`` (the default) or ``"drop"``.
+    - ``cache_dir`` / ``cache_size`` / ``cache_local``: keep remote shards (local ones too with
+      ``cache_local``) in a directory; ``cache_size`` > 0 bounds it in bytes, 0 turns it off.
+    - ``max_member_size``: the largest member read out of a compressed shard (default 1 GiB).
+    - ``accept_unterminated``: read a shard without its end-of-archive marker as complete, with a
+      warning (default: ``WDS_ACCEPT_UNTERMINATED``).
+    - ``readahead`` / ``readahead_shards``: fetch the next remote shards while one is read (128 MiB,
+      8 shards; False: off; True: local and ``pipe:`` too).
+    - ``stats``: time each stage, for :meth:`stats` (about 0.1 us per item and stage).
 
-    Older keywords still work (see :func:`webds.keywords.legacy_keywords`): webdataset 1.x's
-    ``mode="resampled"``, ``detshuffle``, ``verbose`` and ``url_to_name``, and the 0.1 style
-    ``extensions=``, ``decoder=``, ``transforms=``, ``shuffle=``, which warns with its modern
-    spelling.
+    webdataset 1.x's ``mode``, ``detshuffle``, ``verbose``, ``url_to_name`` and the 0.1 keywords
+    (``extensions=``, ...) still work (:func:`webds.keywords.legacy_keywords`). More: [distributed
+    training](../distributed.md), [remote storage](../remote.md), [damaged data](../damaged.md),
+    [handlers](errors.md#handlers), [stats](../starved.md), [migrating](../migrating.md).
     """
 
     def __init__(
@@ -300,7 +362,8 @@ class WebDataset(DataPipeline, FluentMixin):
     ) -> None:
         super().__init__()
         self.probe = Probe() if stats else None
-        self.loader_hint: Optional[Tuple[int, Optional[int]]] = None
+        # Set by a WebLoader over this dataset: its worker count and batch size.
+        self.loader_shape: Optional[LoaderShape] = None
         extra_stages: list = []
         given = dict(mode=mode, url_to_name=url_to_name, detshuffle=detshuffle, verbose=verbose)
         legacy.update({k: v for k, v in given.items() if v is not None})
@@ -313,58 +376,12 @@ class WebDataset(DataPipeline, FluentMixin):
         check_balance(balance)
         check_readahead(readahead, readahead_shards)
         shard_index = _shard_index(urls, index, storage_options)
-        if balance is not None and shard_index is None:
-            raise ArgumentError(
-                f"balance={balance!r} needs the sample count of every shard: pass index= the "
-                "index file (ShardWriter writes one; for existing shards run `webds index SHARDS "
-                "-o index.json`), or index=True to count now by reading every shard"
-            )
-        # With an index the plan splits by rank and by worker, which is what the default
-        # splitters do: 1.x code that passes them explicitly is accepted.
-        if shard_index is not None and (
-            resampled
-            or nodesplitter not in (_AUTO, split_by_node)
-            or workersplitter not in (_AUTO, split_by_worker)
-        ):
-            raise ArgumentError(
-                "an index plans which samples each rank and worker reads; it can't be combined "
-                "with resampled=True, or with a nodesplitter= or workersplitter= other than the "
-                "default split_by_node and split_by_worker"
-            )
-        self.plan: Optional[PlannedShards] = None
+        _check_planning(shard_index, balance, resampled, nodesplitter, workersplitter)
         self.index = shard_index
-        source: Any
-        if shard_index is not None:
-            plan_urls, infos = _indexed_shards(urls, index, shard_index, storage_options)
-            self.plan = source = PlannedShards(
-                plan_urls,
-                [info.samples for info in infos],
-                balance=balance or "pad",
-                seed=0 if seed is None else seed,
-                shuffle=bool(shardshuffle),
-                offsets=[info.offsets for info in infos],
-            )
-            default_node = default_worker = None
-        elif is_spec(urls):
-            if resampled:
-                raise ArgumentError(
-                    "a shard spec (a dict or .yaml file) selects its shards per epoch itself (its "
-                    "datasets' choose: and resample:); it can't be combined with resampled=True"
-                )
-            source = MultiShardSample(urls, seed=0 if seed is None else seed)
-            default_node, default_worker = split_by_node, split_by_worker
-        elif resampled:
-            source = ResampledShards(
-                urls,
-                seed=0 if seed is None else seed,
-                deterministic=seed is not None,
-                storage_options=storage_options,
-            )
-            default_node, default_worker = None, None
-        else:
-            shard_seed = (0 if seed is None else seed) if shardshuffle else None
-            source = SimpleShardList(urls, seed=shard_seed, storage_options=storage_options)
-            default_node, default_worker = split_by_node, split_by_worker
+        source, (default_node, default_worker) = _shard_source(
+            urls, index, shard_index, resampled, shardshuffle, seed, balance, storage_options
+        )
+        self.plan: Optional[PlannedShards] = source if isinstance(source, PlannedShards) else None
         self.append(source)
         node = default_node if nodesplitter is _AUTO else nodesplitter
         worker = default_worker if workersplitter is _AUTO else workersplitter
@@ -405,9 +422,9 @@ class WebDataset(DataPipeline, FluentMixin):
 
     # -- planned reading (with an index) ---------------------------------------------------------
 
-    def _origin(self) -> Optional[Tuple[int, Any]]:
+    def _counted_source(self) -> Optional[Tuple[int, Any]]:
         if self.plan is None:
-            return super()._origin()
+            return super()._counted_source()
         plan = self.aligned_plan()
         plan.set_epoch(self._position[0])  # the epoch in progress, or the next one
         return self._samples_at, plan
@@ -419,26 +436,26 @@ class WebDataset(DataPipeline, FluentMixin):
         alignment is set here, whenever the plan is about to be used.
         """
         if self.plan is not None:
-            self.plan.granule = self._granule()
+            self.plan.granule = self._aligned_batch_size()
         return self.plan
 
-    def _granule(self) -> int:
+    def _aligned_batch_size(self) -> int:
         """The batch size workers' shares are aligned to: the first batching after the samples,
-        else the DataLoader's (``loader_hint``), else 1."""
+        else the DataLoader's (``loader_shape``), else 1."""
         for s in self.pipeline[self._samples_at + 1 :]:
             if isinstance(s, Stage) and s.count is BATCH:
                 return max(1, int(s.argument("batchsize")))
             if not isinstance(getattr(s, "count", None), Count):
                 break
-        if self.loader_hint is not None and self.loader_hint[1]:
-            return int(self.loader_hint[1])
+        if self.loader_shape is not None and self.loader_shape.batch_size:
+            return int(self.loader_shape.batch_size)
         return 1
 
     def _workers_hint(self) -> Optional[int]:
-        return self.loader_hint[0] if self.loader_hint is not None else None
+        return self.loader_shape.workers if self.loader_shape is not None else None
 
     def _planned(self) -> Optional[Tuple[PlannedShards, int, int]]:
-        return None if self.plan is None else (self.plan, self._granule(), 1)
+        return None if self.plan is None else (self.plan, self._aligned_batch_size(), 1)
 
     def _resume_config(self) -> Dict[str, Any]:
         config = super()._resume_config()

@@ -24,18 +24,18 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
+from .base.ledger import Ledger, Pass, item_id
+from .base.saved import PipelineState, read_states
+from .base.stage import Length
+from .base.workers import usable_cpus, worker_info
 from .channel import EnvelopeCollate, StreamKeeper, WorkerChannel, WorkerMirrors
 from .counting import source_counts
 from .epochs import carries, count_shards, shard_pass_length
 from .errors import ArgumentError, LengthError
-from .fluent import FluentMixin
+from .fluent import FluentMixin, LoaderShape
 from .pipeline import DataPipeline
 from .shards.datasets import SimpleShardList
-from .shards.shardlists import usable_cpus, worker_info
-from .stages.core import Length
-from .stages.ledger import Ledger, Pass, item_id
 from .stages.probe import PipelineStats, Probe, merged
-from .stages.saved import PipelineState, read_states
 from .stages.threads import check_threads
 
 __all__ = ["WebLoader", "LoaderSource", "LoaderChoice", "Measured", "choose_workers"]
@@ -61,28 +61,17 @@ class WebLoader(DataPipeline, FluentMixin):
     """``DataLoader(*args, **kwargs)`` as the source of a pipeline (a :class:`LoaderSource`).
 
     Each ``iter()`` hands the loader's epoch to its dataset (``dataset.set_epoch``) before the
-    workers start, so shard and sample shuffles change every epoch even though non-persistent
-    workers get a fresh copy of the dataset each time. ``set_epoch(e)`` chooses the epoch, as
-    ``DistributedSampler.set_epoch`` does (persistent workers are restarted if they would
-    otherwise run another one).
+    workers start; ``set_epoch(e)`` chooses it, as ``DistributedSampler.set_epoch`` does. With a
+    webds dataset, each item a worker yields comes with what its ledger recorded
+    (:mod:`webds.channel`), so :meth:`state_dict` knows exactly what the training loop has
+    received, whatever sits in the queues. ``close()`` (or a ``with`` block) stops the workers.
 
-    With a webds dataset, every item a worker yields comes with what the worker's ledger
-    recorded (see :mod:`webds.channel`), so :meth:`state_dict` knows exactly which samples
-    the training loop has received, whatever sits in the DataLoader's queues. Loading a state
-    restarts persistent workers. ``close()`` (or a ``with`` block) stops the workers; a loader
-    dropped mid-epoch without it keeps them until the garbage collector finds it.
-
-    ``threads=N`` runs the per-sample stages of a webds dataset that take ``threads=`` (decode,
-    map, map_tuple) and were not given it in N threads, in the process that runs them: this
-    one with ``num_workers=0``, else each worker. Samples, order, errors and resume stay as
-    with ``threads=0`` (see :mod:`webds.stages.threads`); your map functions then run in
-    several threads at once.
-
-    ``num_workers="auto"``: before the loader starts, a copy of the dataset is read in this
-    process for half a second and thrown away, and :func:`choose_workers` picks the workers
-    from what that cost (``choice`` says what and why; so do ``stats()`` and a log line on
-    the ``webds`` logger). The loader then yields what it would with those workers given by
-    hand; a loaded state's workers win over a new measurement.
+    ``threads=N`` runs the dataset's per-sample stages that take ``threads=`` (decode, map,
+    map_tuple) and were not given it in N threads, in whichever process runs them; samples,
+    order, errors and resume stay as without (:mod:`webds.stages.threads`).
+    ``num_workers="auto"`` reads a throwaway copy of the dataset for half a second and lets
+    :func:`choose_workers` pick the workers (``choice``, ``stats()`` and a log line say what and
+    why); a loaded state's workers win over a new measurement. docs/api/loading.md has more.
     """
 
     def __init__(
@@ -134,11 +123,6 @@ class WebLoader(DataPipeline, FluentMixin):
                 self.choice = self.choice.taken(saved)
                 log.info("webds: WebLoader(num_workers='auto') took %s", self.choice)
         super().load_state_dict(state, strict)
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        if isinstance(self.pipeline[0], DataLoader):  # pickled by webds 0.1
-            self.pipeline[0] = LoaderSource(self.pipeline[0], batch_buffers=False)
 
     @property
     def loader(self) -> DataLoader:
@@ -311,9 +295,9 @@ class LoaderSource(StreamKeeper):
     def __init__(self, loader: DataLoader, batch_buffers: bool = True) -> None:
         self.loader = loader
         dataset = loader.dataset
-        if hasattr(dataset, "loader_hint"):
+        if hasattr(dataset, "loader_shape"):
             # Lets a balanced dataset align its workers' shares to the loader's batches.
-            dataset.loader_hint = (max(1, loader.num_workers), loader.batch_size)
+            dataset.loader_shape = LoaderShape(max(1, loader.num_workers), loader.batch_size)
         if isinstance(dataset, DataPipeline):
             if dataset.channel is None:
                 dataset.channel = WorkerChannel()
@@ -442,7 +426,7 @@ class LoaderSource(StreamKeeper):
     def close(self) -> None:
         """Stop the workers (``WebLoader.close()``, the end of a ``with`` block), those of an
         epoch still being read included."""
-        reading, self._reading = getattr(self, "_reading", None), None
+        reading, self._reading = self._reading, None
         if reading is not None:
             _shut_down(reading)
         self.restart_workers()

@@ -356,26 +356,20 @@ def map_shards(
 ) -> List[ShardResult]:
     """Map ``fn`` over the samples of many shards, writing one output shard per input shard.
 
-    ``level="sample"``: ``fn(sample)`` gets each raw sample (fields are bytes) and returns a
-    sample, None (dropped) or an iterable of samples. ``level="shard"``: ``fn(samples)`` gets the
-    shard's sample iterator and returns an iterator of samples (a stage such as
-    ``webds.map(f)``, or a generator function). Results are encoded by ``encoder`` (default: the
-    :mod:`webds.stages.encode` table, so str/int/dict fields work; bytes pass through) and written
-    with
-    :class:`~webds.tarwriter.TarWriter`; an output appears only once its shard is complete.
+    ``level="sample"``: ``fn(sample)`` takes a raw sample (bytes fields) and returns a sample, None
+    (dropped) or an iterable of samples; ``level="shard"``: ``fn(samples)`` maps a shard's samples
+    (a stage such as ``webds.map(f)``). ``inputs``: a shard spec or list
+    (:func:`~webds.shards.shardlists.expand_urls`); ``outputs``: a pattern (``'out/{stem}.tar'``), a
+    folder or a list (:func:`output_urls`). An output appears once complete and is skipped if it
+    exists unless ``overwrite``, so a rerun does only what is missing. ``encoder``: by default the
+    :mod:`webds.stages.encode` table; False writes bytes only. ``executor``: None or ``"processes"``
+    (``workers`` processes, default one per CPU; ``fn`` must be picklable), ``"threads"``,
+    ``"serial"``, any ``concurrent.futures.Executor``, or a Dask ``distributed.Client`` (its workers
+    import ``fn``'s module). ``storage_options`` go to fsspec; ``progress`` shows a bar of shards.
 
-    ``inputs``: a shard spec or list (:func:`~webds.shards.shardlists.expand_urls`); ``outputs``:
-    see
-    :func:`output_urls` (``'out/{stem}.tar'``, ``'s3://b/p/{index:06d}.tar'``, ``'out/'``).
-    An output that exists is skipped unless ``overwrite``. ``executor``: None or
-    ``"processes"`` (a local process pool of ``workers`` processes, default one per CPU),
-    ``"threads"``, ``"serial"`` (in this process), any ``concurrent.futures.Executor``, or a
-    Dask ``distributed.Client`` (its ``get_executor()``). For processes ``fn`` must be picklable
-    (defined at module top level); Dask workers must be able to import its module.
-
-    Returns one :class:`ShardResult` per input, in input order. A failing shard does not stop the
-    others; after all have run, :class:`MapShardsError` lists the failed ones (completed outputs
-    are kept, so a rerun does only those). ``progress`` shows a bar of shards on stderr.
+    Returns one :class:`ShardResult` per input, in order; a failing shard stops no other, and
+    :class:`MapShardsError` then lists the failed ones.
+    [More](../cli.md#webdsmap_shards-the-python-api)::
 
         webds.map_shards(add_label, "s3://b/raw/", "s3://b/labelled/", storage_options=opts)
     """

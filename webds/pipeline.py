@@ -1,15 +1,15 @@
 """DataPipeline: a source followed by stages, the engine everything else in webds is built from.
 
-Stages (:mod:`webds.stages.core`) are written once, as generator functions taking the upstream
+Stages (:mod:`webds.base.stage`) are written once, as generator functions taking the upstream
 iterator first, and used both ways::
 
     DataPipeline(source, select(f), ...)  # composable style
     dataset.select(f)                     # fluent style, derived from the same definition
 
 Stages declare what they need and owe (the epoch, the pipeline's seed, the ledger; a count rule
-from which ``len()`` follows; what they owe a resume): see :mod:`webds.stages.core`. A pipeline
+from which ``len()`` follows; what they owe a resume): see :mod:`webds.base.stage`. A pipeline
 resumed mid-epoch (:meth:`DataPipeline.load_state_dict`) reads each sample not yet consumed once
-(the arithmetic is in :mod:`webds.counting`, the record in :mod:`webds.stages.ledger`).
+(the arithmetic is in :mod:`webds.counting`, the record in :mod:`webds.base.ledger`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,29 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import IterableDataset
 
+from .base.ledger import LEAF, Ledger, Pass, unconsumed
+from .base.saved import PipelineState, StreamState, read_states
+
+# The stage machinery lives in webds.stages (no torch import); these names are importable from
+# here too.
+from .base.stage import (  # noqa: F401
+    BATCH,
+    LEDGER,
+    REORDER,
+    SAME,
+    STATELESS,
+    UNBATCH,
+    Count,
+    Length,
+    Stage,
+    StageFactory,
+    Stateless,
+    pipelinefilter,
+    resume_kind,
+    stage,
+    stateless,
+)
+from .base.workers import worker_info
 from .channel import StreamKeeper, is_worker_dataset, release_free_heap
 from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
     _exactly,
@@ -41,32 +64,7 @@ from .counting import stage_name as _stage_name
 from .epochs import carries, carry_start, dropping
 from .errors import ArgumentError, LengthError
 from .shards.elastic import topology_changed
-from .shards.shardlists import worker_info
-
-# The stage machinery lives in webds.stages (no torch import); these names stay importable from
-# here, where webdataset code and pickles made before the split look for them (a pickled stage
-# factory refers to webds.pipeline._import_object).
-from .stages.core import (  # noqa: F401
-    BATCH,
-    LEDGER,
-    REORDER,
-    SAME,
-    STATELESS,
-    UNBATCH,
-    Count,
-    Length,
-    Stage,
-    StageFactory,
-    Stateless,
-    _import_object,
-    pipelinefilter,
-    resume_kind,
-    stage,
-    stateless,
-)
-from .stages.ledger import LEAF, Ledger, Pass, unconsumed
 from .stages.probe import Probe
-from .stages.saved import PipelineState, StreamState, read_states
 
 if TYPE_CHECKING:
     from .channel import WorkerChannel, WorkerStart
@@ -121,7 +119,7 @@ class DataPipeline(IterableDataset):
         # Resuming (see state_dict): [epoch, items yielded] of the epoch in progress; the pass
         # being read and its ledger; a saved stream to continue at the next iter().
         self._position: List[int] = [0, 0]
-        self._stream: Optional[Pass] = None
+        self._pass: Optional[Pass] = None
         self._resume: Optional[StreamState] = None
         self._drop = 0
         self._warned_inexact = False
@@ -138,7 +136,7 @@ class DataPipeline(IterableDataset):
         result.pipeline = self.pipeline + [s for s in stages if s is not None]
         result._carry = None
         result._position = list(self._position)
-        result._stream = None
+        result._pass = None
         result.channel = None
         return result
 
@@ -168,7 +166,7 @@ class DataPipeline(IterableDataset):
         self.epoch = int(epoch)
         self._carry = None
         self._resume = None
-        self._stream = None
+        self._pass = None
         self._position = [self.epoch, 0]
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> "DataPipeline":
@@ -204,7 +202,7 @@ class DataPipeline(IterableDataset):
             else None
         )
 
-    def _origin(self) -> Optional[Tuple[int, Any]]:
+    def _counted_source(self) -> Optional[Tuple[int, Any]]:
         """(position, source) of the stage whose output counts are known, if there is one: it has
         ``stream_lengths(num_workers)`` (a stream per DataLoader worker) and ``stream_index()``."""
         src = self.pipeline[0] if self.pipeline else None
@@ -220,7 +218,7 @@ class DataPipeline(IterableDataset):
         return [n.items for n in self.stream_counts(num_workers)]
 
     def stream_counts(self, num_workers: Optional[int] = None) -> List[Length]:
-        """:meth:`stream_lengths` as :class:`~webds.stages.core.Length` values, which also carry the
+        """:meth:`stream_lengths` as :class:`~webds.base.stage.Length` values, which also carry the
         counts before each batching (what a later ``unbatched()`` gets back)."""
         streams = max(1, num_workers or 1)
         if self.nsamples is not None and self.repetitions == sys.maxsize:
@@ -232,7 +230,7 @@ class DataPipeline(IterableDataset):
                     "worker; use with_epoch(n) for a per-worker epoch length"
                 )
             return [Length(self.length)]
-        origin = self._origin()
+        origin = self._counted_source()
         if origin is None:
             src = self.pipeline[0] if self.pipeline else None
             raise LengthError(
@@ -284,19 +282,19 @@ class DataPipeline(IterableDataset):
         state = PipelineState(epoch, items, rank=where.rank, world_size=where.world_size)
         state.seed, state.config = self.effective_seed(), self._resume_config()
         state.entropy = [x._entropy for x in random_parts(self)]
-        if self._stream is not None:
-            state.pass_, ledger = self._stream
+        if self._pass is not None:
+            state.pass_, ledger = self._pass
             state.ledger, state.problem = ledger.state(), ledger.problem
             state.last = ledger.current  # what a padded epoch repeats (see _exactly)
         keeper = self._keeper()
         if keeper is not None:
-            keeper.save(state, self._stream)
+            keeper.save(state, self._pass)
         return state
 
     def state_dict(self, all_ranks: bool = False, strict: bool = True) -> Any:
         """Where this pipeline stands: the epoch in progress, how many items it has yielded, and
         which source samples it has consumed (a plain dict of lists and ints: JSON will do; its
-        fields are :class:`~webds.stages.saved.PipelineState`'s). After an epoch has run to
+        fields are :class:`~webds.base.saved.PipelineState`'s). After an epoch has run to
         its end, that is the next epoch with nothing consumed.
 
         Each rank of a distributed job reads other samples, so each rank's state is its own.
@@ -304,7 +302,7 @@ class DataPipeline(IterableDataset):
         rank at the same step); any rank can load that list, so rank 0 can save it alone.
 
         Mid-pass, a stage that does not say what it owes a resume (a plain generator, a cache:
-        :func:`~webds.stages.core.resume_kind`) raises :class:`~webds.errors.ResumeError`;
+        :func:`~webds.base.stage.resume_kind`) raises :class:`~webds.errors.ResumeError`;
         ``strict=False`` saves anyway, and loading that needs ``strict=False`` too.
         """
         state = self._state()
@@ -335,7 +333,7 @@ class DataPipeline(IterableDataset):
             restore_entropy(self, mine)
             self.set_epoch(mine.epoch)
             self._resume = mine
-            self._carry = self._stream = None  # the next iter() starts from the resume
+            self._carry = self._pass = None  # the next iter() starts from the resume
             self._position = [self.epoch, mine.items]
         keeper = self._keeper()
         if keeper is not None:
@@ -437,11 +435,11 @@ class DataPipeline(IterableDataset):
         for epoch in range(start, end):
             ledger = Ledger(resume=saved, track=channel is not None)
             saved = None
-            self._stream = Pass(epoch, ledger)
+            self._pass = Pass(epoch, ledger)
             empty = True
             items = self._one_pass(epoch, ledger)
             if channel is not None:
-                channel.stream = self._stream
+                channel.current_pass = self._pass
                 if ledger.resuming:
                     # What a WebLoader's main process held: for this worker's first batch.
                     items = ledger.divert_held_after(items, channel.restored)
@@ -499,7 +497,7 @@ class DataPipeline(IterableDataset):
             self._position = [position[0] + 1, 0]
             keeper = self._keeper()
             if self._carry is None:  # with_epoch's stream goes on; otherwise the epoch is over
-                self._stream = None
+                self._pass = None
                 if keeper is not None:
                     keeper.epoch_done()
         if is_worker_dataset(self):
@@ -522,13 +520,6 @@ class DataPipeline(IterableDataset):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __setstate__(self, state: dict) -> None:
-        # Pipelines pickled by webds 0.1 lack what resuming now keeps.
-        self.__dict__.update(state)
-        defaults = {"_stream": None, "_resume": None, "_drop": 0, "channel": None, "probe": None}
-        for name, value in dict(defaults, threads=0, _entropy=secrets.randbits(63)).items():
-            self.__dict__.setdefault(name, value)
 
     def __getstate__(self) -> dict:
         # A running generator can't cross to a DataLoader worker; the worker starts its own.

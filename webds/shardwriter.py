@@ -23,36 +23,24 @@ log = logging.getLogger("webds")
 
 
 class ShardWriter(CommitOnExit):
-    """Write samples to a series of shards named ``pattern % shard_number``.
+    """Write samples to a series of shards named ``pattern % shard_number``, from ``start_shard``.
 
-    A new shard is started before a write when the current one holds ``maxcount`` samples or
-    ``maxsize`` payload bytes (a single sample larger than ``maxsize`` gets a shard of its own).
-    No shard is created if nothing is written. ``post(fname)`` runs after each shard is committed;
-    ``opener(fname)`` may return the stream to write to (it is closed, or ``discard()``-ed on
-    error, by the writer). ``storage_options`` go to fsspec for remote patterns such as
-    ``"s3://bucket/train-%06d.tar"``: each shard is uploaded as it is written and becomes visible
-    when it is committed, before ``post`` runs; a discarded shard's upload is aborted.
-    A local pattern's missing folder (``out/`` of ``out/train-%06d.tar``, also with ``file:``)
-    is created when a shard is opened in it, as :func:`webds.pack` does; remote stores have no
-    folders to create, and ``pipe:`` and ``opener`` outputs are left alone.
-    Other keywords go to :class:`~webds.tarwriter.TarWriter`. Attributes: ``fname`` (current
-    or last shard), ``shard`` (the next shard number), ``count``/``size`` (samples and bytes in
-    the current shard), ``total`` (all samples), ``shards`` (completed shard names).
+    A new shard starts before a write once the current one holds ``maxcount`` samples or ``maxsize``
+    payload bytes (a larger sample gets one of its own; nothing written, no shard). ``post(fname)``
+    runs after each shard is committed; ``opener(fname)`` may return the stream to write to (the
+    writer closes it, or discards it on error). ``storage_options`` go to fsspec for a remote
+    pattern, whose shards appear only once committed
+    ([more](../remote.md#writing-to-remote-storage)); a local pattern's missing folder is created.
+    ``verbose`` logs each shard, ``progress`` shows a bar; other keywords go to
+    :class:`~webds.tarwriter.TarWriter`.
 
-    ``index`` writes a shard index (:mod:`webds.shards.index`) of the committed shards, with their
-    sample counts, sizes and sha256 computed while writing, when the writer stops (``close()``,
-    ``discard()``, an error), if any shard was committed: ``True`` (the default) writes it next
-    to the shards as :func:`~webds.shards.index.default_index_name` of the pattern
-    (``out/train-%06d.tar`` -> ``out/train.index.json``; none with an ``opener`` or into a
-    ``pipe:``), a str is its path or URL, ``False`` writes none (and skips the hashing).
-    With ``post``: if ``post`` took the shards away (an upload and delete, a move: none of this
-    session's local shards is left where it was written), the default index goes through
-    ``post`` too, after the last shard, and follows them (its shard URLs are relative to its
-    folder); if the shards stayed (``post`` reports or copies them), the index stays beside
-    them and ``post`` never sees it. An index given a path is written there and not posted.
-    The ``index`` attribute is the :class:`~webds.shards.index.ShardIndex` of the shards so far.
-    An index already there is extended, not replaced: a session that continues the numbering
-    (``start_shard=``) adds its shards to it, and a shard written again gets its new entry.
+    ``index``: ``True`` (the default) writes a shard index of the committed shards (sha256 computed
+    while writing) when the writer stops, next to them (``out/train-%06d.tar`` ->
+    ``out/train.index.json``; none with an ``opener`` or a ``pipe:``); a str writes it there,
+    ``False`` none. An index already there is extended; with ``post`` it may follow the shards
+    ([more](../index-format.md#making-and-checking-an-index)). Attributes: ``fname`` (current or
+    last shard), ``shard`` (the next number), ``count``/``size`` (of the current shard), ``total``,
+    ``shards`` (committed names), ``index`` (the index so far).
     """
 
     def __init__(

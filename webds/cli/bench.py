@@ -16,8 +16,9 @@ import sys
 import time
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
+from ..base.workers import usable_cpus
 from ..errors import ArgumentError
-from ..shards.shardlists import expand_urls, usable_cpus
+from ..shards.shardlists import expand_urls
 from ..stages.probe import COLLATE, READING, WAITING, PipelineStats
 from .common import add_inputs, add_quiet, positive_int, show_progress
 from .shardio import close_iterator

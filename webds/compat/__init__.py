@@ -10,11 +10,11 @@
   keywords, defined in :mod:`webds.keywords` (the core's constructor uses it).
 
 The rest of the package holds what exists only so that webdataset code runs:
-:mod:`~webds.compat.aliases` (webdataset's module names, and webds's own module names from
-before 0.2), :mod:`~webds.compat.legacy` (webdataset's ``utils`` and ``extradatasets`` helpers),
-:mod:`~webds.compat.tariterators` and :mod:`~webds.compat.shardsources`. It imports the core;
-the core never imports it. The fluent names are imported on first use, so that importing
-``webds`` (which installs the alias hook from here) does not import torch.
+:mod:`~webds.compat.aliases` (webdataset's module names), :mod:`~webds.compat.legacy`
+(webdataset's ``utils`` and ``extradatasets`` helpers), :mod:`~webds.compat.tariterators` and
+:mod:`~webds.compat.shardsources`. It imports the core; the core never imports it. The fluent
+names are imported on first use, so that importing ``webds`` (which installs the alias hook from
+here) does not import torch.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Module names that code imports but webds has no file for: one table each, served by one hook.
 
-- :data:`ALIASES`: webdataset's module names. Code written for webdataset imports its modules by
-  name (``from webdataset.tariterators import tar_file_expander``, ``webdataset.autodecode.
-  Decoder``, ``from webdataset.gopen import gopen_schemes``); for each such name that webds has
-  no real module for, the table says which webds objects it holds. Their attributes are looked
-  up in the real modules every time, so they are the very same objects
-  (``webds.shardlists.SimpleShardList is webds.shards.SimpleShardList``), never copies.
-- :data:`MOVED`: webds's own module names from before 0.2, when every module stood flat in
-  ``webds/`` (``webds.urls``, ``webds.tario``, ``webds.filters``, ...). ``import webds.urls``
-  gives the module that holds that code now (``webds.io.urls``, the same module object), so
-  imports, ``mock.patch("webds.urls....")`` and pickles written by webds 0.1 keep working. A
-  name whose module was split, or that also serves webdataset's extra names (:data:`EXTRAS`),
-  is an :class:`AliasModule` that looks each name up in its modules in order.
+- :data:`ALIASES`: webdataset's module names served name by name. Code written for webdataset
+  imports its modules by name (``from webdataset.tariterators import tar_file_expander``,
+  ``webdataset.autodecode.Decoder``, ``from webdataset.gopen import gopen_schemes``); for each
+  such name that webds has no real module for, the table says which webds objects it holds.
+  Their attributes are looked up in the real modules every time, so they are the very same
+  objects (``webds.shardlists.SimpleShardList is webds.shards.SimpleShardList``), never copies.
+- :data:`MOVED`: webdataset's module names whose code webds holds in modules of its own
+  (``filters`` in ``webds.stages.filters`` and ``webds.stages.fields``, ``tenbin`` in
+  ``webds.stages.tenbin``, ...). ``import webds.tenbin`` gives ``webds.stages.tenbin`` itself (the
+  same module object, so ``mock.patch("webds.tenbin....")`` patches what the code uses); a name
+  served by several modules, or that also serves names webdataset kept elsewhere
+  (:data:`EXTRAS`), is an :class:`AliasModule` that looks each name up in its modules in order.
 
 ``webds.gopen`` is special, as in webdataset where the package attribute ``gopen`` is the
 function: here it is one object that is both the module (``webds.gopen.gopen_schemes``) and
@@ -129,22 +129,9 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
     "utils": [
         (
             "webds.compat.legacy",
-            [
-                "PipelineStage",
-                "repeatedly",
-                "repeatedly0",
-                "make_seed",
-                "pytorch_worker_info",
-                "pytorch_worker_seed",
-                "is_iterable",
-                "safe_eval",
-                "lookup_sym",
-                "guess_batchsize",
-                "deprecated",
-                "obsolete",
-                "ObsoleteException",
-                "compute_sample_weights",
-            ],
+            "PipelineStage repeatedly repeatedly0 make_seed pytorch_worker_info "
+            "pytorch_worker_seed is_iterable safe_eval lookup_sym guess_batchsize deprecated "
+            "obsolete ObsoleteException compute_sample_weights".split(),
         ),
         ("webds.stages.filters", ["identity"]),
         ("webds.io.security", ["enforce_security"]),
@@ -152,36 +139,20 @@ ALIASES: Dict[str, List[Tuple[str, List[str]]]] = {
     ],
 }
 
-#: webds's own module names from before 0.2, when every module stood flat in ``webds/``, and the
-#: modules that hold their code now. (``webds.stages``, ``webds.shards`` and ``webds.compat``
-#: became packages of the same name that serve the old names themselves.)
+#: webdataset's module names that webds serves by modules of its own, and those modules (the
+#: first that has a name gives it).
 MOVED: Dict[str, List[str]] = {
-    "aliases": ["webds.compat.aliases"],
-    "batching": ["webds.stages.batching"],
     "cache": ["webds.io.cache", "webds.tar.cached"],
-    "decode": ["webds.stages.decode", "webds.stages.codecs", "webds.stages.xdecode"],
-    "encode": ["webds.stages.encode"],
-    "fastjpeg": ["webds.stages.fastjpeg"],
     "filters": ["webds.stages.filters", "webds.stages.fields"],
-    "handlers": ["webds.stages.handlers"],
-    "index": ["webds.shards.index"],
-    "legacy": ["webds.compat.legacy"],
+    "handlers": ["webds.base.handlers"],
     "mix": ["webds.stages.mix"],
-    "plan": ["webds.shards.plan"],
-    "replay": ["webds.stages.replay"],
-    "retrying": ["webds.io.retrying", "webds.io.remote"],
-    "samples": ["webds.tar.samples"],
-    "sharddatasets": ["webds.shards.datasets"],
-    "shardsources": ["webds.compat.shardsources"],
     "tariterators": ["webds.compat.tariterators"],
-    "tario": ["webds.tar.reader", "webds.tar.writing", "webds.tar.compression"],
     "tenbin": ["webds.stages.tenbin"],
-    "urls": ["webds.io.urls", "webds.io.streams", "webds.io.pipes", "webds.io.remote"],
 }
 
-#: Names that webdataset's module of the same name as an old webds module (``filters``) exported
-#: but that live elsewhere in webds: ``from webds.filters import batched`` works, and the real
-#: module neither imports nor copies them.
+#: Names that webdataset's ``cache`` and ``filters`` modules exported but that live elsewhere in
+#: webds than :data:`MOVED` says: ``from webds.filters import batched`` works, and the real module
+#: neither imports nor copies them.
 EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
     "cache": [
         (
@@ -198,7 +169,7 @@ EXTRAS: Dict[str, List[Tuple[str, List[str]]]] = {
         ),
         ("webds.stages.decode", ["decode"]),
         ("webds.stages.xdecode", ["xdecode", "default_decoders=default_xdecoders"]),
-        ("webds.stages.core", ["pipelinefilter"]),
+        ("webds.base.stage", ["pipelinefilter"]),
         ("webds.stages.replay", ["Cached", "LMDBCached"]),
         (
             "webds.compat.helpers",
@@ -228,7 +199,7 @@ def _index(table: Dict[str, List[Tuple[str, List[str]]]]) -> Dict[str, Dict[str,
             for entry in listed:
                 name, _, real = entry.partition("=")
                 if name in names:
-                    raise ValueError(f"webds.aliases: {alias}.{name} is listed twice")
+                    raise ValueError(f"webds.compat.aliases: {alias}.{name} is listed twice")
                 names[name] = (module, real or name)
         index[alias] = names
     return index
@@ -330,9 +301,7 @@ def _resolve(alias: str, name: str) -> Any:
 
 
 def _what(alias: str) -> str:
-    if alias in ALIASES:
-        return f"webdataset's {alias!r} module"
-    return f"webds's {alias!r} module before 0.2"
+    return f"webdataset's {alias!r} module"
 
 
 def _sources(alias: str) -> str:
@@ -388,8 +357,8 @@ def _install() -> None:
 
 
 def package_getattr(name: str) -> Any:
-    """The ``webds`` package's ``__getattr__``: ``webds.shardlists`` (or the old
-    ``webds.urls``) imports the alias module."""
+    """The ``webds`` package's ``__getattr__``: ``webds.shardlists`` (or ``webds.tenbin``)
+    imports the alias module."""
     if name in ALIASES or name in MOVED:
         return importlib.import_module(f"{PACKAGE}.{name}")
     raise AttributeError(f"module {PACKAGE!r} has no attribute {name!r}")

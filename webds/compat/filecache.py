@@ -13,10 +13,10 @@ import urllib.parse
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 from urllib.parse import urlparse
 
+from ..base.handlers import reraise_exception
 from ..errors import ArgumentError, NotATarError, NotFoundError
 from ..io.cache import LRUCleanup
 from ..io.urls import check_secure, local_path, open_url
-from ..stages.handlers import reraise_exception
 
 __all__ = [
     "default_cache_dir",

@@ -4,7 +4,7 @@ They work as webdataset documented them, with its bugs fixed: :class:`with_epoch
 :class:`with_length` can be instantiated and pickled, :func:`repeatedly` honours ``batchsize``,
 :func:`make_seed` gives the same seed in every process, and :func:`safe_eval` never calls
 ``eval``. New code rarely needs them: ``DataPipeline.with_epoch``/``with_length`` and
-:func:`webds.shards.shardlists.worker_info` cover the same ground.
+:func:`webds.base.workers.worker_info` cover the same ground.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequenc
 
 from torch.utils.data import IterableDataset
 
+from ..base.workers import WorkerInfo, derive_seed, worker_info
 from ..errors import ArgumentError, WebdsError
-from ..shards.shardlists import WorkerInfo, derive_seed, worker_info
 from ..stages.filters import identity
 
 __all__ = [

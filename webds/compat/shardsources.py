@@ -17,9 +17,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Union
 import braceexpand
 from torch.utils.data import IterableDataset
 
+from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError
 from ..io.cache import pid_alive
-from ..shards.shardlists import derive_seed, worker_info
 from ..shards.specs import MultiShardSample, shardspec
 
 __all__ = [

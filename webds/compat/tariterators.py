@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional
 
+from ..base.handlers import ErrorPolicy, Handler, reraise_exception
 from ..errors import WebdsError
-from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
 from ..tar import grouping
 from ..tar.grouper import META_PATTERN, _rename_select, base_plus_ext
 from ..tar.reader import read_members

@@ -1,25 +1,11 @@
 """ImageNet's tar of tars -> uniformly shuffled WebDataset shards: :func:`convert_imagenet`.
 
-ImageNet's training set arrives as one tar (``ILSVRC2012_img_train.tar``, 148 GB) holding one
-tar per class (``n01440764.tar``, ...), each holding that class's JPEGs
-(``n01440764_10026.JPEG``). Shards written in that order hold one class each, which wrecks
-training, so the converter writes a uniformly random permutation of all samples, with bounded
-memory and without extracting the original layout to disk: a two-pass shuffle (scatter the
-images into temporary bucket files by random key, then gather the buckets in key order), whose
-passes, memory and disk bounds, and proof of uniformity are in
-:mod:`webds.convert.imagenet_shuffle`. The same seed gives byte-identical shards.
-
-**Temporary files** go under ``tmpdir``; by default a hidden folder ``.webds-imagenet-*`` in the
-output folder when the output is local (the disk that must hold the shards anyway), else the
-system temporary folder (``TMPDIR``). It is removed at the end, also after an error or Ctrl-C
-(not after ``kill -9``). The shards themselves take the images plus ~2 KiB of tar headers and
-padding per sample.
-
-**Classes.** A class's index is its synset's position in sorted order. ``classes.json``
-(``{"classes": [...], "class_to_idx": {...}}``) is written beside the shards.
-
-**Validation.** The validation tar is flat (``ILSVRC2012_val_00000001.JPEG`` ...); it is
-written in its own order, labelled from a label file (:mod:`webds.convert.imagenet_labels`).
+ImageNet's training tar holds one tar per class; shards written in that order hold one class
+each, which wrecks training, so the converter writes a uniformly random permutation of all
+samples with bounded memory, without extracting the original layout to disk. The shuffle itself
+(two passes through temporary bucket files) is :mod:`webds.convert.imagenet_shuffle`; the flat
+validation tar is written in its own order, labelled by :mod:`webds.convert.imagenet_labels`.
+Temporary files, bounds, label formats, errors: docs/convert-imagenet.md.
 """
 
 from __future__ import annotations
@@ -62,38 +48,22 @@ def convert_imagenet(
     storage_options: Optional[Mapping[str, Any]] = None,
     progress: bool = True,
 ) -> Dict[str, Any]:
-    """Convert ImageNet's training tar of class tars (and its validation tar) into shards.
+    """Convert ImageNet's training tar of class tars (and its validation tar) into shuffled shards.
 
-    ``train_tar`` (a path, URL, ``-`` or ``pipe:CMD``) is read as a stream, once; its samples
-    are written to ``pattern`` (``"out/train-%06d.tar"``, local or remote) in a uniformly random
-    order fixed by ``seed``, using at most about ``memory`` bytes of RAM and the size of the
-    dataset in temporary disk under ``tmpdir`` (see :mod:`webds.convert.imagenet_shuffle` for
-    the exact bounds and why the order is uniform). Each sample is ``{"__key__":
-    "n01440764_10026", "jpg": <the original bytes>, "cls": <index>}`` (plus ``"json":
-    {"synset": ...}`` with ``with_json``); ``classes.json`` and the shard index
-    (``train.index.json``) are written beside the shards.
+    ``train_tar`` (a path, URL, ``-`` or ``pipe:CMD``; None: validation set only) is read once, as
+    a stream; its images go, as their original bytes, to ``pattern`` (``"out/train-%06d.tar"``,
+    local or remote; ``maxcount`` / ``maxsize`` per shard) in a uniformly random order fixed by
+    ``seed``, using about ``memory`` bytes of RAM and the dataset's size in temporary files under
+    ``tmpdir``; ``classes.json`` and ``train.index.json`` go beside them. ``val_tar`` (flat) is
+    written in its own order to ``val_pattern`` (default: ``pattern`` with ``train`` in its file
+    name replaced by ``val``), labelled from the file ``val_labels``; without ``train_tar``,
+    ``classes`` (synsets, or a ``classes.json``) numbers the classes. ``with_json`` adds ``"json":
+    {"synset": ...}``; ``storage_options`` go to fsspec; ``progress`` shows bars on stderr.
 
-    ``val_tar`` (flat: ``ILSVRC2012_val_00000001.JPEG`` ...) is written to ``val_pattern`` (by
-    default ``pattern`` with ``train`` in its file name replaced by ``val``) in
-    its own order, labelled from ``val_labels``, a file (path or URL) in one of these forms:
-
-    - Kaggle's ``LOC_val_solution.csv``: ``ImageId,PredictionString``, the synset first;
-    - ``FILE LABEL`` per line (space or comma between), e.g. ``ILSVRC2012_val_00000001.JPEG
-      n01751748``, or Caffe's ``val.txt`` with 0-based class indices;
-    - one ``LABEL`` per line for the images in sorted file-name order (the tar must be sorted).
-
-    A LABEL is a synset or a 0-based index into the sorted synsets. The devkit's
-    ``ILSVRC2012_validation_ground_truth.txt`` is refused: its 1-based ILSVRC2012 ids follow the
-    devkit's own class order, which only the devkit's ``meta.mat`` maps to synsets.
-    With ``train_tar=None`` only the validation set is converted, with ``classes`` (a list of
-    synsets or the path/URL of a ``classes.json``) giving the class indices.
-
-    ``storage_options`` go to fsspec for every remote input and output (credentials,
-    endpoint). Returns a summary: ``{"classes": n, "classes_json": path, "train": {"samples",
-    "shards", "index", "buckets", "splits", "temp_bytes"}, "val": {...}, "seconds": s}``.
-    ``train``/``val`` are None when not converted. Bad input raises
-    :class:`~webds.errors.ShardReadError` naming the tar and member; a bad argument or label
-    file :class:`~webds.errors.ArgumentError`::
+    Returns ``{"classes": n, "classes_json": path, "train": {"samples", "shards", "index",
+    "buckets", "splits", "temp_bytes"}, "val": {...}, "seconds": s}`` (None: not converted). Bad
+    input raises :class:`~webds.errors.ShardReadError`, a bad argument or label file
+    :class:`~webds.errors.ArgumentError`. See [Converting ImageNet](../convert-imagenet.md)::
 
         convert_imagenet("ILSVRC2012_img_train.tar", "/data/in1k/train-%06d.tar", memory=8e9)
     """

@@ -1,41 +1,18 @@
 """The two-pass shuffle behind :func:`~webds.convert.imagenet.convert_imagenet`: ImageNet's
 training tar of class tars -> every image, in a uniformly random order fixed by the seed.
 
-**Pass 1 (scatter)** reads the outer tar once, as a stream (a path, a URL, ``-`` or
-``pipe:CMD``), and each class tar inside it as a stream too (:mod:`webds.convert.tarstream`).
-Every image gets a 64-bit random key from ``random.Random(seed)``; the key range is cut into B
-equal parts and the image is appended to the temporary bucket file of its part. B is planned
-from the input size so that a bucket holds about 3/4 of ``memory`` (at most 256 buckets; 256
-when the size is unknown, e.g. from a pipe).
+Pass 1 (:func:`_scatter`) streams the outer tar and each class tar in it
+(:mod:`webds.convert.tarstream`), gives every image a 64-bit random key from
+``random.Random(seed)`` and appends it to the temporary bucket file of its key range. Pass 2
+(:func:`_gather`) loads the buckets in key order, sorts each by key and appends it to a
+:class:`~webds.shardwriter.ShardWriter`; a bucket larger than ``memory`` is first split by key
+range (:func:`_split`). The output depends only on the seed and the input, not on ``memory``,
+the number of buckets or splits. Why it is uniform (Rao's two-pass shuffle), how buckets are
+planned, and the memory and disk bounds: docs/convert-imagenet.md.
 
-**Pass 2 (gather)** takes the buckets in key order: it loads one, sorts it by key, appends its
-samples to a :class:`~webds.shardwriter.ShardWriter` and deletes it. A bucket that came out larger
-than ``memory`` is first split by key range into smaller buckets (the same rule, applied again;
-with ``memory`` below ~1/190 of the dataset every bucket needs it: one more pass over the data).
-
-**Why the output is a uniform random permutation.** Sorting n independent uniform keys gives
-each of the n! orders with the same probability (the keys are exchangeable). The two passes are
-exactly that sort, done as a distribution sort: buckets are consecutive key ranges, so the
-sorted buckets, concatenated, are the sorted whole. This is Rao's (1961) two-pass shuffle (each
-sample goes to a uniformly chosen bucket independently of the others, then each bucket is
-shuffled uniformly), with the in-bucket shuffle taken from the low bits of the same key. So the
-output depends only on the seed and the input, not on ``memory``, B or splits: the same seed
-gives byte-identical shards. Equal keys (probability below n^2 / 2^65, 5e-8 for ImageNet's 1.28M
-images) keep their input order.
-
-**Bounds.**
-
-- Memory: pass 1 holds one image plus the buffers of the B open bucket files (each
-  ``min(1 MiB, memory / 4B)``, at least 8 KiB); pass 2 holds one bucket (at most ``memory``
-  bytes, unless a single image is larger) plus ~250 bytes of bookkeeping per image in it, plus
-  one output sample. Peak: about ``memory`` + 250 bytes x (images per bucket) + a few MiB.
-- Temporary disk: every image once (about the size of the training tar) plus 23 bytes and the
-  key per image. Pass 2 deletes each bucket once its samples are written, so usage falls as the
-  shards grow; splitting an oversized bucket needs its size a second time while it runs.
-
-**Classes.** A class's index is its synset's position in sorted order. All synsets are known
-only once the whole outer tar has been read, so bucket records carry the class's position in
-the input and the indices are assigned in pass 2: one pass over the input, so a pipe works.
+Class indices (sorted synsets) are known only once the whole outer tar has been read, so bucket
+records carry the class's position in the input and pass 2 assigns the indices: one pass over
+the input, so a pipe works.
 """
 
 from __future__ import annotations

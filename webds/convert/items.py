@@ -1,29 +1,15 @@
 """What :func:`~webds.convert.pack` makes of a dataset item: a sample of encoded fields and its
 key.
 
-What an item becomes (``dataset[i]``):
-
-- a dict ``{ext: value}``: one field per key (keys starting with ``_`` are left out);
-- a tuple ``(input, label)`` or ``(input, label, extra)`` (or a single value): each part is
-  stored under the extension its type calls for. An image (PIL image, a CxHxW tensor uint8 or
-  float in [0, 1], an HxW/HxWxC uint8 array) is encoded as ``image_format`` (``"jpg"`` or
-  ``"png"``); what JPEG can't hold goes to PNG (RGBA, LA, palette images with transparency,
-  bilevel ``1``, 16-bit ``I;16``), and what PNG can't hold either to TIFF (32-bit ``I``, float
-  ``F``). An int (numpy or 0-d tensor too) -> ``cls``; a str -> ``txt``; a dict, list or
-  float -> ``json``; other arrays and tensors -> ``npy``; bytes are kept as they are
-  (``jpg``/``png``/``webp`` when the bytes say so, else ``bin``); None is left out.
-
-Files that are already encoded are never decoded and encoded again (``reencode=True`` forces it):
-
-- a torchvision ``ImageFolder``/``DatasetFolder`` (anything with ``samples = [(path, target)]``,
-  no ``transform`` and torchvision's default image ``loader``, also inside a ``Subset``): each
-  file's bytes are stored unchanged, under its own type (``jpg`` for .jpg/.jpeg/.JPEG, ``png``,
-  ...; the bytes decide between jpg, png and webp when the name says otherwise), with ``cls``;
-- a dataset with a method ``__webds_raw__(i)`` returning a dict of fields (bytes stored as they
-  are), or None to fall back to ``dataset[i]``; or ``raw=fn`` with ``fn(dataset, i)`` alike.
-
-Keys are ``f"{i:08d}"`` of the dataset index, or the file stems of a folder dataset when those are
-unique (and usable as keys); ``keys="index"``, ``keys="stem"`` or ``keys=fn(i) -> str`` choose.
+An item (``dataset[i]``) is a dict ``{ext: value}`` or a tuple ``(input, label[, extra])``,
+whose parts get the extension their type calls for (:func:`_auto_field`: an image -> ``jpg``
+or ``png``, falling back to PNG, then TIFF, for modes the format can't hold; an int -> ``cls``,
+a str -> ``txt``, a dict, list or float -> ``json``, other arrays -> ``npy``, bytes kept as
+they are). Files that are already encoded are never decoded and encoded again
+(``reencode=True`` forces it): a torchvision folder dataset's files (:func:`_folder_fields`),
+and what ``__webds_raw__(i)`` or ``raw=fn`` returns (:func:`_raw_fields`). Keys
+(:func:`_plan_keys`) are the dataset index, ``f"{i:08d}"``, or the file stems of a folder
+dataset when those are unique. The rules in full: docs/convert.md, "Any map-style dataset".
 
 Nothing here imports torch: tensors and PIL images are recognised by their type's module.
 """

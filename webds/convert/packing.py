@@ -4,23 +4,12 @@
     WebDataset("out/fmnist.index.json").decode("pil").to_tuple("png;jpg", "cls")
 
 What an item becomes, how files already encoded are kept as they are, and how keys are chosen:
-:mod:`webds.convert.items`. How the shards are written: :mod:`webds.convert.workers`.
-
-The shards are planned before anything is written, so that parallel workers and reruns agree:
-the indices in a random order from ``seed`` (``shuffle=False``: in order), cut into equal
-shards (sizes differ by at most one) of at most ``maxcount`` samples. ``maxsize`` (bytes of the
-shard file) lowers that count: a pilot of up to 128 samples spread over the dataset is encoded
-first and the count is set from their mean size (with 5% to spare, rounded down to two
-significant digits so that a rerun plans the same shards). Shards are never split afterwards;
-one that still comes out over ``maxsize`` gets a warning.
-
-Shards are written by ``workers`` processes (default: one per CPU; ``0``: in this process), the
-dataset going to each of them (inherited through fork on Linux, pickled elsewhere). Each shard
-appears under its name only once complete, so after a crash or an error a rerun with the same
-arguments writes only the shards still missing. Last comes the shard index (``index=True``:
-:func:`~webds.shards.index.default_index_name` of the pattern), listing every shard with its count,
-size and sha256, and the plan under ``"pack"``; a rerun against an index whose plan differs
-stops rather than mix two plans (``overwrite=True`` rewrites everything).
+:mod:`webds.convert.items`. How the shards are written: :mod:`webds.convert.workers`. Here: the
+plan, made before anything is written so that parallel workers and reruns agree (the indices in
+an order from ``seed``, cut into equal shards of at most ``maxcount`` samples, lowered by a
+pilot's mean size under ``maxsize``), and the shard index written last, which records the plan
+so that a rerun writes only the shards still missing and refuses another plan. The rules in
+full: docs/convert.md, "Any map-style dataset".
 """
 
 from __future__ import annotations

@@ -1,26 +1,17 @@
 """The shard cache: remote shards are kept on local disk after their first read.
 
 ``WebDataset(urls, cache_dir="/local/cache")`` (or the stage
-:func:`~webds.tar.cached.cached_shards`) streams a
-shard that is not in the cache yet and writes it to the cache *while* it is read, so the first
-epoch does not wait for whole downloads; later epochs read the local copy. A shard enters the
-cache only once it was read to its end and is known to be whole: its size was known (the
-server's Content-Length, the object store's size, or ``nbytes`` from the caller, e.g. an index)
-and all of it arrived, or, for a source that gives no size (a server streaming without
-Content-Length, a ``pipe:`` command), it ends with the tar end-of-archive marker (1024 zero bytes;
-inside the compressed stream, which must itself end cleanly, for a gzip, bzip2 or xz shard).
-Otherwise the read raises :class:`~webds.errors.ShardReadError` and nothing is kept: a server that
-closes the connection at a member boundary looks like a short, valid tar. The copy is written
-under a hidden temporary name and renamed into place, so an interrupted read or a crashed process
-never leaves a partial file under a cache name. Several workers or processes may share one cache
-directory: the first reader of a shard takes a lock on its entry (``flock`` on a hidden
-``.NAME.lock`` file, removed when the entry is filled or abandoned) and fills it; a concurrent
-reader of the same shard streams it without writing a second copy, and a later one reads the
-cache. A lock dies with its process, so a crash never blocks an entry.
-
-:class:`LRUCleanup` keeps the directory under ``cache_size`` bytes, deleting the least recently
-used shards first; :func:`pipe_cleaner` finds the real URL inside a ``pipe:`` command, so a shard
-read through ``pipe:curl ... URL`` is cached under the name of URL, not of the command.
+:func:`~webds.tar.cached.cached_shards`) streams a shard that is not in the cache yet and writes
+it to the cache *while* it is read, so the first epoch does not wait for whole downloads; later
+epochs read the local copy. A copy is kept only once it was read to its end and is known to be
+whole: all of its known size arrived (``nbytes`` from the caller, e.g. an index, or the size
+the source reports), or, for a source that gives none, it ends with the tar end-of-archive
+marker; otherwise the read raises :class:`~webds.errors.ShardReadError` and nothing is kept. A
+copy is written under a hidden temporary name and renamed into place; several workers and
+processes share a directory, the first reader of a shard locking its entry (``flock``) and
+filling it. :class:`LRUCleanup` keeps the directory under ``cache_size`` bytes;
+:func:`pipe_cleaner` caches a ``pipe:curl ... URL`` shard under the name of URL. The rules in
+full: [Remote storage](../remote.md#the-shard-cache).
 """
 
 from __future__ import annotations

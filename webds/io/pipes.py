@@ -55,27 +55,22 @@ class _CommandError(OpenError, ShardReadError):
 class PipeStream(ReadStream):
     """A shell command's stdout (mode "rb") or stdin (mode "wb") as a binary stream.
 
-    The command runs in its own process group. Reading, its exit status is checked when its
-    output ends and at :meth:`close`, which first reads what is left of the output (at most
-    ``drain_bytes``, for at most ``drain_seconds``) so that a command still writing a tar's
-    padding, or about to exit, is waited for: a failure status raises :class:`OpenError` (also a
-    :class:`ShardReadError`) naming the command, with the tail of its stderr. A command still
-    running ``drain_seconds`` after its output ended or went silent is ended (with its whole
-    group) and raises :class:`ShardReadError`: its status is unknown. One still writing past
-    those bounds (the reader stopped early) is ended with a logged warning, not an error. A
-    read that waits more than ``idle_seconds`` for any output ends the command and raises
-    :class:`ShardReadError` (a stalled download, or a command that keeps its output open after
-    the shard). :meth:`abandon` is the early stop on
-    purpose (a reader that needs only part of the output): it ends the command at once and
-    checks nothing. The bounds' defaults are :data:`PIPE_DRAIN_BYTES`,
-    :data:`PIPE_DRAIN_SECONDS` and :data:`PIPE_IDLE_SECONDS`; other bounds need an opener
-    registered for ``pipe`` (``SCHEMES["pipe"] = lambda url, mode, bufsize, **kw:
-    PipeStream(url[5:], mode, idle_seconds=600)``).
+    ``command`` is a shell command line, or an argument list run without a shell (no quoting to get
+    wrong: ``PipeStream(["curl", "-f", "-s", url])``); it runs in its own process group. Reading,
+    its exit status is checked when its output ends and at :meth:`close`, which first reads what is
+    left of the output (at most ``drain_bytes``, for at most ``drain_seconds``): a failure status
+    raises :class:`OpenError` (also a :class:`ShardReadError`) naming the command, with the tail of
+    its stderr; a command still running ``drain_seconds`` after its output ended is ended with its
+    group and raises :class:`ShardReadError` (its status is unknown); one still writing past those
+    bounds (the reader stopped early) is ended with a logged warning. A read that waits more than
+    ``idle_seconds`` for output ends the command and raises :class:`ShardReadError`.
+    :meth:`abandon`, the early stop on purpose, ends the command at once and checks nothing.
+    ``ok_statuses``: exit statuses that also mean success (curl's 23 when the reader stopped early);
+    ``check_status=False`` checks none (webdataset's ``ignore_errors``).
 
-    ``command`` is a shell command line, or an argument list run without a shell (no quoting
-    to get wrong: ``PipeStream(["curl", "-f", "-s", url])``). ``ok_statuses`` are exit statuses
-    that also mean success (curl's 23 when the reader stopped early); ``check_status=False``
-    checks none (webdataset's ``ignore_errors``).
+    Defaults: :data:`PIPE_DRAIN_BYTES`, :data:`PIPE_DRAIN_SECONDS`, :data:`PIPE_IDLE_SECONDS`; a
+    ``pipe:`` URL takes ``idle_seconds`` from ``storage_options["read_timeout"]``, other bounds need
+    an opener registered in ``SCHEMES["pipe"]``. Failures: docs/damaged.md, "Pipes".
     """
 
     def __init__(

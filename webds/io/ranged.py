@@ -1,23 +1,17 @@
 """Streamed reads of remote objects: one GET from a byte offset to the end, with a read timeout.
 
-A whole shard is one sequential read, so where the backend lets webds ask for "the object from
-byte N on" in one request (http(s) through fsspec's aiohttp session, s3 through s3fs's client, gs
-through gcsfs's session),
-:func:`open_ranged` does that: at offset 0 a plain GET, after a failure an open-ended
+Where the backend can ask for "the object from byte N on" in one request (http(s) through
+fsspec's aiohttp session, s3 through s3fs's client, gs through gcsfs's session),
+:func:`open_ranged` does: a plain GET at offset 0, after a failure an open-ended
 ``Range: bytes=N-`` GET from the first byte the reader has not received. Every byte that arrived
-before a cut reaches the reader, so each attempt that delivers data makes progress (fsspec's block
-cache, by contrast, asks for the same 8 MiB block again after a cut inside it, and a link that
-drops every connection part-way never gets past it).
-
-A resumed request asks for the same version of the object as the first: the first answer's
-validator is pinned (its ETag or Last-Modified over HTTP, sent as ``If-Range``; its VersionId
-on a versioned S3 bucket, else its ETag as ``If-Match``; its generation on GCS, as
-``ifGenerationMatch``), and an object replaced between two requests of one read is an
-:class:`ObjectChanged` error naming it, never a sample joined from two versions.
-
-Every request and every read is bounded by ``read_timeout`` seconds: a server that answers and then
-stalls raises :class:`~webds.io.retrying.ReadStalled`, which
-:class:`~webds.io.retrying.ResumableStream` retries like a dropped connection.
+before a cut reaches the reader, so each attempt that delivers data makes progress (fsspec's
+block cache asks for the whole block in flight again). A resumed request pins the first answer's
+version (ETag or Last-Modified as ``If-Range``; S3's VersionId, else its ETag as ``If-Match``;
+GCS's generation as ``ifGenerationMatch``): an object replaced in between is
+:class:`ObjectChanged`, never a sample joined from two versions. Every request and read is
+bounded by ``read_timeout``: a server that stalls raises
+:class:`~webds.io.retrying.ReadStalled`, which :class:`~webds.io.retrying.ResumableStream`
+retries. What users see: docs/remote.md and docs/damaged.md, "Bad links".
 """
 
 from __future__ import annotations

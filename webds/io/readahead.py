@@ -1,24 +1,15 @@
 """Read-ahead: the next shards of a list are fetched while one is being read.
 
-A remote shard costs a round trip before its first byte and then streams at what one connection
-carries; reading shards one after the other pays both for every shard, however fast the reader.
-:func:`fetch_ahead` keeps up to ``shards`` shards in flight besides the one being read, each
-fetched by a thread of its own into memory, so that the process reads at what that many
-connections carry (see docs/remote.md, "Throughput over slow links").
-
-What stays as it was:
-
-- order: shards are handed over in the order they came, each one's bytes in order;
-- errors: a shard whose open or read failed in the background raises when the reader gets to
-  it (after every byte that came before the failure), in the reader's thread, naming it;
-- closing: the reader closes each shard as before (a ``pipe:`` command's status is checked then);
-  stopping early, or abandoning a shard, cancels what is in flight: each thread closes its
-  connection after its current read (bounded by ``read_timeout``) and ends.
-
-Memory: the bytes fetched and not yet read, over all shards in flight, stay under ``budget``,
-plus at most one read (:data:`CHUNK`) per shard in flight. The shard being read is never held up
-by the budget (its own unread bytes are bounded by ``min(budget, 16 MiB)`` instead), so a full
-budget slows the shards ahead, never the reader.
+A remote shard costs a round trip before its first byte, then streams at what one connection
+carries. :func:`fetch_ahead` keeps up to ``shards`` shards in flight besides the one being read,
+each fetched by a thread of its own (:class:`Fetch`) into memory, and hands them over in order,
+each one's bytes in order; a background failure is raised when the reader gets to that shard,
+in the reader's thread, after every byte that came before it. Stopping early cancels what is in
+flight (each thread ends after its current read). Memory: the bytes fetched and not yet read
+stay under ``budget``, plus one :data:`CHUNK` per shard in flight; the shard being read is never
+held up by the budget (its own unread bytes are bounded by ``min(budget, 16 MiB)`` instead), so
+a full budget slows the shards ahead, never the reader. What users see: docs/remote.md,
+"Throughput over slow links".
 """
 
 from __future__ import annotations

@@ -1,33 +1,19 @@
 """Remote reads that survive dropped connections: retries with resume at the byte offset reached.
 
-:class:`ResumableStream` wraps ``open_at(offset) -> stream``. When a read fails with a transient
-error (connection reset or cut, timeout, a read that stalls (:class:`ReadStalled`), HTTP 5xx/429,
-a body that ends before the object's known size), it closes the broken stream, waits (bounded
-exponential backoff with jitter) and reopens at the offset it had delivered, so the reader sees
-every byte exactly once. Errors that retrying cannot fix are raised at once: not found and
-permission denied as :class:`~webds.errors.OpenError`, anything else as
-:class:`~webds.errors.ShardReadError`.
-
-``retries`` bounds the *consecutive* failures without progress: any byte delivered after a reopen
-resets the count and the backoff (so the sources must deliver the bytes that arrived before a cut,
-as :mod:`webds.io.ranged` does), so a long shard on a flaky link finishes, while a source that
-keeps failing at the same offset raises :class:`~webds.errors.ShardReadError` naming the url, the
-offset and the number of attempts. Every retry is counted in ``stream.retries`` and logged at
-WARNING on the ``"webds"`` logger.
-
-``connect_retries`` bounds, separately, the retries when the server cannot be reached at all
-before a stream was ever opened (connection refused, unknown host, connect timeout, closed
-without an answer). :func:`~webds.io.urls.open_url` sets it to 0 for backends whose client already
-retries connections (s3fs through botocore, gcsfs): retrying on top multiplied their attempts,
-so a wrong endpoint took a minute (S3) to four minutes (GCS) to be reported.
-
-:func:`~webds.io.urls.open_url` reads http(s), s3 and gs objects as one streamed GET, resumed
-with an open-ended range from the first byte not delivered (:mod:`webds.io.ranged`).
-:func:`~webds.io.reopen.resumable_fsspec` / :func:`~webds.io.reopen.open_resumable` build one
-for an fsspec file: ``fs.open`` then ``seek(offset)``, which makes the next read a ranged request
-for http, s3 and gcs. fsspec fetches whole blocks, so after a cut the block in flight is fetched
-again from its start (nothing is duplicated: the reader only ever received whole blocks); a link
-that cuts every response inside a block never gets past it on that path.
+:class:`ResumableStream` wraps ``open_at(offset) -> stream``. On a transient error
+(:func:`is_transient`: a reset or cut connection, a timeout, a stalled read (:class:`ReadStalled`),
+HTTP 5xx/429, a body that ends before the object's known size) it closes the broken stream, waits
+(:class:`Backoff`) and reopens at the offset it had delivered, so the reader sees every byte
+exactly once. Other errors are raised at once: not found and permission denied as
+:class:`~webds.errors.OpenError`, anything else as :class:`~webds.errors.ShardReadError`.
+``retries`` bounds the *consecutive* failures without progress: a byte delivered resets the count
+and the backoff, so the openers must hand over the bytes that arrived before a cut
+(:mod:`webds.io.ranged` does; :mod:`webds.io.reopen`'s fsspec files fetch the block in flight
+again). ``connect_retries`` bounds, separately, the retries while the server was never reached
+(refused, unknown host, connect timeout): :func:`~webds.io.urls.open_url` sets it to 0 for
+backends whose client already retries connections (s3fs through botocore, gcsfs), where retrying
+on top made a wrong endpoint take one (S3) to four (GCS) minutes to report.
+What users see, and the knobs: docs/remote.md, "Streaming, retries and resume".
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """Secure mode: for shard URLs and data that come from people you don't trust.
 
 webdataset's switch, with its meaning: ``enforce_security`` (``webds.utils.enforce_security =
-True`` in webdataset's spelling, or ``WDS_SECURE=1`` in the environment) refuses what would let
-a URL or a field run code or read this machine's files:
-
-- ``pipe:`` URLs (a shell command);
-- local files in any spelling: paths, ``file:`` URLs, fsspec's ``local://`` and ``local:``, a
-  name with a colon that fsspec would open from the current folder (``ab:y.tar``,
-  `` pipe:x.tar``), and chained URLs with a local link (``zip://m::/path/a.zip``). What is
-  checked is the filesystem fsspec resolves, at every door (reading, writing, listing, the
-  cache, the ``webds`` command); only remote URLs are opened: http(s), s3, gs, other fsspec
-  protocols, and schemes with an opener you registered yourself;
-- URL rewriting from the environment (``GOPEN_REWRITE``);
-- decoding pickles and ``torch.load`` (``.pyd .pickle .pkl .pth``), even with ``allow_pickle``,
-  through ``decode``, ``xdecode`` and the decoder functions alike.
-
-Each refusal is a :class:`~webds.errors.SecureModeError` that names the setting. It is a
-process-wide switch, as in webdataset: the module attribute and the environment variable are
-read at each check, and either one turns secure mode on.
+True`` in webdataset's spelling, or ``WDS_SECURE=1`` in the environment) refuses ``pipe:`` URLs,
+local files in any spelling, URL rewriting from the environment (``GOPEN_REWRITE``), and
+decoding pickles and ``torch.load`` (``.pyd .pickle .pkl .pth``), even with ``allow_pickle``.
+Only remote URLs are opened: http(s), s3, gs, other fsspec protocols, and schemes with an opener
+you registered. What is checked is the filesystem fsspec resolves (:func:`url_to_fs`,
+:func:`refuse_local_fsspec`), at every door: reading, writing, listing, the cache, the ``webds``
+command. Each refusal (:func:`refuse`) is a :class:`~webds.errors.SecureModeError` that names the
+setting. It is a process-wide switch, as in webdataset: the module attribute and the environment
+variable are read at each check (:func:`secure`), and either one turns it on. The spellings
+refused, and why: docs/migrating.md, "Secure mode".
 """
 
 from __future__ import annotations

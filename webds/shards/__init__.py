@@ -7,21 +7,17 @@
 - :mod:`webds.shards.index`: the shard index (sample counts and checksums per shard).
 - :mod:`webds.shards.plan`: epoch plans over an index (exact per-rank, per-worker shares).
 
-This package serves the names the flat module ``webds.shards`` had (before webds 0.2), so
-``from webds.shards import SimpleShardList, split_by_node`` and pickles naming ``webds.shards``
-still work; the torch datasets are imported on first use, as before.
+The package serves the shard lists' names (``from webds.shards import SimpleShardList,
+split_by_node``); the torch datasets are imported on first use, so importing it stays torch-free.
 """
 
 from __future__ import annotations
 
 from typing import Any, List
 
+from ..base.workers import WorkerInfo, default_seed, derive_seed, worker_info
 from .shardlists import (
     SHARD_SUFFIXES,
-    URLs,  # noqa: F401 (not public, but code used webds.shards.URLs)
-    WorkerInfo,
-    default_seed,
-    derive_seed,
     expand_env,
     expand_urls,
     non_empty,
@@ -29,7 +25,6 @@ from .shardlists import (
     single_node_only,
     split_by_node,
     split_by_worker,
-    worker_info,
 )
 
 __all__ = [

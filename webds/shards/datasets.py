@@ -9,7 +9,6 @@ without torch, for the ``webds`` command and the writers.
 
 from __future__ import annotations
 
-import os
 import random
 import secrets
 import sys
@@ -17,8 +16,9 @@ from typing import Any, Dict, Iterator, Optional, Union
 
 from torch.utils.data import IterableDataset
 
+from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError
-from .shardlists import URLs, derive_seed, expand_urls, worker_info
+from .shardlists import URLs, expand_urls
 
 __all__ = ["SimpleShardList", "ResampledShards", "ResampledShardList"]
 
@@ -122,7 +122,7 @@ class ResampledShards(IterableDataset):
         return self.nshards >= sys.maxsize
 
     def __iter__(self) -> Iterator[Dict[str, str]]:
-        if not getattr(self, "_chosen", True):
+        if not self._chosen:
             self.epoch += 1
         self._chosen = False
         if not self.urls:
@@ -134,7 +134,7 @@ class ResampledShards(IterableDataset):
         # worker, or lambda: 1), mixed in as it is.
         parts: tuple = ("resampled", self.seed, self.epoch, where)
         if not self.deterministic:
-            parts += (getattr(self, "_entropy", None) or os.urandom(8),)
+            parts += (self._entropy,)
         rng = random.Random(derive_seed(*parts))
         for _ in range(self.nshards):
             yield {"url": rng.choice(self.urls)}

@@ -2,7 +2,7 @@
 
 A checkpoint holds every rank's state (``state_dict(all_ranks=True)``); each records, per
 DataLoader worker, which samples of that worker's plan were read and which were still held (see
-:mod:`webds.stages.ledger`). With the index, each worker's plan can be computed again
+:mod:`webds.base.ledger`). With the index, each worker's plan can be computed again
 (:func:`~webds.shards.plan.plan_worker`), so its records say exactly which samples of the epoch
 were consumed, by sample number in each shard, whatever the topology that consumed them.
 
@@ -19,9 +19,9 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
+from ..base.ledger import LEAF, shard_of
+from ..base.saved import LedgerState, PipelineState
 from ..errors import ResumeError
-from ..stages.ledger import LEAF, shard_of
-from ..stages.saved import LedgerState, PipelineState
 from .plan import Segment, epoch_order, plan_worker
 
 __all__ = [
@@ -120,8 +120,6 @@ def topology_changed(state: Any, world_size: int, num_workers: int) -> bool:
     """Whether ``state`` (one rank's, or every rank's list) was saved by another number of
     ranks or of DataLoader workers than ``world_size`` x ``num_workers``."""
     first = state[0] if isinstance(state, list) else state
-    if first.version != 2:
-        return False
     return first.world_size != world_size or first.num_workers() != max(1, num_workers)
 
 

@@ -7,24 +7,12 @@ opening any shard::
      "shards": [{"url": "train-000000.tar", "samples": 1000, "bytes": 1234560,
                  "sha256": "<hex>"}, ...]}
 
-- ``url``: relative to the folder holding the index when the shard lies under it (so a dataset
-  folder or bucket prefix can be moved or copied as a whole), else absolute (a local path or any
-  fsspec URL). Relative URLs resolve against the index's own location, local or remote:
-  ``s3://b/p/index.json`` + ``train-0.tar`` -> ``s3://b/p/train-0.tar``.
-- ``samples``: the number of samples webds's reader yields from the shard with its default rules
-  (:func:`webds.tar.samples.tarfile_to_samples`: meta members and dotless names skipped).
-- ``bytes``: the file size; ``sha256``: the hex digest of the file's bytes as stored (gzipped
-  shards: of the compressed bytes), or null when unknown.
-- ``offsets`` (optional, uncompressed shards): where each sample starts, ``samples + 1`` numbers:
-  the header offset of each sample's first member, then the shard's size, so that sample ``j`` is
-  the bytes ``[offsets[j], offsets[j + 1])`` (random access: :mod:`webds.shards.access`).
-- Unknown keys, at the top level or in a shard entry, are kept on load and written back on save.
-
-webdataset's ``wids`` index files (``"__kind__": "wids-shard-index-v1"``, a ``shardlist`` of
-``{"url", "nsamples", "filesize"}``) load too, as indexes without checksums or offsets.
-
-Make one with ``webds index SHARDS -o index.json`` or :meth:`ShardIndex.build`; ``ShardWriter``
-writes one next to its shards. Check shards against it with ``webds verify index.json``.
+Shard URLs under the index's folder are stored relative to it (:func:`_stored_url`) and resolve
+against the index's own location, local or remote (:func:`_resolve`); ``offsets`` (optional)
+say where each sample starts; unknown keys are kept; webdataset's ``wids`` index files load too.
+The fields in full: docs/index-format.md. Make one with ``webds index SHARDS -o index.json`` or
+:meth:`ShardIndex.build` (``ShardWriter`` writes one next to its shards); check shards against it
+with ``webds verify index.json``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
 """Epoch plans: which samples each rank and DataLoader worker reads, so that every rank yields
 exactly the same number of samples, and of batches, in every epoch.
 
-Given the sample count of every shard (a :class:`~webds.shards.index.ShardIndex`), an epoch's
-*global order* is the shard list, shuffled by (seed, epoch) when asked, laid end to end: ``N``
-sample positions. Then:
+Given every shard's sample count (a :class:`~webds.shards.index.ShardIndex`), an epoch's global
+order is the shard list, shuffled by (seed, epoch) when asked, laid end to end: ``N`` positions.
+The plan depends only on (counts, seed, epoch, W, r, K, k, balance, granule), so every process
+computes its own and they fit together, with no communication:
 
-- rank ``r`` of ``W`` takes positions ``[r*M, (r+1)*M)``. With ``balance="pad"``,
-  ``M = ceil(N/W)`` and positions past ``N`` wrap round to the start of the order, so up to
-  ``W-1`` samples are read twice; with ``balance="drop"``, ``M = floor(N/W)`` and the last
-  ``N - W*M`` positions (fewer than ``W`` samples, different ones each shuffled epoch) are
-  left out;
-- a rank's ``M`` positions are cut into chunks of ``granule`` samples (the batch size, so every
-  batch but the rank's last is full), and the chunks into ``K`` near-equal contiguous runs, one
-  per DataLoader worker. A rank therefore yields ``ceil(M/granule)`` batches whatever ``K``;
-- each run maps back to *segments* of shards, ``{"url", "start", "stop"}`` in sample numbers:
-  mostly whole shards, part of one at each cut. A worker reads the part it needs: with the
-  index's sample offsets it enters the shard at ``start`` (:mod:`webds.tar.windows`); without
-  them the samples before ``start`` are read and skipped, which is why a split then costs extra
-  reading when there are fewer shards than ranks times workers (a warning says how much).
-
-The plan depends only on (counts, seed, epoch, W, r, K, k, balance, granule): every process
-computes its own and they fit together, with no communication.
+- rank ``r`` of ``W`` takes positions ``[r*M, (r+1)*M)``: ``balance="pad"`` makes
+  ``M = ceil(N/W)``, positions past ``N`` wrapping round to the start (up to ``W-1`` samples
+  read twice); ``balance="drop"`` makes ``M = floor(N/W)`` and leaves the last ``N - W*M`` out;
+- a rank's positions are cut into chunks of ``granule`` samples (the batch size, so every batch
+  but the rank's last is full), and the chunks into ``K`` near-equal contiguous runs, one per
+  worker: a rank yields ``ceil(M/granule)`` batches whatever ``K``;
+- each run maps back to segments ``{"url", "start", "stop"}`` of shards. A worker enters a shard
+  at ``start`` with the index's sample offsets (:mod:`webds.tar.windows`), or else reads and
+  skips the samples before it (a warning says how much when there are fewer shards than ranks
+  times workers).
 """
 
 from __future__ import annotations
@@ -31,8 +26,8 @@ import logging
 import random
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError
-from .shardlists import derive_seed, worker_info
 
 __all__ = [
     "BALANCE_MODES",
@@ -334,7 +329,7 @@ class PlannedShards:
 
     def _rest(self, epoch: int) -> Optional[List[Any]]:
         """The runs an elastic resume left for ``epoch``, if it is the resumed one."""
-        elastic = getattr(self, "elastic", None)
+        elastic = self.elastic
         return elastic["runs"] if elastic is not None and elastic["epoch"] == epoch else None
 
     def plan(self, epoch: Optional[int] = None, skip: int = 0) -> WorkerPlan:
@@ -342,30 +337,18 @@ class PlannedShards:
         rank, world, worker, workers = self.where()
         epoch = self.epoch if epoch is None else epoch
         rest = self._rest(epoch)
-        if rest is not None:
-            return plan_rest(
-                rest,
-                self.urls,
-                world_size=world,
-                rank=rank,
-                num_workers=workers,
-                worker=worker,
-                balance=self.balance,
-                granule=self.granule,
-            )
-        return plan_worker(
-            self.counts,
-            self.urls,
-            seed=self.seed if self.shuffle else None,
-            epoch=epoch,
+        where = dict(
             world_size=world,
             rank=rank,
             num_workers=workers,
             worker=worker,
             balance=self.balance,
             granule=self.granule,
-            skip=skip,
         )
+        if rest is not None:
+            return plan_rest(rest, self.urls, **where)
+        seed = self.seed if self.shuffle else None
+        return plan_worker(self.counts, self.urls, seed=seed, epoch=epoch, skip=skip, **where)
 
     #: The pipeline must yield exactly the planned count (see DataPipeline._exact_count).
     exact = True
@@ -387,8 +370,7 @@ class PlannedShards:
         if self._warned or rank != 0:
             return
         self._warned = True
-        offsets = getattr(self, "offsets", None) or ()
-        seeks = [o is not None for o in offsets]
+        seeks = [o is not None for o in self.offsets]
         problem = split_warning(self.counts, world, num_workers, self.balance, self.granule, seeks)
         if problem:
             log.warning("webds: %s", problem)
@@ -402,11 +384,8 @@ class PlannedShards:
         if worker == 0:
             self.warn_split(workers)
         plan = self.plan()
-        offsets = getattr(self, "offsets", None)  # None: pickled by a webds without offsets
         for seg in plan.segments:
-            yield seg.descriptor(
-                self.counts[seg.shard], offsets[seg.shard] if offsets is not None else None
-            )
+            yield seg.descriptor(self.counts[seg.shard], self.offsets[seg.shard])
 
     def __len__(self) -> int:
         return len(self.urls)

@@ -3,13 +3,7 @@ by DataLoader worker.
 
 A shard list yields shard descriptors, ``{"url": ...}`` dicts, which the tar stages open.
 
-``WDS_SEED``, when set, is the default seed of :class:`~webds.fluent.WebDataset`
-(:func:`default_seed`).
-
-Where each process is (:func:`worker_info`) comes from ``torch.distributed`` and
-``torch.utils.data.get_worker_info()``. The environment variables ``RANK`` and ``WORLD_SIZE``, and
-``WORKER`` and ``NUM_WORKERS``, override them when set (read at call time, in this one place), so a
-launcher without ``torch.distributed`` can still split shards.
+Where each process is and the seeds every process agrees on are in :mod:`webds.base.workers`.
 
 Importing this module does not import torch (the ``webds`` command lists shards with
 :func:`expand_urls`): :class:`~webds.shards.datasets.SimpleShardList` and
@@ -20,7 +14,6 @@ in :mod:`webds.shards.datasets`.
 from __future__ import annotations
 
 import glob
-import hashlib
 import os
 import random
 import re
@@ -33,7 +26,6 @@ from typing import (
     Iterable,
     Iterator,
     List,
-    NamedTuple,
     Optional,
     Sequence,
     Union,
@@ -42,18 +34,14 @@ from urllib.parse import urlparse
 
 import braceexpand
 
+from ..base.stage import stage, stateless
+from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError, OpenError, SecureModeError, WebdsError
 from ..io.remote import filesystem_options
 from ..io.security import url_to_fs
 from ..io.urls import local_path, url_scheme
-from ..stages.core import stage, stateless
 
 __all__ = [
-    "WorkerInfo",
-    "worker_info",
-    "usable_cpus",
-    "derive_seed",
-    "default_seed",
     "expand_urls",
     "expand_env",
     "SHARD_SUFFIXES",
@@ -72,71 +60,6 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
-class WorkerInfo(NamedTuple):
-    """This process's node ``rank`` in ``world_size``, DataLoader ``worker`` in ``num_workers``."""
-
-    rank: int
-    world_size: int
-    worker: int
-    num_workers: int
-
-
-def worker_info(group: Any = None) -> WorkerInfo:
-    """Return this process's rank and world size, and its DataLoader worker id and count."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
-    else:
-        rank, world_size = 0, 1
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        except (ImportError, RuntimeError):
-            pass
-    if "WORKER" in env and "NUM_WORKERS" in env:
-        worker, num_workers = int(env["WORKER"]), int(env["NUM_WORKERS"])
-    else:
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-    return WorkerInfo(rank, world_size, worker, num_workers)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity; the machine's count where unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def default_seed() -> Optional[int]:
-    """The seed from the environment variable ``WDS_SEED`` (an integer), or None if unset.
-
-    webdataset read it as a string, which broke ``detshuffle``; here a value that is not an
-    integer is an error that says so.
-    """
-    value = os.environ.get("WDS_SEED", "").strip()
-    if not value:
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ArgumentError(f"WDS_SEED must be an integer, got {value!r}") from None
-
-
-def derive_seed(*parts: Any) -> int:
-    """A 63-bit seed from any parts (seed, epoch, rank, ...), identical on every machine and run.
-
-    Python's ``hash()`` of a str changes per process, so it must never be used for this.
-    """
-    digest = hashlib.blake2b(repr(parts).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
 def _is_shard_source(obj: Any) -> bool:
     """A shard list object (yields ``{"url": ...}``), told apart from an iterable of URLs."""
     data = sys.modules.get("torch.utils.data")
@@ -146,26 +69,22 @@ def _is_shard_source(obj: Any) -> bool:
 def expand_urls(urls: URLs, *, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
     """Expand a URL spec into a list of shard URLs, listing directories and globs.
 
-    A string may hold several specs joined by ``::``; a list or tuple holds one spec per element.
-    Each spec has its ``${NAME}`` variables replaced (:func:`expand_env`: ``WDS_NAME`` from the
-    environment, as webdataset does, else ``NAME``), is brace-expanded, then each resulting URL
-    is taken by these rules:
+    Several specs are joined by ``::`` in a string, or are the elements of a list or tuple. Each has
+    its ``${NAME}`` variables replaced (:func:`expand_env`: ``WDS_NAME`` from the environment, as in
+    webdataset, else ``NAME``), is brace-expanded, and each URL it gives is taken thus:
 
-    - ending in ``/``: that directory (local) or prefix (remote) is listed, not recursively, for
-      shard files (names ending in ``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``;
-      hidden names starting with ``.`` are skipped), sorted by name;
-    - containing a glob character ``*``, ``?`` or ``[``: it is globbed (``glob`` with ``**``
-      support for local paths, fsspec's ``fs.glob`` for remote URLs), files only, sorted. For
-      ``http(s)`` URLs only the path counts, so a ``?query`` is not a glob. A local name that
-      matches nothing but exists literally (``a[1].tar``) is taken as is;
-    - otherwise the URL is taken as is, without any filesystem or network call.
+    - ending in ``/``: the directory or prefix is listed, not recursively, for shard files
+      (``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``; not hidden), sorted;
+    - containing ``*``, ``?`` or ``[``: it is globbed (``glob`` with ``**`` locally, fsspec's
+      ``fs.glob`` remotely), files only, sorted; for ``http(s)`` only the path counts, and a local
+      name that matches nothing but exists literally (``a[1].tar``) is taken as is;
+    - otherwise it is taken as is, without any filesystem or network call.
 
-    ``pipe:`` commands and ``-`` are never listed or globbed. A listing or glob that finds
-    nothing is an :class:`ArgumentError` naming the spec. Remote listings use
-    ``storage_options`` (fsspec's: credentials, endpoint) and bypass fsspec's listing cache.
+    ``pipe:`` and ``-`` are never listed or globbed; a listing or glob that finds nothing is an
+    :class:`ArgumentError` naming the spec. Remote listings use ``storage_options`` (fsspec's),
+    bypassing its listing cache ([more](../remote.md#lists-of-shards)).
 
-    ``expand_urls("a-{000..002}.tar::b.tar") == ["a-000.tar", "a-001.tar", "a-002.tar", "b.tar"]``;
-    ``expand_urls("s3://bucket/train/", storage_options=opts)`` lists the shards under the prefix.
+    ``expand_urls("a-{000..002}.tar::b.tar") == ["a-000.tar", "a-001.tar", "a-002.tar", "b.tar"]``.
     """
     if isinstance(urls, (str, os.PathLike)):
         specs = os.fspath(urls).split("::")

@@ -15,7 +15,6 @@ A multi-source spec is a YAML file or a dict::
 Each epoch takes every dataset's shards (or its ``choose``/``resample`` selection), shuffles the
 union and yields ``{"url": ...}`` for each. The selection depends only on (seed, epoch), so every
 node and worker sees the same list and ``split_by_node``/``split_by_worker`` partition it.
-webdataset made ``MultiShardSample`` raise ``ObsoleteException``; here it works.
 ``WebDataset(spec)`` takes such a dict or ``.yaml`` file name in place of URLs, as in webdataset.
 """
 
@@ -28,9 +27,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Union
 import braceexpand
 from torch.utils.data import IterableDataset
 
+from ..base.workers import derive_seed
 from ..errors import ArgumentError, WebdsError
 from .datasets import SimpleShardList
-from .shardlists import derive_seed
 
 __all__ = ["MultiShardSample", "shardspec", "is_spec"]
 

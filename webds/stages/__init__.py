@@ -1,9 +1,5 @@
-"""Stages: the machinery (:mod:`webds.stages.core`) and the stages users chain.
+"""Stages: the ones users chain, and the stage machinery served from :mod:`webds.base.stage`.
 
-- :mod:`~webds.stages.core`: ``@stage``, :class:`Stage`, the count rules (``SAME``,
-  ``REORDER``, ``BATCH``, ``UNBATCH``) from which a pipeline computes ``len()``, and what each
-  stage owes a resume (``STATELESS``, ``LEDGER``, :func:`stateless`).
-- :mod:`~webds.stages.handlers`: what a stage does with an exception (``warn_and_continue``, ...).
 - :mod:`~webds.stages.filters`: shuffle, select, map, slice, info, ...
 - :mod:`~webds.stages.fields`: to_tuple, rename, map_dict, map_tuple, extract_keys, ...
 - :mod:`~webds.stages.batching`: batched, unbatched, collation.
@@ -13,13 +9,13 @@
 - :mod:`~webds.stages.mix`: mixing several datasets; :mod:`~webds.stages.replay`: record a pass
   and replay it.
 
-The core and the handlers import nothing of webds but :mod:`webds.errors`, so every room (the tar
-reader's stages included) builds on them. This package serves the names the flat module
-``webds.stages`` had before webds 0.2, so pickles naming ``webds.stages.core.Stage`` still load.
+``@stage``, :class:`Stage`, the count rules and the handlers live in :mod:`webds.base`, the
+foundation every room builds on; the package serves the machinery's names
+(``from webds.stages import stage``).
 """
 
-from . import core
-from .core import (  # noqa: F401 (the private names: pickles written by webds 0.1 name them)
+from ..base import stage as machinery
+from ..base.stage import (  # noqa: F401 (served from here: __all__ below is the machinery's)
     BATCH,
     LEDGER,
     REORDER,
@@ -31,10 +27,6 @@ from .core import (  # noqa: F401 (the private names: pickles written by webds 0
     Stage,
     StageFactory,
     Stateless,
-    _Batch,
-    _import_object,
-    _Reorder,
-    _Unbatch,
     pipelinefilter,
     resume_kind,
     stage,
@@ -42,4 +34,4 @@ from .core import (  # noqa: F401 (the private names: pickles written by webds 0
 )
 
 # The package's public names are the machinery's: the stages live in their own modules.
-__all__ = list(core.__all__)
+__all__ = list(machinery.__all__)

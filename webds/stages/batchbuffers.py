@@ -1,28 +1,16 @@
 """Reused shared-memory buffers for the batches DataLoader workers send a WebLoader.
 
-PyTorch sends each tensor a worker yields through a fresh shared-memory segment: the worker
-copies the tensor into it, and the main process receives its file descriptor over a new socket
-connection (with an authentication handshake), maps it, and unmaps and frees it when the batch is
-dropped. Per batch of images that is most of the main process's CPU time, and the main process is
-one for any number of workers.
-
-Here each worker keeps a few shared buffers (slots) and copies a batch's tensors into a free one,
-all tensors of the batch into one slot; the main process receives a slot's memory once, keeps it
-mapped, and then gets only the slot number and the tensors' places (a few small tuples). The
-tensors it builds over the slot keep it busy; when the last of them (views included) is freed,
-the slot is marked free in a small shared flag array that the worker reads before it reuses the
-slot. No one waits: a worker with no free slot makes another (up to :data:`MAX_SLOTS`), then
-sends batches the usual way.
-
-Only plain containers (tuple, list, dict) of plain CPU tensors are packed; a batch with anything
-else (a tensor subclass, whose type and attributes only torch's pickling keeps) travels as
-before. Each tensor the main process gets has a storage of its own size (over the slot), so
-saving, pickling or copying one costs its own bytes. Not used with ``pin_memory=True`` (the
-pinned copy is made in the main process from the tensors as torch sends them). A batch the main
-process never takes out of the DataLoader's queues keeps its slot busy; the worker makes another,
-or sends as before.
-
-This module imports torch: :mod:`webds.loader` uses it, and the workers it starts.
+PyTorch sends each tensor through a fresh shared-memory segment, its file descriptor over a new
+socket connection, mapped and freed again in the one main process: per batch of images, most of
+that process's CPU time. Here each worker (:class:`SlotPool`) copies all tensors of a batch into
+one of a few reused buffers (slots) and sends a :class:`Packed`: the slot number and the tensors'
+places. The main process (:class:`Unpacker`) receives a slot's memory once and keeps it mapped;
+when the last tensor built over a slot (views included) is freed, the slot is marked free in a
+small shared flag array the worker reads before reusing it. No one waits: a worker with no free
+slot makes another (up to :data:`MAX_SLOTS`), then sends batches torch's way, as it does a batch
+with anything but plain containers of plain CPU tensors, or with ``pin_memory=True``. A batch
+never taken out of the DataLoader's queues keeps its slot busy. What users see:
+docs/api/loading.md. This module imports torch: :mod:`webds.loader` uses it, and its workers.
 """
 
 from __future__ import annotations

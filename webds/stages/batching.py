@@ -2,22 +2,16 @@
 
 :func:`batched` cuts the stream into lists of ``batchsize`` items and hands each list to its
 ``collation_fn``, :func:`default_collation_fn` unless you pass another (or ``None`` for plain
-lists). :func:`listed` / :func:`unlisted` group and flatten lists without any collation.
+lists); :func:`listed` / :func:`unlisted` group and flatten lists without any collation.
 
-The collation rules of :func:`default_collation_fn`:
-
-- The batch has the samples' shape: tuple samples give a tuple of columns, list samples a list,
-  dict samples a dict; anything else is a single column. All samples must have that shape: tuples
-  of one length, dicts with the same fields (nested dicts are collated the same way, recursively).
-- Each column is combined by what it holds: tensors with ``torch.stack`` and numpy arrays with
-  ``np.stack`` (all of one shape; otherwise a :class:`~webds.errors.SampleError` names the two
-  samples and their shapes), numbers (Python or numpy scalars, bools included) into one numpy
-  array. ``combine_tensors=False`` / ``combine_scalars=False`` keep those as lists.
-- Anything else (strings, bytes, ``None``, a mix of types) stays a list, one entry per sample.
-
-:func:`unbatched` inverts this: tensors and arrays are split along their first dimension (each
-sample gets a copy, not a view, so one sample kept downstream does not keep its whole batch
-alive) and every column must have one entry per sample.
+:func:`default_collation_fn` gives the batch the samples' shape (tuple samples a tuple of
+columns, lists a list, dicts a dict; anything else is one column) and combines each column by
+what it holds: tensors with ``torch.stack`` and numpy arrays with ``np.stack`` (of one shape,
+else a :class:`~webds.errors.SampleError` names the two samples), numbers (bools included) into
+one numpy array; dicts (JSON metadata) stay a list unless ``combine_dicts=True``, and anything
+else (strings, bytes, ``None``, a mix of types) stays a list. :func:`unbatched` inverts this:
+tensors and arrays are split along their first dimension (copies, not views, so a sample kept
+downstream does not keep its whole batch alive), and every column needs one entry per sample.
 """
 
 from __future__ import annotations
@@ -39,10 +33,10 @@ from typing import (
 import numpy as np
 import torch
 
+from ..base.slots import pulled_back
+from ..base.stage import BATCH, UNBATCH, stage
 from ..errors import ArgumentError, SampleError
-from .core import BATCH, UNBATCH, stage
 from .filters import _check_callable, _check_int, _where
-from .slots import pulled_back
 
 __all__ = ["batched", "listed", "unbatched", "unlisted", "default_collation_fn"]
 
@@ -218,7 +212,7 @@ def _batches(
     src: Iterable[Any], batchsize: Any, partial: bool, ledger: Any = None
 ) -> Iterator[List[Any]]:
     """Lists of ``batchsize`` items; with a ``ledger``, a list's ids become one bundle (see
-    :mod:`webds.stages.ledger`)."""
+    :mod:`webds.base.ledger`)."""
     batchsize = _check_int("batchsize", batchsize)
     if batchsize < 1:
         raise ArgumentError(f"batchsize must be at least 1, got {batchsize}")
@@ -253,7 +247,7 @@ def _batches(
 
 def _regroup(src: Iterable[Any], ledger: Any) -> Generator[List[Any], None, Iterator[Any]]:
     """Resuming: the samples that stages after this one held come first (see
-    :meth:`~webds.stages.ledger.Slot.restore`); each item they held is batched again on its
+    :meth:`~webds.base.ledger.Slot.restore`); each item they held is batched again on its
     own, as it was (a batch held whole, or one sample of a batch split later), so that the
     batches after them start where the uninterrupted run's did. Returns the rest of ``src``."""
     plan = ledger.restore_plan()

@@ -1,42 +1,16 @@
 """Fused crop decoders: draw the crop from the image header, decode only what the crop needs.
 
 ``decode(RandomResizedCropDecoder(224))`` gives what ``decode("pil")`` followed by torchvision's
-``RandomResizedCrop(224)`` gives, at a fraction of the cost, the way FFCV's
-``RandomResizedCropRGBImageDecoder`` and DALI's ``decoders.image_random_crop`` do it:
+``RandomResizedCrop(224)`` gives, at a fraction of the cost (:class:`CenterCropDecoder`: what
+``Resize`` + ``CenterCrop`` give). The steps: the image size is read from the header
+(:func:`_header`: ``simplejpeg.decode_jpeg_header``, else Pillow's lazy open) and checked
+against ``max_pixels``; the crop is drawn as torchvision draws it
+(:func:`random_resized_crop_params`, :func:`center_crop_box`); a JPEG is decoded scaled by 1/2,
+1/4 or 1/8 in the DCT domain where the crop allows (:func:`_decode_scaled`); the crop alone is
+resized once (``resizer=``: :func:`_resize_pil` or :func:`_resize_torch`).
 
-1. the image size is read from the header (JPEG: ``simplejpeg.decode_jpeg_header``; other formats
-   and no simplejpeg: Pillow's lazy open) and checked against ``max_pixels`` before any decoding;
-2. the crop is drawn as ``RandomResizedCrop.get_params`` draws it
-   (:func:`random_resized_crop_params`: ten tries of area and log-ratio sampling, then the
-   centre-crop fallback), or placed as
-   ``Resize(resize)`` + ``CenterCrop(size)`` place it (:func:`center_crop_box`);
-3. a JPEG is decoded scaled by 1/2, 1/4 or 1/8 in the DCT domain when the crop is still at least
-   that many times the output size (large photos: a 2000x1500 JPEG costs 5x less; crops of a
-   500x375 ImageNet image are rarely 448 pixels wide, so it is decoded whole), through
-   simplejpeg, or Pillow's ``draft`` when simplejpeg is not installed; only the crop's region is
-   copied out, and it is resized once to ``size`` with an antialiased bilinear filter. PNG, WebP
-   and other formats take the plain path: open, convert to RGB, crop, resize.
-
-The resize (``resizer=``): ``"pil"`` is Pillow's BILINEAR, what torchvision does to PIL images;
-``"torch"`` is torch's uint8 kernel (torch >= 2.1), what torchvision does to uint8 tensors, 3x
-faster than this Pillow on a 224 crop; ``"auto"`` (the default) takes torch where torch runs one
-thread per process (DataLoader workers, ``torch.set_num_threads(1)``) and Pillow elsewhere, since
-a small image spread over intra-op threads costs more than it saves. Boxes that do not fall on
-whole decoded pixels (DCT-scaled crops, centre crops) always go to Pillow, which takes
-fractional boxes.
-
-Pixels: without DCT scaling the result equals torchvision's ``resized_crop`` of the decoded image
-on the path the resizer follows (PIL or tensor; the two differ by about 0.1 level); with it the
-mean absolute difference is about one level of 255 on photos (the tests bound it at 4; see
-docs/api/decoding.md). EXIF orientation is not applied, as ``decode("pil")`` does not apply it:
-pixels are as stored.
-
-Randomness: in a ``decode`` stage the crop of each field depends only on (seed, epoch, rank,
-DataLoader worker, shard url, sample key, field name), so a run repeats exactly and every epoch
-draws new crops. ``seed`` defaults to the pipeline's seed (``WebDataset(..., seed=s)``; an
-unseeded pipeline draws its own once). Called outside a decode stage (``decoder(".jpg", data)``)
-there is no sample and no epoch: crops then come from fresh entropy, or with ``seed`` from (seed,
-the data's CRC-32).
+What the resizers do, how close the pixels are to torchvision's, and how the crops repeat from
+(seed, epoch, rank, worker, shard, key, field): docs/api/decoding.md, "Fused crop decoders".
 """
 
 from __future__ import annotations
@@ -389,7 +363,7 @@ class RandomResizedCropDecoder(_CropDecoder):
     def bind_pass(self, pipeline_seed: Optional[int], epoch: int) -> "RandomResizedCropDecoder":
         """The copy of this decoder that one pass (epoch) of a decode stage uses: its crops
         depend on (seed or ``pipeline_seed``, ``epoch``, rank, worker) and each sample."""
-        from ..shards.shardlists import worker_info
+        from ..base.workers import worker_info
 
         seed = self.seed if self.seed is not None else pipeline_seed
         bound = RandomResizedCropDecoder.__new__(RandomResizedCropDecoder)
@@ -401,7 +375,7 @@ class RandomResizedCropDecoder(_CropDecoder):
 
     def rng(self, key: str, data: bytes, sample: Optional[Mapping[str, Any]]) -> random.Random:
         """The generator that draws the crop of field ``key`` of ``sample``."""
-        from ..shards.shardlists import derive_seed
+        from ..base.workers import derive_seed
 
         if sample is not None and self._pass is not None:
             url, skey = sample.get("__url__"), sample.get("__key__")

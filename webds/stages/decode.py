@@ -5,19 +5,14 @@ A :class:`Decoder` runs a chain of handlers over each field of a sample. A handl
 wins, and a :class:`Continue` result rewrites the key and data and carries on down the chain (that
 is how ``.gz`` fields are gunzipped and then decoded by their inner extension). The default chain
 is ``[gzfilter] + handlers + [basichandlers]``; the handlers themselves (the extension table,
-images by image spec, video, audio) are in :mod:`webds.stages.codecs`, and webdataset's
-stream-reading ``xdecode`` is in :mod:`webds.stages.xdecode`.
-
-Codec fields (``.gz``, ``.bz2``, ``.xz``) are decompressed to at most ``max_field_bytes`` (256 MiB
-by default) and images decoded up to ``max_pixels`` (89,478,485 by default): past either limit
-the field is a DecodeError that names it and the knob (see :mod:`webds.stages.limits`).
+images by image spec, video, audio) are in :mod:`webds.stages.codecs`, webdataset's
+stream-reading ``xdecode`` in :mod:`webds.stages.xdecode`, and the bounds on decompressed fields
+(``max_field_bytes``) and image pixels (``max_pixels``) in :mod:`webds.stages.limits`. Pickles
+are decoded only with ``allow_pickle=True``, and ``.pth`` with ``torch.load(weights_only=True)``
+unless ``weights_only=False`` (docs/formats.md has the whole table)::
 
     decoder = Decoder([imagehandler("rgb8")])
     decoder({"__key__": "a", "jpg": b"...", "cls": b"3"})   # {"jpg": uint8 HxWx3 array, "cls": 3}
-
-Pickles (``.pyd .pickle .pkl``) run arbitrary code when loaded, so they are only decoded with
-``allow_pickle=True``; ``.pth`` is loaded with ``torch.load(weights_only=True)`` unless
-``weights_only=False``.
 """
 
 from __future__ import annotations
@@ -25,10 +20,10 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
+from ..base.handlers import Handler, reraise_exception
+from ..base.stage import SAME, stage
 from ..errors import ArgumentError, DecodeError, SecureModeError
 from .codecs import BasicHandlers, Route, imagehandler, imagespecs
-from .core import SAME, stage
-from .handlers import Handler, reraise_exception
 from .limits import FIELD_CODECS, MAX_FIELD_BYTES, MAX_PIXELS, check_max, decompress_field
 from .threads import apply_maybe_threaded, check_threads
 

@@ -24,10 +24,10 @@ from typing import (
     Union,
 )
 
+from ..base.handlers import Handler, apply_each, reraise_exception
+from ..base.stage import SAME, stage
 from ..errors import ArgumentError, MissingFieldError, SampleError
-from .core import SAME, stage
 from .filters import _annotate, _check_callable, _where, identity
-from .handlers import Handler, apply_each, reraise_exception
 from .threads import apply_maybe_threaded, check_threads
 
 __all__ = [

@@ -3,7 +3,7 @@ log_keys (the stages on a sample's fields, to_tuple, rename, map_dict, ..., are 
 :mod:`webds.stages.fields`; batching is in :mod:`webds.stages.batching`).
 
 Each stage is written once, as a generator function (or, for the stages that turn each sample into
-one result, a function returning :func:`webds.stages.handlers.apply_each`'s loop) turned into a
+one result, a function returning :func:`webds.base.handlers.apply_each`'s loop) turned into a
 curried, picklable factory by :func:`webds.pipeline.stage`; the fluent methods
 (``dataset.shuffle(1000)``) are derived from these same factories, so the signatures here are the
 public API (webdataset 1.x's, with its bugs fixed).
@@ -38,11 +38,11 @@ from typing import (
     Tuple,
 )
 
+from ..base.handlers import Handler, reraise_exception
+from ..base.ledger import ids_of
+from ..base.stage import REORDER, SAME, Stage, StageFactory, stage
+from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError, WebdsError
-from ..shards.shardlists import derive_seed, worker_info
-from .core import REORDER, SAME, Stage, StageFactory, stage
-from .handlers import Handler, reraise_exception
-from .ledger import ids_of
 from .threads import apply_maybe_threaded, check_threads
 
 __all__ = [
@@ -166,7 +166,7 @@ def _buffer_shuffle(
     With a ``ledger``, the buffered items' ids are kept in the stage's slot, in the buffer's
     order, with the count of the generator's words drawn; resuming puts the buffer back as it
     was and, when ``rng`` was freshly ``seeded`` for this pass, draws on from where it stood
-    (see :meth:`~webds.stages.ledger.Slot.restore`).
+    (see :meth:`~webds.base.ledger.Slot.restore`).
     """
     it = iter(src)
     slot = ledger.slot() if ledger is not None else None

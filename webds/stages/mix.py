@@ -19,8 +19,8 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 from torch.utils.data import IterableDataset
 
+from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError
-from ..shards.shardlists import derive_seed, worker_info
 
 __all__ = [
     "RoundRobin",

@@ -17,8 +17,8 @@ import pickle
 import types
 from typing import Any, Iterable, Iterator, List, Optional
 
+from ..base.workers import worker_info
 from ..errors import ArgumentError, WebdsError
-from ..shards.shardlists import worker_info
 
 __all__ = ["Cached", "LMDBCached"]
 

@@ -1,30 +1,18 @@
 """Per-sample work in a pool of threads: ``.map(f, threads=N)``, ``.decode("pil", threads=N)``.
 
-Decoding (Pillow, simplejpeg) and most augmentation (Pillow's resize, torch and numpy ops)
-release the GIL, so N threads of one process can run them on N cores, and the results need no
-trip between processes (no pickling, no shared-memory segment per batch) as DataLoader workers'
-do. The stages that turn each item into one result (map, map_tuple, decode) take ``threads=N``
-and run :func:`apply_threaded` instead of :func:`~webds.stages.handlers.apply_each`.
-
-What stays as in the serial loop:
-
-- order: results come out in input order, whichever thread finishes first;
-- an error of the source (a damaged shard, a failed read) comes after the results of the items
-  read before it, as in the serial loop;
-- errors: an exception from ``f`` goes to the stage's handler in the consuming thread, when its
-  item's turn comes, through the same :class:`~webds.stages.handlers.ErrorPolicy` (skip, stop,
-  raise, warn, counted and logged once); ``None`` drops the item where the serial stage does;
-- the source is read by the consuming thread only, so the stages upstream and the ledger
-  (:mod:`webds.stages.ledger`) see one thread, as always;
-- memory: at most ``2 * threads`` items are read and not yet yielded;
-- resume: those items are held in the stage's slot, so a checkpoint counts them as not consumed,
-  and a resumed pass reads them again and puts them back in flight, in their order.
-
-``f`` runs in several threads at once: it must not keep unguarded state of its own (a
-``random.Random`` shared by the threads is safe, but the order of its draws then follows the
-threads' timing, so seed per sample where runs must repeat).
-
-This module imports nothing of webds but the handlers and the errors.
+Decoding and most augmentation release the GIL, so N threads of one process can use N cores
+with no trip between processes. The stages that turn each item into one result (map, map_tuple,
+decode) take ``threads=N`` and run :func:`apply_threaded` instead of
+:func:`~webds.base.handlers.apply_each`, keeping what the serial loop guarantees: results in
+input order; an error of ``f`` handled by the stage's
+:class:`~webds.base.handlers.ErrorPolicy` in the consuming thread when its item's turn comes
+(``None`` drops the item); an error of the source after the results of the items read before
+it; at most ``2 * threads`` items read and not yet yielded, held in the stage's slot, so a
+checkpoint counts them as not consumed and a resume puts them back in flight, in order. The
+source is read by the consuming thread only, so the stages upstream and the ledger
+(:mod:`webds.base.ledger`) see one thread. ``f`` runs in several threads at once: it must
+guard state of its own, and seed its randomness per sample where runs must repeat. The user's
+view: docs/api/loading.md. This module imports nothing of webds but the handlers and the errors.
 """
 
 from __future__ import annotations
@@ -33,8 +21,8 @@ import collections
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
+from ..base.handlers import ErrorPolicy, Handler, apply_each, log
 from ..errors import ArgumentError
-from .handlers import ErrorPolicy, Handler, apply_each, log
 
 __all__ = ["apply_threaded", "apply_maybe_threaded", "check_threads"]
 
@@ -64,7 +52,7 @@ def apply_maybe_threaded(
     drop_none: bool = False,
 ) -> Iterator[Any]:
     """:func:`apply_threaded` with ``threads`` > 0, else the serial
-    :func:`~webds.stages.handlers.apply_each`."""
+    :func:`~webds.base.handlers.apply_each`."""
     if threads == 0:
         return apply_each(src, fn, handler, stage, annotate=annotate, drop_none=drop_none)
     return apply_threaded(
@@ -85,7 +73,7 @@ def apply_threaded(
 ) -> Iterator[Any]:
     """Yield ``fn(item)`` for each item of ``src``, in order, computed by ``threads`` threads.
 
-    The same contract as :func:`~webds.stages.handlers.apply_each` (handler, ``annotate``,
+    The same contract as :func:`~webds.base.handlers.apply_each` (handler, ``annotate``,
     ``drop_none``), with at most ``2 * threads`` items read ahead; with a ``ledger`` they are
     recorded as held (see the module doc).
     """

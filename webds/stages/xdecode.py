@@ -13,11 +13,11 @@ import re
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence
 
+from ..base.handlers import Handler, apply_each, reraise_exception
+from ..base.stage import SAME, stage
 from ..errors import ArgumentError, DecodeError, SecureModeError
 from ..io.security import WEBDATASET_PICKLE, refuse
-from .core import SAME, stage
 from .decode import _BYTES_LIKE, _decode_error
-from .handlers import Handler, apply_each, reraise_exception
 
 __all__ = [
     "xdecode",

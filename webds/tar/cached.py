@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any, BinaryIO, Dict, Iterable, Iterator, Optional, Tuple
 
+from ..base.handlers import Handler, reraise_exception
+from ..base.stage import stage
 from ..errors import ArgumentError
 from ..io.cache import ShardCache
-from ..stages.core import stage
-from ..stages.handlers import Handler, reraise_exception
 from .reader import read_members
 from .samples import open_shards
 

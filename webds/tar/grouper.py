@@ -27,8 +27,8 @@ import logging
 import re
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, NamedTuple, Optional, Tuple
 
+from ..base.handlers import ErrorPolicy
 from ..errors import SampleError
-from ..stages.handlers import ErrorPolicy
 from .reader import EndWithoutMarker
 
 __all__ = [

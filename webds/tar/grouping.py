@@ -18,11 +18,11 @@ import logging
 import os
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
+from ..base.handlers import ErrorPolicy, Handler, reraise_exception
+from ..base.stage import stage
 from ..errors import ArgumentError, OpenError, WebdsError
 from ..io.streams import abandon_stream
 from ..io.urls import deferred_open, local_path
-from ..stages.core import stage
-from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
 from .grouper import (
     END,
     META_PATTERN,

@@ -4,7 +4,7 @@ It groups members by the rules of :mod:`webds.tar.grouper`, as the one-step stag
 :mod:`webds.tar.grouping` do (``url_opener``, ``tar_file_expander``, ``group_by_keys``: their
 names are importable from here too), with the same error handling, reads planned sample ranges
 of indexed shards (:mod:`webds.shards.plan`), and records each sample it reads in the pipeline's
-ledger (:mod:`webds.stages.ledger`), skipping those a resumed epoch already consumed.
+ledger (:mod:`webds.base.ledger`), skipping those a resumed epoch already consumed.
 
 The layers, each a generator: :func:`_read_samples`, the shard loop, where every sample leaves
 the stage; :func:`_shard_samples`, one shard's samples, numbered and checked against its index;
@@ -31,12 +31,12 @@ from typing import (
     Union,
 )
 
+from ..base.handlers import ErrorPolicy, Handler, reraise_exception
+from ..base.ledger import StageLedger, item_id, shard_of
+from ..base.stage import stage
 from ..errors import ArgumentError, ShardReadError
 from ..io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead, fetch_ahead
 from ..io.urls import url_scheme
-from ..stages.core import stage
-from ..stages.handlers import ErrorPolicy, Handler, reraise_exception
-from ..stages.ledger import StageLedger, item_id, shard_of
 from .grouper import ALL_FILTERED, END, Grouping, ShardNotes, group_members
 from .grouping import (  # noqa: F401  (the one-step stages: importable from here too)
     META_PATTERN,
@@ -101,7 +101,7 @@ def tarfile_to_samples(
     ``sample_starts``, a list, gets the header offset of each sample's first member (in the
     uncompressed stream) as the sample is made: the shard index records them. In a pipeline,
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
-    :mod:`webds.stages.ledger`); when resuming, the samples consumed before are skipped.
+    :mod:`webds.base.ledger`); when resuming, the samples consumed before are skipped.
     """
     shared = ledger.ledger if isinstance(ledger, StageLedger) else ledger
     how = _Reading(
@@ -116,7 +116,7 @@ def tarfile_to_samples(
     samples = _read_samples(src, handler, how, shared)
     if shared is not None and shared.resuming:
         # The samples held at the checkpoint, read again first, in the order their stages
-        # take them back (see webds.stages.ledger.Slot.restore).
+        # take them back (see webds.base.ledger.Slot.restore).
         return shared.restore_order(samples)
     return samples
 

@@ -1,41 +1,20 @@
 """The ledger: which source items a pipeline has consumed, so a resumed epoch reads each once.
 
-A pipeline's source items are numbered as they are read. Item ``k`` of the source (a shard
-descriptor, or any item of a plain iterable) has the id ``k << 32 | LEAF``; sample ``j`` of shard
-``k``, as the tar stage reads it, has the id ``k << 32 | j``. Ids are plain ints, cheap to keep,
-compare and send between processes.
+Item ``k`` of the source (a shard descriptor, or any item of a plain iterable) has the id
+``k << 32 | LEAF`` (:func:`item_id`); sample ``j`` of shard ``k``, as the tar stage reads it,
+``k << 32 | j``. The :class:`Ledger` records what was *produced* (read from the source) and what
+is *held* (read, but in a stage's buffer); the rest is consumed, a sample that a stage dropped
+included (reading it again would drop it again). So a resume built on it is exact whatever the
+stages do: it records reads, it predicts no counts.
 
-The ledger records what was *produced* (read from the source: whole items, or a shard's samples up
-to the last one read) and what is *held*: read, but sitting in a stage's buffer (a shuffle buffer,
-a batch being filled, the rest of a batch being unbatched). What a consumer has seen is everything
-produced minus what is held: a sample dropped by ``select``, by ``map`` returning None or by an
-error handler is as consumed as one that was yielded, because reading it again would drop it again.
-That is why a resume built on the ledger is exact whatever the stages do between the source and
-the consumer: it does not predict counts, it records reads.
-
-How an item's id travels: the stage that produces an item sets :attr:`Ledger.current`, and stages
-that pass items straight on (map, select, decode, to_tuple, ...) leave it alone, so when a stage
-pulls an item, ``ledger.current`` is that item's id. A stage that combines items (``batched``)
-sets ``current`` to the list of their ids, a *bundle*, which ``unbatched`` takes apart again.
-
-A stage that holds items between its yields keeps their ids in its :class:`Slot`
-(``ledger.slot()``, named by the stage's place in the pipeline), in the order it keeps the items:
-:meth:`Slot.hold` as it takes one in, :meth:`Slot.take` / :meth:`Slot.take_first` as one leaves
-(which makes that id current). That is the one way to record a held item. A saved state holds
-each slot's ids in order, with its count of random draws, so that a resumed pass can put every
-buffer back as it was (:meth:`Slot.restore`): the held samples are read again first, each is
-handed to the stage that held it, and the stages go on as if never stopped, in the same order.
-Stages receive the ledger by declaring a keyword parameter named ``ledger`` (see
-:mod:`webds.stages.core`): a :class:`StageLedger`, the pipeline's ledger as that stage sees it;
-outside a pipeline it is None.
-
-:meth:`Ledger.state` is the record (a :class:`~webds.stages.saved.LedgerState`); a ledger made
-with ``Ledger(resume=state)`` answers :meth:`Ledger.consumed` so that the source skips what was
-consumed and reads the holes again. A
-DataLoader worker's ledger sends what changed with every item (:meth:`Ledger.take_delta`), and the
-main process keeps a copy per worker (:meth:`Ledger.apply`): only items the training loop has
-actually received count.
-
+``ledger.current`` is the id of the item last pulled: the stage that produces an item sets it,
+stages that pass items on leave it, ``batched`` makes it a list (a bundle) that ``unbatched``
+takes apart. A stage that holds items takes a ``ledger`` parameter (a :class:`StageLedger`, None
+outside a pipeline) and keeps their ids in its :class:`Slot` (:mod:`webds.base.slots`).
+:meth:`Ledger.state` is the record; ``Ledger(resume=state)`` answers :meth:`Ledger.consumed` so
+the source skips what was consumed. A DataLoader worker's ledger sends its changes with every
+item (:meth:`Ledger.take_delta`) and the main process keeps a copy per worker
+(:meth:`Ledger.apply`). What a stage owes a resume: docs/architecture.md, "A resumable stage".
 This module does not import torch.
 """
 
@@ -399,7 +378,7 @@ class _Pad:
         return "PAD"  # the same object in every process
 
     def __repr__(self) -> str:
-        return "webds.stages.ledger.PAD"
+        return "webds.base.ledger.PAD"
 
 
 PAD = _Pad()

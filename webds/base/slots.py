@@ -2,7 +2,7 @@
 
 A stage that holds items (a shuffle buffer, the rest of a batch being split, items in flight on
 threads) keeps their ids in its :class:`Slot`, in the order it keeps them; the ledger
-(:mod:`webds.stages.ledger`) saves every slot with a checkpoint. A resumed pass reads the held
+(:mod:`webds.base.ledger`) saves every slot with a checkpoint. A resumed pass reads the held
 samples again first, in the order of :class:`RestorePlan` (those held by later stages first), and
 :meth:`Slot.restore` hands each back to the stage that held it, so every buffer is as it was and
 the same items come out in the same order as if the run had never stopped.

@@ -1,8 +1,5 @@
-"""Stages: the torch-free half of the engine (:mod:`webds.pipeline` composes them).
-
-A *stage* is a callable ``stage(src: Iterator) -> Iterator``. Stages are written once, as
-generator functions whose first parameter is the upstream iterator, and turned into curried,
-picklable factories by :func:`stage`::
+"""The stage machinery: :func:`stage` turns a generator function whose first parameter is the
+upstream iterator into a curried, picklable factory (:mod:`webds.pipeline` composes them)::
 
     @stage
     def select(src, predicate):
@@ -12,23 +9,12 @@ picklable factories by :func:`stage`::
 
     select(lambda s: "jpg" in s)          # -> Stage, a callable iterator -> iterator
 
-A stage function that declares a keyword parameter named ``epoch`` receives the pipeline's current
-epoch; one that declares ``pipeline_seed`` receives the pipeline's ``seed``; one that declares
-``ledger`` receives the record of what the pass has read (:mod:`webds.stages.ledger`), which
-stages that hold items back keep up to date so that resuming is exact. A stage may also say
-how it changes the number of items (``@stage(count=SAME)``, ``REORDER``, ``BATCH``, ``UNBATCH``),
-from which a pipeline computes ``len()`` and where to resume (see :mod:`webds.pipeline`).
-
-Every stage says what it owes a resume (:func:`resume_kind`): :data:`STATELESS` (it passes each
-item on, or drops it, before it pulls the next: ``@stage(stateless=True)``, or
-:func:`stateless` around a plain function), or :data:`LEDGER` (it holds items across its yields
-and records them: a ``ledger`` parameter). A pipeline with a stage that says neither refuses to
-save a position mid-pass (``state_dict()`` raises :class:`~webds.errors.ResumeError`), since
-resuming could lose or repeat what that stage held.
-
-This module does not import torch, so the modules that only define stages (samples, filters,
-decode, cache) and everything built on them without a ``DataPipeline`` (the ``webds`` command,
-the writers) start fast. :mod:`webds.pipeline` re-exports every name here.
+Keyword parameters named ``epoch``, ``pipeline_seed`` and ``ledger`` receive the pipeline's
+epoch, seed and ledger. ``@stage(count=...)`` says how a stage changes the number of items
+(``SAME``, ``REORDER``, ``BATCH``, ``UNBATCH``: ``len()`` and resume follow from it), and
+:func:`resume_kind` what it owes a resume: ``STATELESS`` or ``LEDGER``; with a stage that says
+neither, ``state_dict()`` refuses mid-pass (docs/architecture.md, "A resumable stage"). No torch
+here, so that the command and the writers start fast.
 """
 
 from __future__ import annotations
@@ -62,7 +48,7 @@ __all__ = [
 #: the next, so that the id of the item it yields is the ledger's current one.
 STATELESS = "stateless"
 #: What a stage owes a resume: it holds items across its yields and records them in the ledger
-#: it declares as a parameter (see :mod:`webds.stages.ledger`).
+#: it declares as a parameter (see :mod:`webds.base.ledger`).
 LEDGER = "ledger"
 
 
@@ -232,7 +218,7 @@ class Stage:
 
     def set_ledger(self, ledger: Any) -> None:
         """Set the ledger passed to stage functions that take a ``ledger`` parameter (see
-        :mod:`webds.stages.ledger`)."""
+        :mod:`webds.base.ledger`)."""
         self.ledger = ledger
 
     def __call__(self, src: Iterable[Any]) -> Iterator[Any]:
@@ -242,10 +228,9 @@ class Stage:
         if self.factory.wants_seed:
             injected["pipeline_seed"] = self.seed
         if self.factory.wants_ledger:
-            injected["ledger"] = getattr(self, "ledger", None)  # 0.1 pickles have none
-        threads = getattr(self, "threads", 0)
-        if threads and self.factory.takes_threads and not self._given("threads"):
-            injected["threads"] = threads
+            injected["ledger"] = self.ledger
+        if self.threads and self.factory.takes_threads and not self._given("threads"):
+            injected["threads"] = self.threads
         return self.factory.fn(src, *self.args, **injected, **self.kwargs)
 
     def __repr__(self) -> str:
@@ -266,7 +251,7 @@ def stage(
     ``@stage(stateless=True)``: the function passes each item on (or drops it) before it pulls
     the next, so a pipeline can save its position mid-pass. A function that holds items across
     its yields declares a ``ledger`` parameter instead and records them (see
-    :mod:`webds.stages.ledger`); one that does neither is refused by ``state_dict()``.
+    :mod:`webds.base.ledger`); one that does neither is refused by ``state_dict()``.
     ``@stage(expands=True)``: it reads samples out of each source item (a shard) and numbers
     and records each in the ledger itself (``tarfile_to_samples``); the pipeline then only
     says which source item is current, and leaves skipping consumed samples to it.

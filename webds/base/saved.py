@@ -6,7 +6,7 @@ reader: it checks the shape, and says which field of what is wrong. ``to_dict()`
 writer. Nothing else reads or writes a saved state's keys.
 
 - :class:`SlotState`: the ids a stage holds, in its order, and its count of random draws;
-- :class:`LedgerState`: what one stream consumed and held (see :mod:`webds.stages.ledger`);
+- :class:`LedgerState`: what one stream consumed and held (see :mod:`webds.base.ledger`);
 - :class:`StreamState`: where one process's stream stands: the epoch, the items yielded in it, the
   pass being read and its ledger;
 - :class:`PipelineState`: one rank's state: its stream (or its DataLoader workers' streams, for a
@@ -20,14 +20,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ResumeError
 from .slots import ids_of
 
 __all__ = ["VERSION", "SlotState", "LedgerState", "StreamState", "PipelineState"]
 __all__ += ["read_state", "read_states"]
 
-#: The version of the format :meth:`PipelineState.to_dict` writes. Version 1 (webds 0.1 counted
-#: items) is read only so that ``load_state_dict`` can say why it cannot be resumed exactly.
+#: The version of the format :meth:`PipelineState.to_dict` writes, the only one :func:`read_state`
+#: reads.
 VERSION = 2
 
 
@@ -222,13 +222,29 @@ class PipelineState(StreamState):
         return out
 
 
+def _unknown_version(d: Dict[str, Any]) -> str:
+    """Why a state of another version than :data:`VERSION` is refused, and what to do."""
+    version = d["version"]
+    what = f"this state is of version {version!r}, and this webds reads version {VERSION} only"
+    if isinstance(version, int) and version > VERSION:
+        return f"{what}: it was saved by a newer webds; upgrade webds to resume it"
+    if version == 1:
+        what += " (version 1 was written by webds 0.1, which was never released)"
+    epoch = d.get("epoch")
+    again = f"set_epoch({epoch})" if isinstance(epoch, int) else "set_epoch() with its epoch"
+    return f"{what}: it cannot be resumed. Start its epoch afresh: {again}, not load_state_dict()"
+
+
 def read_state(d: Any) -> PipelineState:
     """A :class:`PipelineState` out of what ``state_dict()`` returned (and JSON or torch.save
-    gave back); :class:`~webds.errors.ArgumentError` naming what is wrong otherwise."""
+    gave back); :class:`~webds.errors.ArgumentError` naming what is wrong otherwise, and
+    :class:`~webds.errors.ResumeError` for a state of another version."""
     if isinstance(d, PipelineState):
         return d
-    if not isinstance(d, dict) or d.get("version") not in (1, VERSION):
+    if not isinstance(d, dict) or "version" not in d:
         raise ArgumentError(f"not a webds pipeline state (from state_dict()): {d!r}")
+    if d["version"] != VERSION:
+        raise ResumeError(_unknown_version(d))
     stream = StreamState.from_dict(d)
     workers = d.get("workers")
     if workers is not None:
@@ -248,7 +264,6 @@ def read_state(d: Any) -> PipelineState:
     seed = d.get("seed")
     return PipelineState(
         **vars(stream),
-        version=int(d["version"]),
         rank=_int(d, "rank", 0, d),
         world_size=_int(d, "world_size", 1, d),
         seed=None if seed is None else _int(d, "seed", None, d),
