@@ -9,7 +9,8 @@ long names/links (``L``/``K``), pax extended headers (``x`` per member and ``g``
 :mod:`webds.tar.fields`). Gzip (including concatenated members), bzip2 and xz compression are
 recognised by their magic bytes (:mod:`webds.tar.compression`). Every malformed input raises
 :class:`~webds.errors.ShardReadError` naming the shard, the member and the byte offset in the
-uncompressed stream; memory stays bounded by what the stream really holds.
+uncompressed stream (how a stream may end, and the errors of one that ends too early, are in
+:mod:`webds.tar.ending`); memory stays bounded by what the stream really holds.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tupl
 
 from ..errors import ShardReadError
 from .compression import sniffed_chunks
+from .ending import EndWithoutMarker, _end_of_stream, _end_or_damage
 from .fields import (
     _AREG,
     _CONT,
@@ -36,7 +38,6 @@ from .fields import (
 
 __all__ = ["read_members", "EndWithoutMarker", "DEFAULT_MAX_MEMBER_SIZE"]
 
-_ZERO_BLOCK = b"\0" * 512
 # No real member is this large; a size beyond it means a corrupt header, not a big file.
 _MAX_MEMBER_SIZE = 1 << 46
 # Extended headers (pax records, GNU long names) are held whole in memory, so cap them.
@@ -46,17 +47,6 @@ _MAX_UNSIGNED_CHKSUM = 512 * 255
 #: plain tar's members are bounded by the file itself; a compressed one can claim (and expand to)
 #: any size from a few KB, and every member is held whole in memory.
 DEFAULT_MAX_MEMBER_SIZE = 1 << 30
-# Zero bytes allowed after the end-of-archive marker: writers pad to their record size (GNU tar
-# and tarfile: 10 KiB; tape-style blocking factors up to 1 MiB). More zeros than that is a
-# preallocated copy that was never finished, not padding.
-_MAX_END_PADDING = 1 << 20
-
-
-class EndWithoutMarker(ShardReadError):
-    """The stream ended at a member boundary without the end-of-archive marker: every member
-    read is whole, but whole members may be missing after them (a copy cut at a block
-    boundary). A reader that knows the shard's sample count (an index) may accept it, and
-    ``accept_unterminated=True`` (``WDS_ACCEPT_UNTERMINATED=1``) reads it as complete."""
 
 
 def read_members(
@@ -85,117 +75,32 @@ def read_members(
     read); it applies to plain streams only when given.
     """
     compression, chunks = sniffed_chunks(stream, url)
-    if max_member_size is None:
-        limit = DEFAULT_MAX_MEMBER_SIZE if compression else _MAX_MEMBER_SIZE
-    else:
-        limit = max_member_size
-    # One generator, not two: a `yield from` layer costs ~10% on small members.
+    limit = _member_limit(max_member_size, compression)
+    # One generator, not two: a `yield from` layer costs ~10% on small members. The members most
+    # shards are made of (a plain header; one after a pax header that changes nothing) are read
+    # in this loop; headers off that path by a _Scan, which is handed the buffer and gives it back.
     try:
-        nextchunk = chunks.__next__
         adler32 = zlib.adler32
-        buf = b""
-        pos = 0  # index in buf of the next header; may lie past the end (padding still to skip)
-        base = start  # stream offset of buf[0]
-        nbuf = 0
-        pending = _Pending()
-        slow = False  # pending.active(), kept in a local for the fast path
-        # The offset of a pax header skipped on the fast path (it holds only times, or other
-        # records that change nothing we read), awaiting its member; -1 if none.
-        xoff = -1
-        # Harmless pax header blocks seen before -> (the start of their only record, b"27
-        # mtime=", and their data size): the same block followed by that start is skipped at once.
-        pax_known: Dict[bytes, Tuple[bytes, int]] = {}
-        pax_tries = 64
-        # The last two of them and their records' starts, compared in place first, once a
-        # block has been seen twice (paxed).
-        paxed = False
-        pax1 = pax2 = rec1 = rec2 = b""
-        # Where the previous member's data ended, to tell "truncated data" from "truncated padding".
-        last_name: Optional[str] = None
-        last_data_end = start
-
+        scan = _Scan(chunks.__next__, url, start)
+        buf, pos, nbuf, base = b"", 0, 0, start  # pos: the next header in buf, which starts at base
+        # slow: scan.pending.active(), kept in a local for the fast path; xoff: the offset of a
+        # pax header skipped on the fast path, awaiting its member (-1: none); paxes: see _Scan.
+        slow, xoff, paxes = False, -1, scan.paxes
         while True:
             if pos + 512 > nbuf:
-                # Refill: keep the unread tail, skip padding that lies past the buffer, read chunks.
-                if pos >= nbuf:
-                    skip = pos - nbuf
-                    base += nbuf
-                    buf = b""
-                    while skip:
-                        try:
-                            c = nextchunk()
-                        except StopIteration:
-                            c = b""
-                        if not c:
-                            break
-                        if len(c) <= skip:
-                            skip -= len(c)
-                            base += len(c)
-                        else:
-                            buf = c[skip:]
-                            base += skip
-                            skip = 0
-                    pos = skip  # non-zero only when the stream ended inside the skipped bytes
-                else:
-                    buf = buf[pos:]
-                    base += pos
-                    pos = 0
-                if not pos:
-                    parts = [buf]
-                    have = len(buf)
-                    while have < 512:
-                        try:
-                            c = nextchunk()
-                        except StopIteration:
-                            break
-                        parts.append(c)
-                        have += len(c)
-                    buf = b"".join(parts) if len(parts) > 1 else parts[0]
+                # (The old buffer is let go before new chunks are read: see _Scan.chunk.)
+                tail, skip, base, buf = buf[pos:], pos - nbuf, base + min(pos, nbuf), b""
+                buf, pos, base = scan.refill(tail, skip, base, xoff)
                 nbuf = len(buf)
                 if pos + 512 > nbuf:
-                    ext = pending.offset if pending.offset >= 0 else xoff
-                    _end_of_stream(buf, pos, base, url, last_name, last_data_end, ext)
-                    return
-
-            hoff = base + pos
-            if (
-                paxed
-                and pos + 1536 <= nbuf
-                and not slow
-                and (
-                    (buf.startswith(pax1, pos) and buf.startswith(rec1, pos + 512))
-                    or (buf.startswith(pax2, pos) and buf.startswith(rec2, pos + 512))
-                )
-            ):
-                # One of the last two pax header blocks seen (below), compared in place: no
-                # slice, no hash. Skipped, and its member read in the same turn.
-                if xoff < 0:
-                    xoff = hoff
+                    return  # the end of the archive, clean (scan.refill checked it)
+            if paxes and not slow and pos + 1536 <= nbuf and buf.startswith(paxes, pos):
+                # One of the last two harmless pax headers (_Scan.paxes), block and record start
+                # compared in place: no slice, no hash. Skipped; its member read in the same turn.
+                xoff = base + pos if xoff < 0 else xoff
                 pos += 1024
-                hoff += 1024
+            hoff = base + pos
             hdr = buf[pos : pos + 512]
-            if hdr[156] == _PAX_MEMBER and not slow:
-                known = pax_known.get(hdr)
-                if known is not None and buf.startswith(known[0], pos + 512):
-                    # A pax header block seen before, harmless (tarfile and webdataset write the
-                    # same few, each of one time record whose length says it is the only one):
-                    # already checked, so skipped without a checksum or a parse.
-                    if xoff < 0:
-                        xoff = hoff
-                    if paxed:
-                        pax2, rec2, pax1, rec1 = pax1, rec1, hdr, known[0]
-                    else:
-                        pax2 = pax1 = hdr
-                        rec2 = rec1 = known[0]
-                        paxed = True
-                    if pos + 1536 > nbuf:
-                        last_name, last_data_end = None, hoff + 512 + known[1]
-                        pos += 1024
-                        continue
-                    pos += 1024
-                    hoff += 1024
-                    hdr = buf[pos : pos + 512]
-
             # Checksum: adler32's low half is (1 + sum) mod 65521, computed in C. Replace the stored
             # checksum bytes by 8 spaces and compare modulo 65521; exact sums only on a mismatch.
             # Writers store "%06o\0 ": parse those six digits (another layout just takes the
@@ -210,30 +115,8 @@ def read_members(
                 or stored > _MAX_UNSIGNED_CHKSUM
                 or ((adler32(hdr) & 0xFFFF) - (adler32(chk) & 0xFFFF) + 256 - stored) % 65521
             ) and not _checksum_ok(hdr):
-                if hdr == _ZERO_BLOCK:
-                    if pending.offset >= 0 or xoff >= 0:
-                        raise ShardReadError(
-                            "an extended header is not followed by its member (end-of-archive "
-                            "marker instead); re-create the shard",
-                            url=url,
-                            offset=pending.offset if pending.offset >= 0 else xoff,
-                        )
-                    _check_end(nextchunk, buf, pos, base, url)
-                    return
-                if hoff == 0:
-                    raise ShardReadError(
-                        "not a tar archive (no valid tar header at the start of the stream); "
-                        "check that the URL points at a .tar/.tar.gz shard",
-                        url=url,
-                        offset=0,
-                    )
-                raise ShardReadError(
-                    "corrupt header (checksum mismatch); the shard is damaged, "
-                    "re-download or re-create it",
-                    url=url,
-                    offset=hoff,
-                )
-
+                scan.end_or_damage(hdr, hoff, buf, pos, base, xoff)
+                return
             typ = hdr[156]
             if (typ == _REG or typ == _CONT or typ == _AREG) and not slow:
                 # Fast path: a plain ustar/GNU/v7 regular file.
@@ -243,90 +126,25 @@ def read_members(
                 if typ == _AREG and name_b.endswith(b"/"):
                     pos += 512  # a v7 directory
                     continue
-                if hdr[124] & 0x80:
-                    size = -1
-                else:
-                    try:
-                        size = int(hdr[124:136].rstrip(b" \0"), 8)
-                    except ValueError:
-                        size = -1
-                if size < 0:
-                    member = name_b.decode("utf-8", _SURROGATE)
-                    size = _number(hdr[124:136], "size", url, hoff, member)
                 name = name_b.decode("utf-8", _SURROGATE)
-                if xoff < 0:
-                    moff = hoff
-                else:
-                    moff, xoff = xoff, -1
-            elif typ in _EXTENDED_TYPES:
-                if typ == _PAX_MEMBER and not slow:
-                    # A pax header whose records change nothing we read (tarfile and webdataset
-                    # write one with the mtime before every member, GNU tar --format=posix one
-                    # with atime and ctime): skipped, its member stays on the fast path.
-                    try:
-                        size = int(hdr[124:136].rstrip(b" \0"), 8)
-                    except ValueError:
-                        size = -1
-                    dstart = pos + 512
-                    dend = dstart + size
-                    if 0 < size <= 512 and dend <= nbuf and _harmless_pax(buf, dstart, dend):
-                        if xoff < 0:
-                            xoff = hoff
-                        if pax_tries:
-                            # Bounded: GNU tar's blocks (a name per member, two records) never
-                            # repeat, so after a few tries it stops looking.
-                            pax_tries -= 1
-                            record = _only_record_start(buf[dstart:dend], size)
-                            if record:
-                                pax_known[hdr] = (record, size)
-                        last_name, last_data_end = None, hoff + 512 + size
-                        pos = dstart + 512
-                        continue
-                # An extended header: read its data whole (capped), then go on to the next.
-                if xoff >= 0:
-                    pending.offset, xoff = xoff, -1
-                size = _number(hdr[124:136], "size", url, hoff, None)
-                if size < 0 or size > _MAX_EXTENDED_SIZE:
-                    raise ShardReadError(
-                        f"corrupt header: an extended header claims {size} bytes (more than "
-                        f"{_MAX_EXTENDED_SIZE}); re-create the shard",
-                        url=url,
-                        offset=hoff,
-                    )
-                data, buf, pos, base = _read_data(
-                    nextchunk, buf, pos + 512, base, size, url, None, hoff
-                )
-                nbuf = len(buf)
-                last_name, last_data_end = None, hoff + 512 + size
-                pending.add(typ, data, url, hoff)
-                slow = pending.active()
+                try:
+                    size = int(hdr[124:136].rstrip(b" \0"), 8)
+                except ValueError:
+                    size = -1
+                if size < 0:  # base-256 (its first byte is not a digit), or not a number
+                    size = _number(hdr[124:136], "size", url, hoff, name)
+                moff, xoff = (hoff if xoff < 0 else xoff), -1
+            elif typ == _PAX_MEMBER and not slow and scan.harmless(hdr, hoff, buf, pos):
+                # A pax header whose records change nothing we read (see _Scan): skipped, and its
+                # member stays on the fast path.
+                xoff, paxes = (hoff if xoff < 0 else xoff), scan.paxes
+                pos += 1024
                 continue
             else:
-                # A member header after extended headers, or with global pax values in force,
-                # or not a regular file.
-                if xoff >= 0:
-                    pending.offset, xoff = xoff, -1
-                name, size, moff = pending.resolve(hdr, url, hoff)
-                slow = pending.active()
-                if typ == _AREG and name.endswith("/"):
-                    typ = 0x35  # a v7 directory
-                if not (typ == _REG or typ == _CONT or typ == _AREG):
-                    if typ in _NO_DATA_TYPES:
-                        pos += 512
-                        continue
-                    size = max(size, 0)
-                    if size > _MAX_MEMBER_SIZE:
-                        raise ShardReadError(
-                            f"corrupt header: member claims {size} bytes; re-create the shard",
-                            url=url,
-                            member=name,
-                            offset=hoff,
-                        )
-                    # Unknown entry type: skip its data.
-                    last_name, last_data_end = name, hoff + 512 + size
-                    pos += 512 + ((size + 511) & -512)
-                    continue
-
+                name, size, moff, buf, pos, base, xoff = scan.other(hdr, hoff, buf, pos, base, xoff)
+                nbuf, slow, paxes = len(buf), scan.pending.active(), scan.paxes
+                if name is None:
+                    continue  # nothing to read: pos is past the entry
             if size < 0 or size > limit:
                 raise _too_large(size, limit, compression, url, name, hoff)
             dstart = pos + 512
@@ -335,20 +153,189 @@ def read_members(
                 data = buf[dstart:dend]
                 pos = dstart + ((size + 511) & -512)
             else:
-                data, buf, pos, base = _read_data(
-                    nextchunk, buf, dstart, base, size, url, name, hoff
-                )
+                data, buf, pos, base = scan.read(buf, pos + 512, base, size, name, hoff)
                 nbuf = len(buf)
-            last_name = name
-            last_data_end = hoff + 512 + size
+            scan.last_name, scan.last_data_end = name, hoff + 512 + size
             yield name, data, moff
     except MemoryError:
-        raise ShardReadError(
-            "out of memory while reading the shard (a member too large for this machine?)",
-            url=url,
-        ) from None
+        raise _out_of_memory(url) from None
     finally:
         chunks.close()
+
+
+def _member_limit(max_member_size: Optional[int], compression: Optional[str]) -> int:
+    """The largest member to read: ``max_member_size``, else that of a compressed or a plain
+    stream."""
+    if max_member_size is not None:
+        return max_member_size
+    return DEFAULT_MAX_MEMBER_SIZE if compression else _MAX_MEMBER_SIZE
+
+
+class _Scan:
+    """What :func:`read_members` knows off its fast path: the extended headers awaiting their
+    member (``pending``), the harmless pax header blocks seen, the last entry read (for the
+    errors of a stream that ends too early). Its methods read the headers off the fast path;
+    ``read_members`` hands them the buffer (``buf``, the next header's ``pos`` in it, ``base``:
+    the stream offset of ``buf[0]``) and takes it back.
+
+    A pax header whose records change nothing we read (tarfile and webdataset write one with the
+    mtime before every member, GNU tar --format=posix one with atime and ctime) is skipped, and
+    its member stays on the fast path. The few blocks tarfile and webdataset repeat, each of one
+    record whose length says it is the only one, are recognised by the block and the record's
+    start (``b"27 mtime="``) without a parse; the last two of them, each block followed by its
+    record's start (:attr:`paxes`), are compared in place by ``read_members``; see
+    :meth:`harmless`.
+    """
+
+    __slots__ = (
+        "nextchunk",
+        "url",
+        "pending",
+        "known",
+        "tries",
+        "paxes",
+        "last_name",
+        "last_data_end",
+        "chunk",
+    )
+
+    def __init__(self, nextchunk: Callable[[], bytes], url: Optional[str], start: int) -> None:
+        self.nextchunk = nextchunk
+        self.url = url
+        self.pending = _Pending()
+        self.known: Dict[bytes, Tuple[bytes, int]] = {}  # block -> (record start, data size)
+        # Bounded: GNU tar's blocks (a name per member, two records) never repeat, so after a
+        # few tries it stops looking.
+        self.tries = 64
+        self.paxes: Tuple[bytes, ...] = ()
+        # Where the last entry's data ended, to tell "truncated data" from "truncated padding".
+        self.last_name: Optional[str] = None
+        self.last_data_end = start
+        # The last chunk refill() read, held until the next refill, as the buffer was before:
+        # freed at once, its memory can go back to the system, to be mapped (and faulted in)
+        # again for the next chunk: ~8% on small members.
+        self.chunk = b""
+
+    def other(
+        self, hdr: bytes, hoff: int, buf: bytes, pos: int, base: int, xoff: int
+    ) -> Tuple[Optional[str], int, int, bytes, int, int, int]:
+        """The header ``hdr`` at ``buf[pos]``, off the fast path: an extended header (its data
+        read and kept for its member), a member after extended headers or with global pax values
+        in force, or an entry that is not a regular file (skipped). Returns ``(name, size,
+        member offset, buf, pos, base, xoff)``: the member to read at ``buf[pos]``, or a name
+        None when there is none."""
+        pending, typ = self.pending, hdr[156]
+        if xoff >= 0:
+            pending.offset, xoff = xoff, -1
+        if typ in _EXTENDED_TYPES:
+            # An extended header: read its data whole (capped), then go on to the next.
+            size = _number(hdr[124:136], "size", self.url, hoff, None)
+            if size < 0 or size > _MAX_EXTENDED_SIZE:
+                raise ShardReadError(
+                    f"corrupt header: an extended header claims {size} bytes (more than "
+                    f"{_MAX_EXTENDED_SIZE}); re-create the shard",
+                    url=self.url,
+                    offset=hoff,
+                )
+            data, buf, pos, base = self.read(buf, pos + 512, base, size, None, hoff)
+            self.last_name, self.last_data_end = None, hoff + 512 + size
+            pending.add(typ, data, self.url, hoff)
+            return None, 0, 0, buf, pos, base, xoff
+        name, size, moff = pending.resolve(hdr, self.url, hoff)
+        if typ == _AREG and name.endswith("/"):
+            typ = 0x35  # a v7 directory
+        if typ == _REG or typ == _CONT or typ == _AREG:
+            return name, size, moff, buf, pos, base, xoff
+        if typ in _NO_DATA_TYPES:
+            return None, 0, 0, buf, pos + 512, base, xoff
+        size = max(size, 0)
+        if size > _MAX_MEMBER_SIZE:
+            raise ShardReadError(
+                f"corrupt header: member claims {size} bytes; re-create the shard",
+                url=self.url,
+                member=name,
+                offset=hoff,
+            )
+        # Unknown entry type: skip its data.
+        self.last_name, self.last_data_end = name, hoff + 512 + size
+        return None, 0, 0, buf, pos + 512 + ((size + 511) & -512), base, xoff
+
+    def harmless(self, hdr: bytes, hoff: int, buf: bytes, pos: int) -> bool:
+        """Whether the pax header ``hdr`` at ``buf[pos]`` (stream offset ``hoff``) has records
+        that change nothing we read (its data in ``buf``, at most one block): it is then the
+        last entry read, to be skipped."""
+        known = self.known.get(hdr)
+        if known is not None and buf.startswith(known[0], pos + 512):
+            record, size = known
+        else:
+            try:
+                size = int(hdr[124:136].rstrip(b" \0"), 8)
+            except ValueError:
+                return False
+            dstart, dend = pos + 512, pos + 512 + size
+            if not (0 < size <= 512 and dend <= len(buf) and _harmless_pax(buf, dstart, dend)):
+                return False
+            record = b""
+            if self.tries:
+                self.tries -= 1
+                record = _only_record_start(buf[dstart:dend], size)
+                if record:
+                    self.known[hdr] = (record, size)
+        if record and not (self.paxes and self.paxes[0] == hdr + record):
+            self.paxes = (hdr + record,) + self.paxes[:1]
+        self.last_name, self.last_data_end = None, hoff + 512 + size
+        return True
+
+    def read(
+        self, buf: bytes, dstart: int, base: int, size: int, name: Optional[str], hoff: int
+    ) -> Tuple[bytes, bytes, int, int]:
+        """:func:`_read_data` of this stream."""
+        return _read_data(self.nextchunk, buf, dstart, base, size, self.url, name, hoff)
+
+    def refill(self, tail: bytes, skip: int, base: int, xoff: int) -> Tuple[bytes, int, int]:
+        """A new buffer holding the next header: ``tail`` (the unread end of the old buffer,
+        part of a header, at stream offset ``base``) and the chunks after it until there are 512
+        bytes or the stream ends; or, where ``skip`` > 0 (padding that lay past the old buffer),
+        the chunks after those bytes. Returns ``(buf, pos, base)``, ``pos`` being 0 or the bytes
+        still to skip where the stream ended inside them. Where the stream ends before a whole
+        header, the end is accepted or the right error raised (:func:`_end_of_stream`)."""
+        buf = tail
+        while skip > 0:
+            try:
+                c = self.chunk = self.nextchunk()
+            except StopIteration:
+                c = b""
+            if not c:
+                break
+            if len(c) <= skip:
+                skip -= len(c)
+                base += len(c)
+            else:
+                buf = c[skip:]
+                base += skip
+                skip = 0
+        if skip <= 0:
+            parts = [buf]
+            have = len(buf)
+            while have < 512:
+                try:
+                    c = self.chunk = self.nextchunk()
+                except StopIteration:
+                    break
+                parts.append(c)
+                have += len(c)
+            buf, skip = (b"".join(parts) if len(parts) > 1 else parts[0]), 0
+        if skip + 512 > len(buf):
+            ext = self.pending.offset if self.pending.offset >= 0 else xoff
+            _end_of_stream(buf, skip, base, self.url, self.last_name, self.last_data_end, ext)
+        return buf, skip, base
+
+    def end_or_damage(
+        self, hdr: bytes, hoff: int, buf: bytes, pos: int, base: int, xoff: int
+    ) -> None:
+        """A block whose checksum is wrong: the end of the archive (return) or damage (raise)."""
+        ext = self.pending.offset if self.pending.offset >= 0 else xoff
+        _end_or_damage(hdr, hoff, ext, self.nextchunk, buf, pos, base, self.url)
 
 
 def _read_data(
@@ -402,71 +389,6 @@ def _read_data(
     return data, b"", pad, end
 
 
-def _end_of_stream(
-    buf: bytes,
-    pos: int,
-    base: int,
-    url: Optional[str],
-    last_name: Optional[str],
-    last_data_end: int,
-    ext_offset: int,
-) -> None:
-    """The stream ended where a header should start: accept it or raise the right error."""
-    nbuf = len(buf)
-    if pos > nbuf:
-        end = base + nbuf
-        where = "data" if end < last_data_end else "padding"
-        what = f"member {last_name!r}" if last_name is not None else "an extended header"
-        raise ShardReadError(
-            f"shard is truncated in the {where} of {what}; re-download or re-create the shard",
-            url=url,
-            member=last_name,
-            offset=end,
-        )
-    if base + nbuf == 0:
-        raise ShardReadError(
-            "empty shard (0 bytes); re-download or re-create it", url=url, offset=0
-        )
-    rest = buf[pos:]
-    if base + pos == 0:
-        raise ShardReadError(
-            f"not a tar archive (only {len(rest)} bytes, less than one tar header); "
-            "check that the URL points at a tar shard",
-            url=url,
-            offset=0,
-        )
-    # A partial block of zeros is a cut end-of-archive marker: no member is lost.
-    if rest and rest.count(0) != len(rest):
-        raise ShardReadError(
-            f"shard is truncated inside a header ({len(rest)} of 512 bytes); "
-            "re-download or re-create the shard",
-            url=url,
-            offset=base + pos,
-        )
-    if ext_offset >= 0:
-        raise ShardReadError(
-            "shard is truncated: an extended header is not followed by its member; "
-            "re-download or re-create the shard",
-            url=url,
-            offset=ext_offset,
-        )
-    if not rest:
-        # Every writer ends an archive with zero blocks; a stream that stops exactly at a header
-        # boundary without them was most likely cut there (a killed copy, a network chunk),
-        # taking whole members with it. The caller may know better (an index's sample count).
-        raise EndWithoutMarker(
-            "shard ends without its end-of-archive marker: it was cut at a block boundary (a "
-            "killed copy or writer), and whole samples may be missing. Check it against the "
-            "dataset's index (`webds verify INDEX`; reading with index= accepts a complete "
-            "count), re-download or re-write the shard, or read it as it is, as webdataset "
-            "did: accept_unterminated=True (WebDataset, tarfile_to_samples) or "
-            "WDS_ACCEPT_UNTERMINATED=1",
-            url=url,
-            member=last_name,
-            offset=base + pos,
-        )
-
-
 # A pax header's records ("<length> <key>=<value>\n") when none changes how its member is read:
 # not its name, size or link, nor a sparse layout. A value holding a newline only makes this
 # fail (the general path then parses by lengths), since every record starts a line. Record
@@ -486,6 +408,12 @@ def _only_record_start(data: bytes, size: int) -> bytes:
     return b""
 
 
+def _out_of_memory(url: Optional[str]) -> ShardReadError:
+    return ShardReadError(
+        "out of memory while reading the shard (a member too large for this machine?)", url=url
+    )
+
+
 def _too_large(
     size: int, limit: int, compression: Optional[str], url: Optional[str], name: str, hoff: int
 ) -> ShardReadError:
@@ -500,43 +428,3 @@ def _too_large(
             "max_member_size= (tarfile_to_samples, WebDataset)"
         )
     return ShardReadError(message, url=url, member=name, offset=hoff)
-
-
-def _check_end(
-    nextchunk: Callable[[], bytes], buf: bytes, pos: int, base: int, url: Optional[str]
-) -> None:
-    """A zero block at ``buf[pos]`` ends the archive: check that only zero padding follows.
-
-    Reading on to EOF also lets a compressed stream check its own end (a gzip trailer) and a
-    ``pipe:`` command finish. Data after zeros is a header zeroed by a hole in the file (a
-    sparse or preallocated copy), or archives concatenated with ``cat``: either way members
-    would be lost silently, so it is an error, as is more zero padding than any writer adds.
-    """
-    marker = base + pos
-    rest = memoryview(buf)[pos:]
-    seen = 0
-    while True:
-        stripped = bytes(rest).lstrip(b"\0") if rest.nbytes else b""
-        if stripped:
-            at = marker + seen + rest.nbytes - len(stripped)
-            raise ShardReadError(
-                f"data at offset {at} follows the zero block at offset {marker} that should end "
-                "the archive: a header was zeroed (a hole in a sparse or preallocated copy) or "
-                "archives were concatenated; whole samples would be lost, so re-download or "
-                "re-create the shard",
-                url=url,
-                offset=at,
-            )
-        seen += rest.nbytes
-        if seen > _MAX_END_PADDING:
-            raise ShardReadError(
-                f"the shard ends with more than {_MAX_END_PADDING} zero bytes after offset "
-                f"{marker}: an unfinished (preallocated) copy, not end-of-archive padding; "
-                "re-download or re-create it",
-                url=url,
-                offset=marker,
-            )
-        try:
-            rest = memoryview(nextchunk())
-        except StopIteration:
-            return
