@@ -101,7 +101,8 @@ def group_alive(pgid: int) -> bool:
 
 #: Test modules whose slow steps are subprocesses only (virtualenvs, pip, builds): started as the
 #: session starts, at low priority, they run on the core that pytest, running on one, leaves
-#: idle, instead of holding the suite up when their turn comes. Each has start_...(folder).
+#: idle, instead of holding the suite up when their turn comes. Each has start_...(folder, items),
+#: given the module's selected tests (``-k 3.9`` starts only Python 3.9's check).
 _BACKGROUND = {"test_pythons.py": "start_checks", "test_package.py": "start_builds"}
 
 
@@ -116,7 +117,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session.config.stash[_BACKGROUND_DIR] = folder
     for name in sorted(selected):
         module = importlib.import_module(name[: -len(".py")])
-        getattr(module, _BACKGROUND[name])(folder / name[: -len(".py")])
+        items = [item for item in session.items if item.path.name == name]
+        getattr(module, _BACKGROUND[name])(folder / name[: -len(".py")], items)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

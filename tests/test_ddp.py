@@ -71,7 +71,7 @@ def run_job(index, tmp_path, world, balance, workers=2, context="fork", seed=7, 
     return run_ranks(JOB, tmp_path, "", world, args)
 
 
-@pytest.mark.parametrize("world,balance,context", [(2, "pad", "fork"), (3, "drop", "spawn")])
+@pytest.mark.parametrize("world,balance,context", [(2, "pad", "spawn"), (3, "drop", "fork")])
 def test_every_rank_same_batches_union_is_the_dataset_resume_exact(
     index, tmp_path, world, balance, context
 ):

@@ -1,8 +1,9 @@
 """``WebLoader(..., num_workers="auto")``: it measures a throwaway copy of the dataset in this
-process and picks the workers by :func:`webds.loader.choose_workers`, a pure function of what
-it measured; the loader then yields what the same loader with those workers given by hand
-yields, reports its choice (``choice``, ``stats()``, a log line), and a loaded state's workers
-win over a new measurement."""
+process (with and without threads) and picks the workers or threads by
+:func:`webds.loader.choose_workers`, a pure function of what it measured; the loader then
+yields what the same loader with that setting given by hand yields, reports its choice
+(``choice``, ``stats()``, a log line), and a loaded state's workers win over a new
+measurement."""
 
 from __future__ import annotations
 
@@ -13,13 +14,17 @@ import time
 
 import pytest
 from conftest import sample_members, write_tar
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_resume import shards
 from test_resume_order import same_entropy
 
 import webds
 from webds.compat.shardsources import DirectoryShardList
 from webds.errors import ArgumentError
-from webds.loader import TRANSFER_SECONDS, WORTH_WORKERS, LoaderChoice, Measured, choose_workers
+from webds.loader import LoaderChoice, Measured, choose_workers
+from webds.stages import autotune
+from webds.stages.autotune import THREADS_GAIN, TRANSFER_SECONDS, WORTH_WORKERS
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
@@ -115,7 +120,7 @@ def test_a_loaded_state_keeps_the_workers_it_was_saved_with(spec, monkeypatch):
     del it
     first.close()
     # Measured anew, the next process would choose no workers; the state's workers win.
-    monkeypatch.setattr(webds.loader, "WORTH_WORKERS", 10**9)
+    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
     second = make()
     assert second.choice.num_workers == 0
     second.load_state_dict(state)
@@ -129,7 +134,7 @@ def test_a_state_saved_without_workers_resumes_without_workers(spec, monkeypatch
         ds = webds.WebDataset(spec, shardshuffle=True, seed=5).map(burn).listed(3)
         return webds.WebLoader(ds, batch_size=None, num_workers="auto")
 
-    monkeypatch.setattr(webds.loader, "WORTH_WORKERS", 10**9)  # measured: no workers
+    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)  # measured: no workers
     whole = make()
     assert whole.choice.num_workers == 0
     expected = keys(whole)
@@ -209,3 +214,136 @@ def test_persistent_workers_false_is_kept_and_an_uncopyable_dataset_refused(spec
         held = webds.WebDataset(spec).map(functools.partial(tagged, handle))
         with pytest.raises(ArgumentError, match="can't be copied .*give num_workers yourself"):
             webds.WebLoader(held, batch_size=None, num_workers="auto")
+
+
+def nap(sample):
+    """4 ms of waiting, GIL released, no CPU: threads make items faster, workers don't pay."""
+    time.sleep(0.004)
+    return sample["__key__"]
+
+
+def rate(measured):
+    return measured.items / measured.seconds
+
+
+def test_threads_are_chosen_where_they_were_measured_faster():
+    threshold = WORTH_WORKERS * TRANSFER_SECONDS
+    heavy = Measured(100, 1.0, 100 * threshold / 64 * 1.1)  # worth 4 workers
+    bar = 4 / (heavy.cpu_per_item + TRANSFER_SECONDS / 64)  # their items/s
+    faster = Measured(round(bar * 1.01), 1.0, 1.0)
+    slower = Measured(round(bar * 0.95), 1.0, 1.0)
+    threads = choose_workers(heavy, 64, 4, None, faster)
+    assert (threads.num_workers, threads.threads) == (0, 4)
+    assert "num_workers=0, threads=4:" in str(threads) and threads.threaded == faster
+    workers = choose_workers(heavy, 64, 4, None, slower)
+    assert (workers.num_workers, workers.threads) == (4, 0) and "slower than" in str(workers)
+    # Workers not worth it: threads must beat one thread by THREADS_GAIN.
+    cheap = Measured(1000, 1.0, 1000 * threshold / 64 * 0.5)
+    gain = choose_workers(cheap, 64, 4, None, Measured(round(1000 * THREADS_GAIN) + 1, 1.0, 1.0))
+    assert (gain.num_workers, gain.threads) == (0, 4)
+    noise = choose_workers(cheap, 64, 4, None, Measured(round(1000 * THREADS_GAIN) - 20, 1.0, 1.0))
+    assert (noise.num_workers, noise.threads) == (0, 0)
+    # One core: no threads, whatever was measured; nothing measured: none either.
+    assert choose_workers(cheap, 64, 1, None, Measured(10**6, 1.0, 1.0)).threads == 0
+    assert choose_workers(cheap, 64, 4, None, Measured(0, 0.0, 0.0)).threads == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    items=st.integers(0, 10**4),
+    cpu=st.floats(1e-4, 10.0),
+    wall=st.floats(1e-3, 10.0),
+    threaded_items=st.one_of(st.none(), st.integers(0, 10**5)),
+    ipt=st.integers(1, 256),
+    cores=st.integers(1, 64),
+    shards=st.one_of(st.none(), st.integers(1, 100)),
+)
+def test_the_choice_over_random_measurements(items, cpu, wall, threaded_items, ipt, cores, shards):
+    measured = Measured(items, wall, cpu)
+    threaded = None if threaded_items is None else Measured(threaded_items, 1.0, 1.0)
+    choice = choose_workers(measured, ipt, cores, shards, threaded)
+    assert choice == choose_workers(measured, ipt, cores, shards, threaded)  # deterministic
+    plain = choose_workers(measured, ipt, cores, shards)
+    assert plain.threads == 0 and plain.threaded is None
+    assert choice.num_workers == 0 or choice.threads == 0  # processes or threads, not both
+    if choice.threads:
+        assert choice.threads == cores > 1 and items > 0 and threaded_items
+        # Faster than what it was chosen over: the workers' estimate, or one thread by a margin.
+        over = (
+            plain.num_workers / (cpu / items + TRANSFER_SECONDS / ipt) if plain.num_workers else 0
+        )
+        assert rate(threaded) >= max(over, 0 if plain.num_workers else THREADS_GAIN * items / wall)
+        # More threaded items per second never turns threads off.
+        more = Measured(threaded_items * 2, 1.0, 1.0)
+        assert choose_workers(measured, ipt, cores, shards, more).threads == cores
+    else:
+        assert choice.num_workers == plain.num_workers  # the workers it would pick anyway
+
+
+def test_waiting_stages_run_in_threads_and_give_what_no_threads_give(spec, caplog, monkeypatch):
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 4)
+
+    def make(workers):
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=6).shuffle(5).map(nap).listed(4)
+        return webds.WebLoader(ds, batch_size=None, num_workers=workers, stats=True)
+
+    caplog.set_level(logging.INFO, logger="webds")
+    auto = make("auto")
+    assert (auto.choice.num_workers, auto.choice.threads) == (0, 4), str(auto.choice)
+    assert auto.loader.num_workers == 0 and auto.loader.dataset.threads == 4
+    assert rate(auto.choice.threaded) > THREADS_GAIN * rate(auto.choice.measured)
+    assert any("chose num_workers=0, threads=4" in r.getMessage() for r in caplog.records)
+    got = keys(auto)
+    assert got == keys(make(0)) and len(got) == 48
+    assert auto.stats().setting == str(auto.choice)
+
+
+def test_a_loaded_state_resumes_threads_and_its_workers_win_over_them(spec, monkeypatch):
+    def make(**kw):
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(4).map(burn).listed(3)
+        return webds.WebLoader(ds, batch_size=None, num_workers="auto", **kw)
+
+    hand = webds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(4).map(burn).listed(3)
+    expected = keys(webds.WebLoader(hand, batch_size=None, num_workers=0))
+    # Threads whatever the measurement (a gain of 0 over no workers).
+    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
+    monkeypatch.setattr(autotune, "THREADS_GAIN", 0.0)
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    first = make()
+    assert first.choice.threads == 2 and first.loader.dataset.threads == 2
+    it = iter(first)
+    before = [k for _ in range(4) for k in next(it)]
+    state = json.loads(json.dumps(first.state_dict()))
+    del it
+    second = make()
+    second.load_state_dict(state)  # threads again: the same workers (none)
+    assert second.choice.threads == 2
+    assert before + keys(second) == expected
+    # A state saved by workers: they win, and the threads go.
+    monkeypatch.undo()
+    workers = make()
+    assert workers.choice.num_workers > 0
+    it = iter(workers)
+    before = [k for _ in range(4) for k in next(it)]
+    state = json.loads(json.dumps(workers.state_dict()))
+    del it
+    workers.close()
+    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
+    monkeypatch.setattr(autotune, "THREADS_GAIN", 0.0)
+    third = make()
+    assert third.choice.threads > 0
+    third.load_state_dict(state)
+    assert third.loader.num_workers > 0 and third.loader.dataset.threads == 0
+    assert third.choice.threads == 0 and "the loaded state's (num_workers=0, threads=" in str(
+        third.choice
+    )
+    got = keys(third)
+    assert len(before + got) == 48 and sorted(before + got) == sorted(expected)
+
+
+def test_threads_given_by_hand_are_kept_and_not_measured(spec):
+    ds = webds.WebDataset(spec).map(nap).listed(4)
+    loader = webds.WebLoader(ds, batch_size=None, num_workers="auto", threads=3)
+    assert loader.choice.threaded is None and loader.choice.threads == 0
+    assert loader.loader.num_workers == 0 and loader.loader.dataset.threads == 3
+    assert len(keys(loader)) == 48

@@ -14,7 +14,7 @@ import tarfile
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import List, NamedTuple, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import pytest
 
@@ -49,16 +49,33 @@ _builds: List[Builds] = []
 SDIST_TESTS = ["tests/test_tario.py", "tests/test_writer.py"]
 
 
-def start_builds(root: Path) -> Builds:
-    """Start the builds (once per session) in folders under ``root``. tests/conftest.py calls
-    this as the session starts when these tests are selected: they are subprocesses at low
-    priority on the core that pytest, running on one, leaves idle for most of the suite."""
+def start_builds(root: Path, items: Optional[List[Any]] = None) -> Builds:
+    """Start the builds (once per session) in folders under ``root``: the sdist and wheel, and
+    what the selected test ``items`` of this module use of the rest (all of it without
+    ``items``). tests/conftest.py calls this as the session starts when these tests are
+    selected: they are subprocesses at low priority on the core that pytest, running on one,
+    leaves idle for most of the suite."""
     if _builds:
         return _builds[0]
+    names = None if items is None else {item.name for item in items}
     pool = ThreadPoolExecutor(max_workers=2)
+
+    def later(test: str, work: Callable[[], Any]) -> Future:
+        if names is None or test in names:
+            return pool.submit(work)
+        skipped: Future = Future()
+        skipped.set_exception(RuntimeError(f"not built: {test} was not selected"))
+        return skipped
+
     dist = pool.submit(_build, root / "dist")
-    venv = pool.submit(lambda: _install(dist.result(), root / "venv"))
-    sdist_run = pool.submit(lambda: _sdist_run(dist.result(), root / "sdist"))
+    venv = later(
+        "test_the_wheel_installs_into_a_fresh_virtualenv",
+        lambda: _install(dist.result(), root / "venv"),
+    )
+    sdist_run = later(
+        "test_the_sdist_builds_and_its_tests_run",
+        lambda: _sdist_run(dist.result(), root / "sdist"),
+    )
     pool.shutdown(wait=False)
     _builds.append(Builds(dist, venv, sdist_run))
     return _builds[0]

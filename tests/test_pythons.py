@@ -16,7 +16,7 @@ import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -86,8 +86,9 @@ def check(version: str, python: str, folder: Path) -> str:
 _started: Dict[str, Future] = {}
 
 
-def start_checks(root: Path) -> Dict[str, Future]:
-    """Start every version's check (once per session), two at a time, in folders under ``root``.
+def start_checks(root: Path, items: Optional[List[Any]] = None) -> Dict[str, Future]:
+    """Start the checks (once per session), two at a time, in folders under ``root``: those of
+    the selected test ``items`` of this module, or every version's.
 
     tests/conftest.py calls this as the session starts when these tests are selected: the
     checks are subprocesses (venv, pip, pytest), run at low priority, so they take the core
@@ -95,7 +96,8 @@ def start_checks(root: Path) -> Dict[str, Future]:
     suite up for two minutes when their turn comes."""
     if not _started:
         pool = ThreadPoolExecutor(max_workers=2)
-        for version in VERSIONS:
+        wanted = VERSIONS if items is None else [i.callspec.params["version"] for i in items]
+        for version in wanted:
             python = interpreter(version)
             if python is not None and version != f"{sys.version_info[0]}.{sys.version_info[1]}":
                 folder = root / f"python{version}"

@@ -10,16 +10,13 @@ in the main process), and ``state_dict()`` / ``load_state_dict()`` resume mid-ep
 the samples that were still to come. What the workers read reaches this process through the
 worker channel (:mod:`webds.channel`).
 
-``num_workers="auto"`` measures the dataset before the loader starts and picks the workers
-(:func:`choose_workers`, a pure function of what was measured).
+``num_workers="auto"`` measures the dataset before the loader starts and picks worker processes
+or threads (:func:`choose_workers`, a pure function of what was measured).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from copy import deepcopy
-from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
@@ -35,6 +32,7 @@ from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin, LoaderShape
 from .pipeline import DataPipeline
 from .shards.datasets import SimpleShardList
+from .stages.autotune import LoaderChoice, Measured, choose_workers, measure_dataset, threadable
 from .stages.probe import PipelineStats, Probe, merged
 from .stages.threads import check_threads
 
@@ -44,17 +42,6 @@ log = logging.getLogger("webds")
 
 #: ``WebLoader(num_workers="auto")``.
 AUTO = "auto"
-#: About what one DataLoader item costs to cross from a worker to the main process (pickling
-#: its envelope, the queues, the shared-memory batch, both sides): 0.5 ms of the main process's
-#: CPU per batch of 32 images on the benchmark machine (``mainproc``), as much again in the
-#: worker.
-TRANSFER_SECONDS = 0.001
-#: Workers pay off when making one item takes at least this many transfers' time: below it, a
-#: worker would spend a fifth or more of its time sending, and the main process receiving.
-WORTH_WORKERS = 5
-#: How long ``num_workers="auto"`` reads the dataset to measure it (after the first item,
-#: which pays for opening the first shard and first imports).
-MEASURE_SECONDS = 0.5
 
 
 class WebLoader(DataPipeline, FluentMixin):
@@ -69,9 +56,10 @@ class WebLoader(DataPipeline, FluentMixin):
     ``threads=N`` runs the dataset's per-sample stages that take ``threads=`` (decode, map,
     map_tuple) and were not given it in N threads, in whichever process runs them; samples,
     order, errors and resume stay as without (:mod:`webds.stages.threads`).
-    ``num_workers="auto"`` reads a throwaway copy of the dataset for half a second and lets
-    :func:`choose_workers` pick the workers (``choice``, ``stats()`` and a log line say what and
-    why); a loaded state's workers win over a new measurement. docs/api/loading.md has more.
+    ``num_workers="auto"`` reads a throwaway copy of the dataset for half a second, and again
+    with ``threads`` = cores when it has such stages, and lets :func:`choose_workers` pick the
+    worker processes or the threads (``choice``, ``stats()`` and a log line say what and why);
+    a loaded state's workers win over a new measurement. docs/api/loading.md has more.
     """
 
     def __init__(
@@ -86,8 +74,9 @@ class WebLoader(DataPipeline, FluentMixin):
         self.choice: Optional[LoaderChoice] = None
         given = kwargs  # to make the DataLoader again with a loaded state's workers
         if kwargs.get("num_workers") == AUTO:
-            self.choice = _auto(args, kwargs)
+            self.choice = _auto(args, kwargs, measure_threads=threads is None)
             kwargs = _with_workers(kwargs, self.choice.num_workers)
+            threads = self.choice.threads or threads
         loader = DataLoader(*args, **kwargs)
         if threads is not None:
             threads = check_threads("WebLoader", threads)
@@ -119,6 +108,8 @@ class WebLoader(DataPipeline, FluentMixin):
                 args, given, batch_buffers = self._made
                 kwargs = _with_workers(given, saved)
                 self.pipeline[0].close()
+                if self.choice.threads:
+                    self.loader.dataset.threads = 0  # the state's workers, without the threads
                 self.pipeline[0] = LoaderSource(DataLoader(*args, **kwargs), batch_buffers)
                 self.choice = self.choice.taken(saved)
                 log.info("webds: WebLoader(num_workers='auto') took %s", self.choice)
@@ -143,110 +134,9 @@ class WebLoader(DataPipeline, FluentMixin):
         return stats
 
 
-@dataclass(frozen=True)
-class Measured:
-    """The dataset read in this process (a copy, thrown away): ``items`` after the first, in
-    ``seconds`` of wall time and ``cpu_seconds`` of this process's CPU time."""
-
-    items: int
-    seconds: float
-    cpu_seconds: float
-
-    @property
-    def per_item(self) -> float:
-        """Wall time per item."""
-        return self.seconds / self.items if self.items else 0.0
-
-    @property
-    def cpu_per_item(self) -> float:
-        """CPU time per item (every thread of this process: read-ahead, decoding pools)."""
-        return self.cpu_seconds / self.items if self.items else 0.0
-
-
-@dataclass(frozen=True)
-class LoaderChoice:
-    """What ``WebLoader(num_workers="auto")`` chose, from what, and why."""
-
-    num_workers: int
-    measured: Measured
-    items_per_transfer: int
-    cores: int
-    shards: Optional[int]
-    reason: str
-
-    def taken(self, num_workers: int) -> "LoaderChoice":
-        """This choice overridden by a loaded state's number of workers."""
-        why = f"the loaded state's ({self.num_workers} measured: {self.reason})"
-        return LoaderChoice(
-            num_workers, self.measured, self.items_per_transfer, self.cores, self.shards, why
-        )
-
-    def __str__(self) -> str:
-        return f"num_workers={self.num_workers}: {self.reason}"
-
-
-def choose_workers(
-    measured: Measured, items_per_transfer: int, cores: int, shards: Optional[int]
-) -> LoaderChoice:
-    """The workers for a dataset that made ``measured`` in this process: none when an item
-    the DataLoader sends (``items_per_transfer`` dataset items) takes under ``WORTH_WORKERS``
-    transfers' CPU time to make (workers would spend that long sending it), else one per core,
-    at most one per shard (``shards``, when known: a worker without a shard idles).
-
-    CPU time, not wall time: waiting for storage or the network is left to the read-ahead of
-    one process (``readahead_shards`` in flight), which keeps a slow link busier than workers
-    do (the benchmark's ``link`` workload)."""
-    made = measured.cpu_per_item * max(1, items_per_transfer)
-    facts = (
-        f"{measured.cpu_per_item * 1e3:.3f} ms of CPU ({measured.per_item * 1e3:.3f} ms of wall "
-        f"time) per dataset item in one process ({measured.items} measured), "
-        f"{made * 1e3:.2f} ms of CPU per item sent"
-    )
-    if measured.items == 0:
-        return LoaderChoice(
-            0, measured, items_per_transfer, cores, shards, "nothing to measure: no workers"
-        )
-    if made < WORTH_WORKERS * TRANSFER_SECONDS:
-        why = f"{facts}: too little work to send between processes"
-        return LoaderChoice(0, measured, items_per_transfer, cores, shards, why)
-    n = max(1, cores if shards is None else min(cores, shards))
-    why = f"{facts}: one worker per core ({cores})" + (
-        f", at most one per shard ({shards})" if shards is not None else ""
-    )
-    return LoaderChoice(n, measured, items_per_transfer, cores, shards, why)
-
-
-def measure_dataset(dataset: DataPipeline, seconds: float = MEASURE_SECONDS) -> Measured:
-    """Read a copy of ``dataset`` in this process for about ``seconds`` after its first item,
-    and throw it away: the dataset itself is not touched."""
-    try:
-        copy = deepcopy(dataset)  # (lambdas and local functions too, which pickle refuses)
-    except Exception as exn:
-        raise ArgumentError(
-            f"WebLoader(num_workers='auto') measures a copy of the dataset, and it can't be "
-            f"copied ({type(exn).__name__}: {exn}): give num_workers yourself"
-        ) from exn
-    copy.threads, copy.probe = 0, None
-    with copy:
-        it = copy.iterator()
-        try:
-            if next(it, _END) is _END:
-                return Measured(0, 0.0, 0.0)
-            wall, cpu, n = time.perf_counter(), time.process_time(), 0
-            for _ in it:
-                n += 1
-                if time.perf_counter() - wall >= seconds:
-                    break
-            return Measured(n, time.perf_counter() - wall, time.process_time() - cpu)
-        finally:
-            it.close()
-
-
-_END = object()
-
-
-def _auto(args: tuple, kwargs: Dict[str, Any]) -> LoaderChoice:
-    """What ``num_workers="auto"`` chooses for ``DataLoader(*args, **kwargs)``."""
+def _auto(args: tuple, kwargs: Dict[str, Any], measure_threads: bool) -> LoaderChoice:
+    """What ``num_workers="auto"`` chooses for ``DataLoader(*args, **kwargs)`` (threads only
+    if ``measure_threads``: not when they were given)."""
     dataset = args[0] if args else kwargs.get("dataset")
     if not isinstance(dataset, DataPipeline):
         raise ArgumentError(
@@ -267,7 +157,11 @@ def _auto(args: tuple, kwargs: Dict[str, Any]) -> LoaderChoice:
     shards = None
     if isinstance(urls, list) and getattr(dataset, "plan", None) is None:
         shards = max(1, len(urls) // max(1, worker_info().world_size))
-    choice = choose_workers(measure_dataset(dataset), batch or 1, usable_cpus(), shards)
+    cores = usable_cpus()
+    threaded = None
+    if measure_threads and cores > 1 and threadable(dataset):
+        threaded = measure_dataset(dataset, threads=cores)
+    choice = choose_workers(measure_dataset(dataset), batch or 1, cores, shards, threaded)
     log.info("webds: WebLoader(num_workers='auto') chose %s", choice)
     return choice
 

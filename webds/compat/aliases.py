@@ -13,12 +13,9 @@
   served by several modules, or that also serves names webdataset kept elsewhere
   (:data:`EXTRAS`), is an :class:`AliasModule` that looks each name up in its modules in order.
 
-``webds.gopen`` is special, as in webdataset where the package attribute ``gopen`` is the
-function: here it is one object that is both the module (``webds.gopen.gopen_schemes``) and
-callable like the function (``webds.gopen("a.tar")``), whatever the import order.
-
-Importing this module (``webds/__init__.py`` does) installs the hook; :func:`package_getattr`
-is the package's ``__getattr__``, so ``webds.shardlists`` works without an import statement.
+``webds.gopen`` is both the module (``webds.gopen.gopen_schemes``) and callable like the
+function (``webds.gopen("a.tar")``), as in webdataset. Importing this module installs the hook;
+:func:`package_getattr` is the package's ``__getattr__`` (``webds.shardlists`` needs no import).
 """
 
 from __future__ import annotations

@@ -15,10 +15,8 @@ A key that comes back later in the shard starts a new sample; samples never span
 members with the same extension in one sample are an error (:class:`~webds.errors.SampleError`).
 Top-level meta files named like ``__meta__`` or ``__index__/...`` are skipped.
 
-Both readers group with :func:`group_members`: the streaming stage
-(:func:`webds.tar.samples.tarfile_to_samples`) over :func:`~webds.tar.reader.read_members`, and
-the one-step stage :func:`webds.tar.grouping.group_by_keys` over member dicts. What differs
-between them is in :class:`Grouping`.
+Both readers group so (:func:`~webds.tar.samples.tarfile_to_samples` and the one-step
+:func:`~webds.tar.grouping.group_by_keys`); what differs between them is in :class:`Grouping`.
 """
 
 from __future__ import annotations

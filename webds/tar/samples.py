@@ -93,9 +93,7 @@ def tarfile_to_samples(
     cut at a member boundary is an error (its sample in flight is never yielded) unless an index
     planned it and its sample count is complete, or ``accept_unterminated`` is true (default:
     the environment variable ``WDS_ACCEPT_UNTERMINATED``): the shard is then read as complete,
-    its last sample included, as webdataset reads it, with a logged warning naming it (a writer
-    killed between samples leaves such shards; a cut copy does too, and then samples are
-    silently missing). While a shard is read, the next
+    as webdataset reads it, with a logged warning naming it. While a shard is read, the next
     ``readahead_shards`` remote shards are fetched within a ``readahead`` budget of bytes
     (:mod:`webds.io.readahead`; True reads local shards ahead too, False turns it off).
     ``sample_starts``, a list, gets the header offset of each sample's first member (in the

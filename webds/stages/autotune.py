@@ -1,0 +1,179 @@
+"""Choosing a loader's setting by measurement, as tf.data's AUTOTUNE does: what
+``WebLoader(num_workers="auto")`` uses. :func:`measure_dataset` reads a throwaway copy of a
+pipeline in this process; :func:`choose_workers`, a pure function of what was measured, picks
+worker processes or threads. The same measurements always give the same choice, and no choice
+changes the data or its order (workers and threads both keep it)."""
+
+from __future__ import annotations
+
+import time
+from copy import deepcopy
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, Optional
+
+from ..base.stage import Stage
+from ..errors import ArgumentError
+
+__all__ = ["LoaderChoice", "Measured", "choose_workers", "measure_dataset", "threadable"]
+
+#: About what one DataLoader item costs to cross from a worker to the main process (pickling
+#: its envelope, the queues, the shared-memory batch, both sides): 0.5 ms of the main process's
+#: CPU per batch of 32 images on the benchmark machine (``mainproc``), as much again in the
+#: worker.
+TRANSFER_SECONDS = 0.001
+#: Workers pay off when making one item takes at least this many transfers' time: below it, a
+#: worker would spend a fifth or more of its time sending, and the main process receiving.
+WORTH_WORKERS = 5
+#: How long ``num_workers="auto"`` reads the dataset to measure it (after the first item,
+#: which pays for opening the first shard and first imports).
+MEASURE_SECONDS = 0.5
+#: Threads in one process are chosen over none when they make items at least this much faster:
+#: the measurement's own spread (two half-second reads on a busy machine) stays below it.
+THREADS_GAIN = 1.1
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The dataset read in this process (a copy, thrown away): ``items`` after the first, in
+    ``seconds`` of wall time and ``cpu_seconds`` of this process's CPU time."""
+
+    items: int
+    seconds: float
+    cpu_seconds: float
+
+    @property
+    def per_item(self) -> float:
+        """Wall time per item."""
+        return self.seconds / self.items if self.items else 0.0
+
+    @property
+    def cpu_per_item(self) -> float:
+        """CPU time per item (every thread of this process: read-ahead, decoding pools)."""
+        return self.cpu_seconds / self.items if self.items else 0.0
+
+
+@dataclass(frozen=True)
+class LoaderChoice:
+    """What ``WebLoader(num_workers="auto")`` chose, from what, and why: ``num_workers``
+    worker processes, or ``threads`` for the dataset's stages in this process (0: none)."""
+
+    num_workers: int
+    measured: Measured
+    items_per_transfer: int
+    cores: int
+    shards: Optional[int]
+    reason: str
+    threads: int = 0
+    #: The same read with ``threads`` = ``cores`` (None: not measured).
+    threaded: Optional[Measured] = None
+
+    def taken(self, num_workers: int) -> "LoaderChoice":
+        """This choice overridden by a loaded state's number of workers (and no threads)."""
+        why = f"the loaded state's ({self.setting} measured: {self.reason})"
+        return replace(self, num_workers=num_workers, reason=why, threads=0)
+
+    @property
+    def setting(self) -> str:
+        """``num_workers=N``, and ``threads=T`` when threads were chosen."""
+        threads = f", threads={self.threads}" if self.threads else ""
+        return f"num_workers={self.num_workers}{threads}"
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.reason}"
+
+
+def choose_workers(
+    measured: Measured,
+    items_per_transfer: int,
+    cores: int,
+    shards: Optional[int],
+    threaded: Optional[Measured] = None,
+) -> LoaderChoice:
+    """Worker processes or threads for a dataset that made ``measured`` in this process (and
+    ``threaded`` with a thread per core in its stages that take ``threads=``, if measured).
+
+    Workers: none when an item the DataLoader sends (``items_per_transfer`` dataset items) takes
+    under ``WORTH_WORKERS`` transfers' CPU time to make (workers would spend that long sending
+    it), else one per core, at most one per shard (``shards``, when known: a worker without a
+    shard idles). Threads (one per core) instead, when they made items at least as fast as
+    those workers would, each making an item in the CPU time measured plus its transfer; or,
+    where workers don't pay, ``THREADS_GAIN`` times as fast as one thread.
+
+    CPU time, not wall time, for workers: waiting for storage or the network is left to the
+    read-ahead of one process (``readahead_shards`` in flight), which keeps a slow link busier
+    than workers do (the benchmark's ``link`` workload)."""
+    made = measured.cpu_per_item * max(1, items_per_transfer)
+    facts = (
+        f"{measured.cpu_per_item * 1e3:.3f} ms of CPU ({measured.per_item * 1e3:.3f} ms of wall "
+        f"time) per dataset item in one process ({measured.items} measured), "
+        f"{made * 1e3:.2f} ms of CPU per item sent"
+    )
+    choice = partial(
+        LoaderChoice,
+        measured=measured,
+        items_per_transfer=items_per_transfer,
+        cores=cores,
+        shards=shards,
+        threaded=threaded,
+    )
+    if measured.items == 0:
+        return choice(0, reason="nothing to measure: no workers")
+    n = max(1, cores if shards is None else min(cores, shards))
+    workers = made >= WORTH_WORKERS * TRANSFER_SECONDS
+    if threaded is not None and threaded.items and cores > 1:
+        rate = threaded.items / threaded.seconds
+        facts += f"; {rate:.0f} items/s with {cores} threads"
+        if workers:
+            bar = n / (measured.cpu_per_item + TRANSFER_SECONDS / max(1, items_per_transfer))
+            than = f"{n} workers' {bar:.0f}"
+        else:
+            bar = THREADS_GAIN * measured.items / measured.seconds
+            than = f"{THREADS_GAIN} times one thread's {measured.items / measured.seconds:.0f}"
+        if rate >= bar:
+            return choice(0, reason=f"{facts}: threads, as fast as {than}", threads=cores)
+        facts += f", slower than {than}"
+    if not workers:
+        return choice(0, reason=f"{facts}: too little work to send between processes")
+    why = f"{facts}: one worker per core ({cores})" + (
+        f", at most one per shard ({shards})" if shards is not None else ""
+    )
+    return choice(n, reason=why)
+
+
+def measure_dataset(dataset: Any, seconds: float = MEASURE_SECONDS, threads: int = 0) -> Measured:
+    """Read a copy of ``dataset`` in this process for about ``seconds`` after its first item,
+    its stages that take ``threads=`` (and were not given it) on ``threads`` threads, and throw
+    it away: the dataset itself is not touched."""
+    try:
+        copy = deepcopy(dataset)  # (lambdas and local functions too, which pickle refuses)
+    except Exception as exn:
+        raise ArgumentError(
+            f"WebLoader(num_workers='auto') measures a copy of the dataset, and it can't be "
+            f"copied ({type(exn).__name__}: {exn}): give num_workers yourself"
+        ) from exn
+    copy.threads, copy.probe = threads, None
+    with copy:
+        it = copy.iterator()
+        try:
+            if next(it, _END) is _END:
+                return Measured(0, 0.0, 0.0)
+            wall, cpu, n = time.perf_counter(), time.process_time(), 0
+            for _ in it:
+                n += 1
+                if time.perf_counter() - wall >= seconds:
+                    break
+            return Measured(n, time.perf_counter() - wall, time.process_time() - cpu)
+        finally:
+            it.close()
+
+
+_END = object()
+
+
+def threadable(dataset: Any) -> bool:
+    """Whether ``dataset`` has stages that take ``threads=`` and were not given it."""
+    return any(
+        isinstance(s, Stage) and s.factory.takes_threads and not s._given("threads")
+        for s in dataset.pipeline
+    )
