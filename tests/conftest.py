@@ -124,9 +124,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     folder = session.config.stash.get(_BACKGROUND_DIR, None)
     if folder is not None:
-        import shutil
+        import subprocess
 
-        shutil.rmtree(folder, ignore_errors=True)  # virtualenvs and builds
+        # Virtualenvs and builds (one holds torch): gigabytes of small files, removed by a
+        # process of their own that outlives the session instead of holding up its report.
+        subprocess.Popen(
+            ["nice", "-n", "15", "rm", "-rf", str(folder)],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
 
 _BACKGROUND_DIR = pytest.StashKey[Path]()

@@ -17,6 +17,7 @@ or threads (:func:`choose_workers`, a pure function of what was measured).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
@@ -207,6 +208,7 @@ class LoaderSource(StreamKeeper):
         self._handing_over = False
         self._epoch = 0  # the pass the DataLoader reads next
         self._reading: Any = None  # the DataLoader iterator of the epoch being read
+        self._stopper: Optional[weakref.finalize] = None  # see _stoppable
 
     @property
     def dataset(self) -> Any:
@@ -214,7 +216,7 @@ class LoaderSource(StreamKeeper):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_reading"] = None  # a running iterator stays with this process
+        state["_reading"] = state["_stopper"] = None  # a running iterator stays here
         return state
 
     def __repr__(self) -> str:
@@ -309,6 +311,7 @@ class LoaderSource(StreamKeeper):
             channel.open = False
             channel.starts = {}  # the workers (or this process's iterator) have their copy
         self._reading = it
+        self._stoppable(it)
         try:
             yield from self.mirrors.receive(it, ledger, keeps)
         finally:
@@ -316,6 +319,7 @@ class LoaderSource(StreamKeeper):
                 self._reading = None
             if not self.loader.persistent_workers:
                 _shut_down(it)  # closed mid-epoch: its workers stop now, not when collected
+                self._stopped(it)
 
     def close(self) -> None:
         """Stop the workers (``WebLoader.close()``, the end of a ``with`` block), those of an
@@ -323,6 +327,7 @@ class LoaderSource(StreamKeeper):
         reading, self._reading = self._reading, None
         if reading is not None:
             _shut_down(reading)
+            self._stopped(reading)
         self.restart_workers()
 
     def restart_workers(self) -> None:
@@ -331,7 +336,30 @@ class LoaderSource(StreamKeeper):
         it = getattr(self.loader, "_iterator", None)
         if it is not None:
             _shut_down(it)
+            self._stopped(it)
             self.loader._iterator = None
+
+    def _stoppable(self, it: Any) -> None:
+        """Have the workers of ``it`` stopped when this source is collected. A dropped loader
+        is often collected as a reference cycle (a with_epoch stream's generators hold their
+        pipeline), and the iterator with it, after the collector has already closed the
+        iterator's queues: each worker then exits only when its 5-second poll sees the stop.
+        The finalizer holds the iterator, which keeps it and its queues out of that garbage,
+        and stops it first."""
+        if getattr(it, "_shutdown_workers", None) is None:
+            return  # no workers
+        if self._stopper is not None:
+            if self._stopper.alive and self._stopper.peek()[2][0] is it:
+                return  # persistent workers: the same iterator again
+            self._stopper.detach()
+        self._stopper = weakref.finalize(self, _shut_down, it)
+
+    def _stopped(self, it: Any) -> None:
+        """``it``'s workers were stopped: its finalizer lets it go."""
+        stopper = self._stopper
+        if stopper is not None and stopper.alive and stopper.peek()[2][0] is it:
+            stopper.detach()
+            self._stopper = None
 
     def _new_workers(self) -> bool:
         """Whether iterating the DataLoader now starts new worker processes."""
