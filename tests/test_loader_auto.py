@@ -39,6 +39,16 @@ def keys(loader):
         return [k for batch in loader for k in batch]
 
 
+def stopped_after(loader, batches):
+    """The keys of the first ``batches`` items, and the state saved there (through JSON)."""
+    it = iter(loader)
+    before = [k for _ in range(batches) for k in next(it)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it
+    loader.close()
+    return before, state
+
+
 def burn(sample):
     """About 3 ms of CPU: a sample worth sending to a worker."""
     end = time.process_time() + 0.003
@@ -114,11 +124,7 @@ def test_a_loaded_state_keeps_the_workers_it_was_saved_with(spec, monkeypatch):
     assert workers >= 1
     expected = keys(whole)
     first = make()
-    it = iter(first)
-    before = [k for _ in range(5) for k in next(it)]
-    state = json.loads(json.dumps(first.state_dict()))
-    del it
-    first.close()
+    before, state = stopped_after(first, 5)
     # Measured anew, the next process would choose no workers; the state's workers win.
     monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
     second = make()
@@ -139,10 +145,7 @@ def test_a_state_saved_without_workers_resumes_without_workers(spec, monkeypatch
     assert whole.choice.num_workers == 0
     expected = keys(whole)
     first = make()
-    it = iter(first)
-    before = [k for _ in range(4) for k in next(it)]
-    state = json.loads(json.dumps(first.state_dict()))
-    del it
+    before, state = stopped_after(first, 4)
     monkeypatch.undo()  # measured anew: workers
     second = make()
     assert second.choice.num_workers > 0
@@ -311,10 +314,7 @@ def test_a_loaded_state_resumes_threads_and_its_workers_win_over_them(spec, monk
     monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
     first = make()
     assert first.choice.threads == 2 and first.loader.dataset.threads == 2
-    it = iter(first)
-    before = [k for _ in range(4) for k in next(it)]
-    state = json.loads(json.dumps(first.state_dict()))
-    del it
+    before, state = stopped_after(first, 4)
     second = make()
     second.load_state_dict(state)  # threads again: the same workers (none)
     assert second.choice.threads == 2
@@ -323,11 +323,7 @@ def test_a_loaded_state_resumes_threads_and_its_workers_win_over_them(spec, monk
     monkeypatch.undo()
     workers = make()
     assert workers.choice.num_workers > 0
-    it = iter(workers)
-    before = [k for _ in range(4) for k in next(it)]
-    state = json.loads(json.dumps(workers.state_dict()))
-    del it
-    workers.close()
+    before, state = stopped_after(workers, 4)
     monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
     monkeypatch.setattr(autotune, "THREADS_GAIN", 0.0)
     third = make()
