@@ -343,3 +343,26 @@ def test_threads_given_by_hand_are_kept_and_not_measured(spec):
     assert loader.choice.threaded is None and loader.choice.threads == 0
     assert loader.loader.num_workers == 0 and loader.loader.dataset.threads == 3
     assert len(keys(loader)) == 48
+
+
+def test_the_workers_share_is_measured_with_torch_on_one_thread_as_in_a_worker(spec, monkeypatch):
+    """In the main process torch may run an intra-op thread per core, which a worker doesn't:
+    measured so, a batch's CPU time (threads spinning) and its wall time (two cores) both
+    mislead about a worker. The threads are measured as they would run, here."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    seen = []
+
+    def note(sample):
+        seen.append(torch.get_num_threads())
+        return sample["__key__"]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ds = webds.WebDataset(spec).map(note).listed(4)
+        webds.WebLoader(ds, batch_size=None, num_workers="auto")
+        assert torch.get_num_threads() == 2  # given back
+    finally:
+        torch.set_num_threads(before)
+    assert set(seen) == {1, 2}  # the worker's share, then the threads

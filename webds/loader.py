@@ -162,7 +162,8 @@ def _auto(args: tuple, kwargs: Dict[str, Any], measure_threads: bool) -> LoaderC
     threaded = None
     if measure_threads and cores > 1 and threadable(dataset):
         threaded = measure_dataset(dataset, threads=cores)
-    choice = choose_workers(measure_dataset(dataset), batch or 1, cores, shards, threaded)
+    measured = measure_dataset(dataset, as_worker=True)
+    choice = choose_workers(measured, batch or 1, cores, shards, threaded)
     log.info("webds: WebLoader(num_workers='auto') chose %s", choice)
     return choice
 

@@ -6,6 +6,7 @@ changes the data or its order (workers and threads both keep it)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from copy import deepcopy
 from dataclasses import dataclass, replace
@@ -141,10 +142,14 @@ def choose_workers(
     return choice(n, reason=why)
 
 
-def measure_dataset(dataset: Any, seconds: float = MEASURE_SECONDS, threads: int = 0) -> Measured:
+def measure_dataset(
+    dataset: Any, seconds: float = MEASURE_SECONDS, threads: int = 0, as_worker: bool = False
+) -> Measured:
     """Read a copy of ``dataset`` in this process for about ``seconds`` after its first item,
     its stages that take ``threads=`` (and were not given it) on ``threads`` threads, and throw
-    it away: the dataset itself is not touched."""
+    it away: the dataset itself is not touched. ``as_worker``: with torch at one intra-op
+    thread meanwhile, as in a DataLoader worker (where the main process's torch threads would
+    spin beside the work, and size a worker's share of it wrong)."""
     try:
         copy = deepcopy(dataset)  # (lambdas and local functions too, which pickle refuses)
     except Exception as exn:
@@ -153,6 +158,18 @@ def measure_dataset(dataset: Any, seconds: float = MEASURE_SECONDS, threads: int
             f"copied ({type(exn).__name__}: {exn}): give num_workers yourself"
         ) from exn
     copy.threads, copy.probe = threads, None
+    torch = sys.modules.get("torch") if as_worker else None
+    before = torch.get_num_threads() if torch is not None else 1
+    if torch is not None:
+        torch.set_num_threads(1)
+    try:
+        return _measure(copy, seconds)
+    finally:
+        if torch is not None:
+            torch.set_num_threads(before)
+
+
+def _measure(copy: Any, seconds: float) -> Measured:
     with copy:
         it = copy.iterator()
         try:
