@@ -25,8 +25,8 @@ from torch.utils.data import IterableDataset
 from .base.ledger import LEAF, Ledger, Pass, unconsumed
 from .base.saved import PipelineState, StreamState, read_states
 
-# The stage machinery lives in webds.stages (no torch import); these names are importable from
-# here too.
+# The stage machinery lives in webds.base.stage (no torch import); these names are importable
+# from here too.
 from .base.stage import (  # noqa: F401
     BATCH,
     LEDGER,
@@ -70,7 +70,8 @@ if TYPE_CHECKING:
     from .channel import WorkerChannel, WorkerStart
 
 __all__ = ["stage", "pipelinefilter", "Stage", "StageFactory", "DataPipeline", "Count"]
-__all__ += ["Length", "SAME", "REORDER", "BATCH", "UNBATCH"]
+__all__ += ["Length", "SAME", "REORDER", "BATCH", "UNBATCH", "LEDGER", "STATELESS"]
+__all__ += ["Stateless", "stateless", "resume_kind"]
 
 
 def _as_iterator(source: Any) -> Iterator[Any]:
