@@ -17,6 +17,7 @@ or threads (:func:`choose_workers`, a pure function of what was measured).
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -350,15 +351,15 @@ class LoaderSource(StreamKeeper):
         if getattr(it, "_shutdown_workers", None) is None:
             return  # no workers
         if self._stopper is not None:
-            if self._stopper.alive and self._stopper.peek()[2][0] is it:
+            if self._stopper.alive and self._stopper.peek()[2][1] is it:
                 return  # persistent workers: the same iterator again
             self._stopper.detach()
-        self._stopper = weakref.finalize(self, _shut_down, it)
+        self._stopper = weakref.finalize(self, _shut_down_in, os.getpid(), it)
 
     def _stopped(self, it: Any) -> None:
         """``it``'s workers were stopped: its finalizer lets it go."""
         stopper = self._stopper
-        if stopper is not None and stopper.alive and stopper.peek()[2][0] is it:
+        if stopper is not None and stopper.alive and stopper.peek()[2][1] is it:
             stopper.detach()
             self._stopper = None
 
@@ -437,6 +438,13 @@ def _shut_down(it: Any) -> None:
     shutdown = getattr(it, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+
+
+def _shut_down_in(pid: int, it: Any) -> None:
+    """:func:`_shut_down` in the process ``pid`` only: a forked child holds a copy of the
+    finalizer, and of its parent's workers, which are not its own to stop."""
+    if os.getpid() == pid:
+        _shut_down(it)
 
 
 def _total(counts: List[Length]) -> Length:
