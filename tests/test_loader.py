@@ -126,28 +126,45 @@ def test_persistent_workers_keep_no_state_per_epoch(shards):
         assert len(set(per_epoch[1:])) == 1, per_epoch
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_a_dropped_with_epoch_loader_stops_its_workers_when_collected(tmp_path, persistent):
-    """A with_epoch loader stopped mid-stream is a reference cycle (its stream's generators hold
-    it): collected, its workers must be told to stop while the iterator's queues still work.
-    Told after the collector closed them, each worker saw the stop only at its 5-second poll."""
+@pytest.mark.parametrize(
+    "workers,persistent,stopped,indexed",
+    [
+        (2, False, "with_epoch", False),
+        (2, True, "with_epoch", False),
+        (1, False, "with_epoch", True),
+        (3, True, "with_epoch", True),
+        (2, False, "abandoned", False),
+        (3, True, "abandoned", True),
+    ],
+)
+def test_a_dropped_loader_stops_its_workers_when_collected(
+    tmp_path, workers, persistent, stopped, indexed
+):
+    """A loader dropped while its workers run (a with_epoch loader stopped mid-stream, an
+    epoch's iterator abandoned) may be a reference cycle (a stream's generators hold it):
+    collected, its workers must be told to stop while the iterator's queues still work. Told
+    after the collector closed them, each worker saw the stop only at its 5-second poll."""
     import gc
     import weakref
 
-    for i in range(3):
-        write_tar(tmp_path / f"s{i}.tar", sample_members(10, prefix=f"{i}"))
-    ds = WebDataset(str(tmp_path / "s{0..2}.tar")).shuffle(5)
-    loader = WebLoader(
-        ds, batch_size=None, num_workers=2, persistent_workers=persistent
-    ).with_epoch(7)
-    assert len(list(loader)) == 7
-    workers = list(loader.pipeline[0]._reading._workers)
-    assert all(w.is_alive() for w in workers)
+    from test_resume import shards
+
+    spec = shards(tmp_path, [10, 10, 10], index=indexed)
+    ds = WebDataset(spec).shuffle(5)
+    loader = WebLoader(ds, batch_size=None, num_workers=workers, persistent_workers=persistent)
+    if stopped == "with_epoch":
+        loader = loader.with_epoch(7)
+        assert len(list(loader)) == 7
+        it = None
+    else:
+        it = iter(loader)
+        next(it)
+    procs = list(loader.pipeline[0]._reading._workers)
+    assert len(procs) == workers and all(w.is_alive() for w in procs)
     collected = weakref.ref(loader)
-    del loader
-    assert collected() is not None  # a cycle: only the collector frees it
+    del loader, it
     start = time.perf_counter()
     gc.collect()
     took = time.perf_counter() - start
-    assert collected() is None and not any(w.is_alive() for w in workers)
+    assert collected() is None and not any(w.is_alive() for w in procs)
     assert took < 4, f"the workers took {took:.1f} s to stop (the 5-second poll)"

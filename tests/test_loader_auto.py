@@ -366,3 +366,26 @@ def test_the_workers_share_is_measured_with_torch_on_one_thread_as_in_a_worker(s
     finally:
         torch.set_num_threads(before)
     assert set(seen) == {1, 2}  # the worker's share, then the threads
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_threads_it_chose_give_what_those_threads_by_hand_give(tmp_path, monkeypatch, indexed):
+    # Unseeded (the measuring copies must not use up the dataset's entropy), with stages that
+    # drop samples, with and without an index.
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 4)
+    spec = shards(tmp_path, [12] * 4, index=indexed)
+    made = same_entropy(
+        lambda: (
+            webds.WebDataset(spec, shardshuffle=True)
+            .shuffle(6)
+            .rsample(0.8)
+            .select(lambda s: not s["__key__"].endswith("3"))
+            .map(nap)
+            .listed(3)
+        )
+    )
+    auto = webds.WebLoader(made(), batch_size=None, num_workers="auto")
+    assert (auto.choice.num_workers, auto.choice.threads) == (0, 4), str(auto.choice)
+    hand = webds.WebLoader(made(), batch_size=None, num_workers=0, threads=4)
+    got = keys(auto)
+    assert got == keys(hand) and 0 < len(got) < 48
