@@ -342,7 +342,7 @@ class WorkerMirrors:
         self, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool
     ) -> Iterator[Any]:
         """The samples this process held at the checkpoint, made again by the workers, in the
-        order its stages take them back (see webds.base.ledger.Slot.restore)."""
+        order its stages take them back (see webds.base.slots.Slot.restore)."""
         plan = ledger.restore_plan()
         restored.sort(key=lambda pair: plan.sort_key(next(ids_of(pair[1]), -1)))
         for item, qids in restored:

@@ -350,18 +350,22 @@ class LoaderSource(StreamKeeper):
         and stops it first."""
         if getattr(it, "_shutdown_workers", None) is None:
             return  # no workers
+        if self._stops(it):
+            return  # persistent workers: the same iterator again
         if self._stopper is not None:
-            if self._stopper.alive and self._stopper.peek()[2][1] is it:
-                return  # persistent workers: the same iterator again
             self._stopper.detach()
         self._stopper = weakref.finalize(self, _shut_down_in, os.getpid(), it)
 
     def _stopped(self, it: Any) -> None:
         """``it``'s workers were stopped: its finalizer lets it go."""
-        stopper = self._stopper
-        if stopper is not None and stopper.alive and stopper.peek()[2][1] is it:
-            stopper.detach()
+        if self._stops(it):
+            self._stopper.detach()
             self._stopper = None
+
+    def _stops(self, it: Any) -> bool:
+        """Whether the finalizer holds ``it`` (its arguments: the pid, then the iterator)."""
+        stopper = self._stopper
+        return stopper is not None and stopper.alive and stopper.peek()[2][1] is it
 
     def _new_workers(self) -> bool:
         """Whether iterating the DataLoader now starts new worker processes."""

@@ -129,8 +129,8 @@ def choose_workers(
             bar = n / (measured.cpu_per_item + TRANSFER_SECONDS / max(1, items_per_transfer))
             than = f"{n} workers' {bar:.0f}"
         else:
-            bar = THREADS_GAIN * measured.items / measured.seconds
-            than = f"{THREADS_GAIN} times one thread's {measured.items / measured.seconds:.0f}"
+            one = measured.items / measured.seconds
+            bar, than = THREADS_GAIN * one, f"{THREADS_GAIN} times one thread's {one:.0f}"
         if rate >= bar:
             return choice(0, reason=f"{facts}: threads, as fast as {than}", threads=cores)
         facts += f", slower than {than}"

@@ -247,7 +247,7 @@ def _batches(
 
 def _regroup(src: Iterable[Any], ledger: Any) -> Generator[List[Any], None, Iterator[Any]]:
     """Resuming: the samples that stages after this one held come first (see
-    :meth:`~webds.base.ledger.Slot.restore`); each item they held is batched again on its
+    :meth:`~webds.base.slots.Slot.restore`); each item they held is batched again on its
     own, as it was (a batch held whole, or one sample of a batch split later), so that the
     batches after them start where the uninterrupted run's did. Returns the rest of ``src``."""
     plan = ledger.restore_plan()

@@ -166,7 +166,7 @@ def _buffer_shuffle(
     With a ``ledger``, the buffered items' ids are kept in the stage's slot, in the buffer's
     order, with the count of the generator's words drawn; resuming puts the buffer back as it
     was and, when ``rng`` was freshly ``seeded`` for this pass, draws on from where it stood
-    (see :meth:`~webds.base.ledger.Slot.restore`).
+    (see :meth:`~webds.base.slots.Slot.restore`).
     """
     it = iter(src)
     slot = ledger.slot() if ledger is not None else None

@@ -93,9 +93,10 @@ def tarfile_to_samples(
     cut at a member boundary is an error (its sample in flight is never yielded) unless an index
     planned it and its sample count is complete, or ``accept_unterminated`` is true (default:
     the environment variable ``WDS_ACCEPT_UNTERMINATED``): the shard is then read as complete,
-    as webdataset reads it, with a logged warning naming it. While a shard is read, the next
-    ``readahead_shards`` remote shards are fetched within a ``readahead`` budget of bytes
-    (:mod:`webds.io.readahead`; True reads local shards ahead too, False turns it off).
+    its last sample included, as webdataset reads it, with a logged warning naming it. While a
+    shard is read, the next ``readahead_shards`` remote shards are fetched within a
+    ``readahead`` budget of bytes (:mod:`webds.io.readahead`; True reads local shards ahead
+    too, False turns it off).
     ``sample_starts``, a list, gets the header offset of each sample's first member (in the
     uncompressed stream) as the sample is made: the shard index records them. In a pipeline,
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
@@ -114,7 +115,7 @@ def tarfile_to_samples(
     samples = _read_samples(src, handler, how, shared)
     if shared is not None and shared.resuming:
         # The samples held at the checkpoint, read again first, in the order their stages
-        # take them back (see webds.base.ledger.Slot.restore).
+        # take them back (see webds.base.slots.Slot.restore).
         return shared.restore_order(samples)
     return samples
 
