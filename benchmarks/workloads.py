@@ -53,6 +53,7 @@ WORKLOADS: Dict[str, str] = {
     "write-images": "writing shards, ~100 KB JPEGs (already encoded)",
     "s3": "raw samples streamed from S3 (moto on loopback, no decode)",
     "link": "raw samples over a slow link: 100 ms + 16 MB/s, 20 ms + 100 MB/s per connection",
+    "link-depth": "many 1 MB shards over the 100 ms + 16 MB/s link: read-ahead depth auto, 8, 32",
     "memory": "resident memory over 10 epochs, 2 persistent workers",
     "mainproc": "main-process CPU per sample: 2 workers, and threads in one process",
     "random": "random reads, ShardListDataset[i] vs one file per sample, warm and cold",
@@ -78,6 +79,9 @@ PILLOW_ONLY = "webds WebDataset, Pillow decode"
 
 #: link: a WebLoader that chose its workers (num_workers="auto").
 LINK_AUTO = "webds WebLoader num_workers='auto'"
+#: link-depth: read-ahead depths set by hand (webds's default is readahead_shards="auto").
+DEPTH_8 = "webds WebDataset, readahead_shards=8"
+DEPTH_32 = "webds WebDataset, readahead_shards=32"
 #: read-images: the shards' bytes read into a reused buffer, nothing parsed: the ceiling of any
 #: reader that brings the bytes into the process (see loaders.read_shard_bytes).
 SHARD_BYTES = "shard bytes only, no samples"
@@ -142,12 +146,16 @@ RATIO_TARGETS = [
      LINK_AUTO, WEBDS, "raw samples over http; by hand: see the link table", None),
     ("num_workers='auto' / 1 process, slow link 20 ms + 100 MB/s", 0.9, "link-20ms-100MBps",
      LINK_AUTO, WEBDS, "raw samples over http; by hand: see the link table", None),
+    ("readahead_shards='auto' / best by hand (32), many shards over the 100 ms link", 0.9,
+     "link-depth", WEBDS, DEPTH_32, "1 MB shards over http; the old default was 8", None),
     ("num_workers='auto' / best by hand, small records", 0.9, "small-peers",
      P.SMALL_AUTO, P.SMALL_LOADER_0, "WebLoader(batch_size=64); by hand: 0 workers", None),
 ]  # fmt: skip
 
 #: (label, workload, numerator, denominator): ratios shown for context, without a target.
 OTHER_RATIOS = [
+    ("link-depth: readahead_shards='auto' / 8 (the default before)", "link-depth", WEBDS,
+     DEPTH_8),
     ("read-small: webds / bare reader loop", "read-small", WEBDS, "bare reader loop"),
     ("read-small: webds stats=True / webds", "read-small", WEBDS_STATS, WEBDS),
     ("pipeline: webds stats=True / webds", "pipeline", WEBDS_STATS, WEBDS),
@@ -214,6 +222,7 @@ class Config:
     workers: int = 2  # memory
     link_shards: int = 12  # link: shards of link_samples_per_shard x 105 KB (8.4 MB each)
     link_samples_per_shard: int = 80
+    link_depth_shards: int = 320  # link-depth: shards of 10 x 105 KB (1 MB each)
 
     @classmethod
     def quick(cls) -> "Config":
@@ -226,6 +235,7 @@ class Config:
             s3_images=400,
             link_shards=8,
             link_samples_per_shard=40,
+            link_depth_shards=160,
         )
 
 
@@ -300,6 +310,7 @@ class Suite:
             "write-images": self.write_images,
             "s3": self.s3,
             "link": self.link,
+            "link-depth": self.link_depth,
             "memory": self.memory,
             "mainproc": self.mainproc,
             "random": lambda: A.random_reads(self),
@@ -679,6 +690,31 @@ class Suite:
                 f"{facts['peak_rss_growth_bytes_webds_1_process'] / 2**20:.0f} MiB (budget "
                 f"{_webds_default('DEFAULT_READAHEAD_BYTES', 0) / 2**20:.0f} MiB)"
             )
+
+    def link_depth(self) -> None:
+        """Many small shards over the 100 ms + 16 MB/s link, in one process: the read-ahead
+        depth webds grows (its default, ``readahead_shards="auto"``) against depths by hand."""
+        from .slowlink import SlowLink
+
+        shards = self.data.link_shards(self.config.link_depth_shards, 10)
+        names = [Path(p).name for p in shards]
+        with SlowLink(Path(shards[0]).parent, latency=0.1, rate=16e6) as link:
+            urls = [f"{link.endpoint}/{n}" for n in names]
+            grown = L.raw_dataset("webds", urls, stats=True)
+            self._measure(
+                "link-depth",
+                {
+                    WEBDS: lambda: L.count(L.raw_dataset("webds", urls)),
+                    DEPTH_8: lambda: L.count(L.raw_dataset("webds", urls, readahead_shards=8)),
+                    DEPTH_32: lambda: L.count(L.raw_dataset("webds", urls, readahead_shards=32)),
+                },
+            )
+            L.count(grown)
+            depth = grown.stats().readahead_shards.get("main")
+        self.notes.append(
+            f"link-depth: {len(shards)} shards of 1.05 MB; readahead_shards='auto' ended a pass "
+            f"at {depth} shards in flight"
+        )
 
     def _link_s3(self, names: List[str], shards: List[str]) -> None:
         missing = [m for m in ("moto", "boto3", "s3fs") if not has_module(m)]

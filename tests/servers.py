@@ -392,7 +392,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(body=False)
 
     def do_GET(self) -> None:
-        self._serve(body=True)
+        srv = self.server
+        with srv.lock:
+            srv.in_flight += 1
+            srv.most_in_flight = max(srv.most_in_flight, srv.in_flight)
+        try:
+            if srv.latency:
+                srv.stopping.wait(srv.latency)  # a far server: time to the first byte
+            self._serve(body=True)
+        finally:
+            with srv.lock:
+                srv.in_flight -= 1
 
     def _serve(self, body: bool) -> None:
         srv = self.server
@@ -498,6 +508,8 @@ class RangeHTTPServer(ThreadingHTTPServer):
     """Serves the files under ``root`` over HTTP/1.1 with Range, HEAD and keep-alive.
 
     ``requests`` counts every request; ``log`` holds ``(method, path, range_header)`` of each.
+    ``latency`` (seconds) delays every GET's answer; ``most_in_flight`` is the most GETs it
+    served at once.
     """
 
     daemon_threads = True
@@ -523,6 +535,9 @@ class RangeHTTPServer(ThreadingHTTPServer):
         self._stalls: List[Tuple[int, float]] = []
         self.unsized = False
         self.unsized_cut: Optional[int] = None
+        self.latency = 0.0
+        self.in_flight = 0
+        self.most_in_flight = 0
         self.stopping = threading.Event()
         self._thread = threading.Thread(
             target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True

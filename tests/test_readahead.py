@@ -115,10 +115,12 @@ def test_random_configurations_read_the_same_samples(http_server, case):
     sizes = [rng.randint(0, 30) for _ in range(rng.randint(1, 9))]
     sizes[0] = max(1, sizes[0])
     urls = serve_shards(http_server, sizes, member_bytes=rng.choice([10, 3000, 70000]))
-    depth = rng.randint(1, 6)
+    depth = rng.choice([1, 2, 3, 4, 5, 6, "auto"])
     budget = rng.choice([1, 4096, 1 << 20, ra.DEFAULT_READAHEAD_BYTES])
     shuffle = rng.random() < 0.5
     workers = rng.choice([0, 2])
+    # A far server: "auto" grows the depth while the reader waits for it.
+    http_server.latency = rng.choice([0.0, 0.01])
 
     def run(**kw: Any) -> List[str]:
         ds = webds.WebDataset(urls, shardshuffle=shuffle, seed=case, empty_check=False, **kw)
@@ -137,7 +139,9 @@ def test_local_shards_are_not_read_ahead_unless_asked(tmp_path, monkeypatch):
         write_tar(tmp_path / f"l-{i}.tar", sample_members(4, prefix=f"l{i}-"))
     spec = str(tmp_path / "l-{0..2}.tar")
     started = fetched(monkeypatch)
-    plain = keys(webds.WebDataset(spec, shardshuffle=False))
+    local = webds.WebDataset(spec, shardshuffle=False, stats=True)
+    plain = keys(local)
+    assert local.stats().readahead_shards == {}  # nothing was fetched ahead
     assert started == []
     assert keys(webds.WebDataset(spec, shardshuffle=False, readahead=True)) == plain
     assert len(started) == 3
@@ -246,7 +250,8 @@ def test_resume_mid_epoch_is_exact_with_read_ahead(http_server, monkeypatch, cas
     seed = rng.choice([None, 7])
     workers = rng.choice([0, 2])
     stages, _, drops = random_pipeline(rng, "", seed)
-    depth = rng.randint(1, 4)
+    depth = rng.choice([1, 2, 3, 4, "auto"])
+    http_server.latency = rng.choice([0.0, 0.005])
     config = dict(sizes=sizes, index=index, seed=seed, workers=workers, depth=depth)
 
     def make() -> Any:
@@ -341,8 +346,10 @@ def test_arguments_are_checked():
     for bad in (-1, 1.5, "big"):
         with pytest.raises(ArgumentError, match="readahead"):
             webds.WebDataset("a.tar", readahead=bad)
-    with pytest.raises(ArgumentError, match="readahead_shards"):
-        webds.WebDataset("a.tar", readahead_shards=-1)
+    for bad in (-1, "big", 2.0, True):
+        with pytest.raises(ArgumentError, match="readahead_shards"):
+            webds.WebDataset("a.tar", readahead_shards=bad)
+    assert ra.check_readahead(None, "auto") == (ra.DEFAULT_READAHEAD_BYTES, "auto", False)
     assert ra.check_readahead(None, 4) == (ra.DEFAULT_READAHEAD_BYTES, 4, False)
     assert ra.check_readahead(False, 4)[1] == 0
     assert ra.check_readahead(True, 2) == (ra.DEFAULT_READAHEAD_BYTES, 2, True)
@@ -429,3 +436,119 @@ def test_a_list_of_local_shards_is_taken_one_shard_at_a_time(tmp_path):
     for sample in webds.DataPipeline(listing, webds.tarfile_to_samples()):
         assert taken[-1] == int(sample["__key__"][1])  # its own shard is the last taken
     assert taken == [0, 1, 2, 3]
+
+
+# -- readahead_shards="auto": the depth grows while the reader waits on the link -----------------
+
+
+def test_auto_depth_rule():
+    """Little's law: a shard that took f seconds to fetch and r of the reader's own time asks
+    for f / r shards in flight, when the reader waited at least AUTO_WAIT_SHARE of that shard's
+    time; at most the cap, never fewer than before; a fixed depth never changes."""
+    # (fetched, spent, waited) -> shards fetched ahead after it, from 8
+    cases = [
+        ((1.0, 0.1, 0.05), 19),  # r = 0.05: 20 in flight
+        ((1.0, 0.1, 0.009), 8),  # waited under a tenth of its time: keeps up
+        ((0.3, 0.1, 0.05), 8),  # 6 in flight would do: never fewer
+        ((1.0, 0.011, 0.01), ra.AUTO_MAX_SHARDS),  # 1000 wanted: the cap
+        ((0.5, 0.5, 0.5), ra.AUTO_MAX_SHARDS),  # no time of its own at all
+    ]
+    for (fetched, spent, waited), want in cases:
+        depth = ra.Depth(8, grows=True)
+        depth.grow(fetched, spent, waited)
+        assert depth.shards == want, (fetched, spent, waited)
+    depth = ra.Depth(8, grows=True, most=12)
+    depth.grow(1.0, 0.1, 0.05)
+    assert depth.shards == 12
+
+
+def test_auto_depth_measures_each_shard(monkeypatch):
+    """Each hand-over judges the shard the reader just finished: its fetch time, and the
+    reader's time and waits (a fake clock); the first has nothing to judge; a fixed depth never
+    measures."""
+    clock = [100.0]
+    monkeypatch.setattr(ra.time, "perf_counter", lambda: clock[0])
+    budget = ra._Budget(1000)
+
+    class Fetched:
+        link_seconds = 2.0
+
+    depth = ra.Depth(2, grows=True)
+    depth.handed_over(budget, None)  # the first shard starts
+    clock[0] += 1.0
+    budget.waited += 0.5  # the reader waited half its time on it
+    depth.handed_over(budget, Fetched())
+    assert depth.shards == 3  # 2 s to fetch, 0.5 s to read: 4 in flight
+    clock[0] += 1.0
+    budget.waited += 0.05  # under a tenth: no change however slow the fetch
+    Fetched.link_seconds = 100.0
+    depth.handed_over(budget, Fetched())
+    assert depth.shards == 3
+    clock[0] += 1.0
+    budget.waited += 0.5
+    unfinished = Fetched()
+    unfinished.link_seconds = None  # abandoned, or cut: nothing to judge
+    depth.handed_over(budget, unfinished)
+    assert depth.shards == 3
+    fixed = ra.Depth(2)
+    for _ in range(3):
+        clock[0] += 1.0
+        budget.waited += 1.0
+        fixed.handed_over(budget, Fetched())
+    assert fixed.shards == 2
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_auto_counts_waits_only_with_room_in_the_budget(room):
+    """A wait while the shards ahead had filled the budget is the budget's, not the link's:
+    more shards in flight would not help, so it is not counted."""
+    budget = ra._Budget(100)
+    budget.used = 50 if room else 100
+    done = threading.Event()
+
+    def finish() -> None:
+        time.sleep(0.05)
+        with budget.cond:
+            done.set()
+            budget.cond.notify_all()
+
+    threading.Thread(target=finish).start()
+    with budget.cond:
+        budget.wait(done.is_set)
+    assert (budget.waited >= 0.04) if room else budget.waited == 0.0
+
+
+def test_auto_depth_grows_on_a_far_server_and_reads_the_same(http_server):
+    """60 small shards behind 50 ms to the first byte: by default more than 8 shards are
+    fetched at once (the server sees it), stats() reports the depth, and the samples and their
+    order are those of a read without read-ahead; readahead_shards=8 stays at 9 connections."""
+    urls = serve_shards(http_server, [2] * 60)
+    want = keys(webds.WebDataset(urls, shardshuffle=False, readahead=False))
+    http_server.latency = 0.05
+    ds = webds.WebDataset(urls, shardshuffle=False, stats=True)
+    assert keys(ds) == want
+    grown = ds.stats().readahead_shards["main"]
+    assert 8 < grown <= ra.AUTO_MAX_SHARDS
+    assert http_server.most_in_flight > 9
+    assert f"shards fetched ahead: {grown} (main)" in str(ds.stats())
+    http_server.most_in_flight = 0
+    fixed = webds.WebDataset(urls, shardshuffle=False, readahead_shards=8, stats=True)
+    assert keys(fixed) == want
+    assert fixed.stats().readahead_shards == {"main": 8}
+    assert http_server.most_in_flight <= 9
+    assert wait_for(lambda: not readahead_threads())
+
+
+def test_auto_depth_in_workers(http_server):
+    """Each DataLoader worker grows its own read-ahead; a WebLoader's stats() names each."""
+    urls = serve_shards(http_server, [2] * 60)
+    want = keys(webds.WebDataset(urls, shardshuffle=False, readahead=False))
+    http_server.latency = 0.05
+    ds = webds.WebDataset(urls, shardshuffle=False)
+    loader = webds.WebLoader(ds, batch_size=None, num_workers=2, stats=True)
+    assert sorted(keys(loader)) == sorted(want)
+    depths = loader.stats().readahead_shards
+    assert set(depths) == {"worker 0", "worker 1"}
+    assert all(8 <= d <= ra.AUTO_MAX_SHARDS for d in depths.values())
+    assert max(depths.values()) > 8
+    assert loader.stats().as_dict()["readahead_shards"] == depths

@@ -316,8 +316,9 @@ class WebDataset(DataPipeline, FluentMixin):
     - ``max_member_size``: the largest member read out of a compressed shard (default 1 GiB).
     - ``accept_unterminated``: read a shard without its end-of-archive marker as complete, with a
       warning (default: ``WDS_ACCEPT_UNTERMINATED``).
-    - ``readahead`` / ``readahead_shards``: fetch the next remote shards while one is read (128 MiB,
-      8 shards; False: off; True: local and ``pipe:`` too).
+    - ``readahead`` / ``readahead_shards``: fetch the next remote shards while one is read (128 MiB;
+      ``"auto"``: 8 shards, up to 32 while the reader waits on the link; False: off; True: local
+      and ``pipe:`` too).
     - ``stats``: time each stage, for :meth:`stats` (about 0.1 us per item and stage).
 
     webdataset 1.x's ``mode``, ``detshuffle``, ``verbose``, ``url_to_name`` and the 0.1 keywords
@@ -356,7 +357,7 @@ class WebDataset(DataPipeline, FluentMixin):
         max_member_size: Optional[int] = None,
         accept_unterminated: Optional[bool] = None,
         readahead: Union[bool, int, None] = None,
-        readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
+        readahead_shards: Union[int, str] = DEFAULT_READAHEAD_SHARDS,
         stats: bool = False,
         **legacy: Any,
     ) -> None:

@@ -8,16 +8,19 @@ in the reader's thread, after every byte that came before it. Stopping early can
 flight (each thread ends after its current read). Memory: the bytes fetched and not yet read
 stay under ``budget``, plus one :data:`CHUNK` per shard in flight; the shard being read is never
 held up by the budget (its own unread bytes are bounded by ``min(budget, 16 MiB)`` instead), so
-a full budget slows the shards ahead, never the reader. What users see: docs/remote.md,
-"Throughput over slow links".
+a full budget slows the shards ahead, never the reader. How many shards are in flight is
+:class:`Depth`: fixed, or (``readahead_shards="auto"``, the default) grown while the reader
+waits on the link. What users see: docs/remote.md, "Throughput over slow links".
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
-from typing import Any, Callable, Deque, Iterable, Iterator, Optional, Tuple, TypeVar
+import time
+from typing import Any, Callable, Deque, Iterable, Iterator, Optional, Tuple, TypeVar, Union
 
 from ..errors import ArgumentError
 from .streams import ReadStream, abandon_stream
@@ -27,7 +30,11 @@ log = logging.getLogger("webds")
 __all__ = [
     "DEFAULT_READAHEAD_BYTES",
     "DEFAULT_READAHEAD_SHARDS",
+    "AUTO",
+    "AUTO_MAX_SHARDS",
+    "AUTO_WAIT_SHARE",
     "CHUNK",
+    "Depth",
     "Fetch",
     "check_readahead",
     "fetch_ahead",
@@ -37,8 +44,18 @@ __all__ = [
 #: worker is a process): ``WebDataset(..., readahead=BYTES)``.
 DEFAULT_READAHEAD_BYTES = 128 << 20
 
-#: Shards fetched ahead of the one being read: ``WebDataset(..., readahead_shards=N)``.
-DEFAULT_READAHEAD_SHARDS = 8
+#: Shards fetched ahead of the one being read: ``WebDataset(..., readahead_shards=N)``, or
+#: :data:`AUTO` (the default).
+DEFAULT_READAHEAD_SHARDS = "auto"
+AUTO = "auto"
+#: ``readahead_shards="auto"`` starts with this many shards fetched ahead (the fixed default
+#: before it)...
+AUTO_START_SHARDS = 8
+#: ... and grows to at most this many: a shard in flight is a thread and a connection.
+AUTO_MAX_SHARDS = 32
+#: ... after a round in which the reader waited at least this share of its time for bytes
+#: while the budget had room: below it, a round's spread on a busy machine, not the link.
+AUTO_WAIT_SHARE = 0.1
 
 #: Bytes asked of a shard's stream per read, in its fetching thread.
 CHUNK = 1 << 20
@@ -51,16 +68,16 @@ T = TypeVar("T")
 Opened = Tuple[str, Any, Optional[str]]
 
 
-def check_readahead(readahead: Any, shards: Any) -> Tuple[int, int, bool]:
+def check_readahead(readahead: Any, shards: Any) -> Tuple[int, Union[int, str], bool]:
     """``(budget, shards, every_shard)`` from ``WebDataset``'s ``readahead`` and
-    ``readahead_shards``; ``shards == 0`` means off.
+    ``readahead_shards``; ``shards == 0`` means off, :data:`AUTO` grown (:class:`Depth`).
 
     ``readahead``: None (the default: remote shards, with :data:`DEFAULT_READAHEAD_BYTES`),
     a budget in bytes > 0 (remote shards), True (every shard, local files and ``pipe:`` commands
     too, with the default budget), or False or 0 (off).
     """
-    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 0:
-        raise ArgumentError(f"readahead_shards must be an int >= 0, got {shards!r}")
+    if shards != AUTO and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 0):
+        raise ArgumentError(f"readahead_shards must be an int >= 0 or 'auto', got {shards!r}")
     if readahead is None:
         return DEFAULT_READAHEAD_BYTES, shards, False
     if readahead is True:
@@ -76,12 +93,81 @@ def check_readahead(readahead: Any, shards: Any) -> Tuple[int, int, bool]:
 
 
 class _Budget:
-    """The bytes fetched and not yet read by all the shards of one :func:`fetch_ahead`."""
+    """The bytes fetched and not yet read by all the shards of one :func:`fetch_ahead`, and
+    the seconds its reader waited for bytes while they were under the limit."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
         self.cond = threading.Condition()
+        self.waited = 0.0
+
+    def wait(self, fetch_done: Callable[[], bool]) -> None:
+        """The reader waits (holding ``cond``) until ``fetch_done()``. Its wait counts when
+        the shards ahead had room to fetch: then the link, not the budget, held it up."""
+        room = self.used < self.limit
+        start = time.perf_counter()
+        while not fetch_done():
+            self.cond.wait()
+        if room:
+            self.waited += time.perf_counter() - start
+
+
+class Depth:
+    """How many shards are fetched ahead of the one being read: ``shards``, and, if ``grows``
+    (``readahead_shards="auto"``), more while the reader waits on the link.
+
+    Little's law, measured on each shard as the reader finishes it: the shard took ``f``
+    seconds to fetch (its open to its last byte, less the time the budget held it) and ``r``
+    of the reader's own time (less its waits for bytes); to keep the reader busy, ``f / r``
+    shards must be in flight. When the reader waited at least ``AUTO_WAIT_SHARE`` of that
+    shard's time while the budget had room (else the depth already keeps up, or the budget is
+    the bound), the depth becomes ``ceil(f / r) - 1`` if that is more, at most
+    :data:`AUTO_MAX_SHARDS`. It never shrinks: a deeper window costs threads and connections,
+    never memory (the budget holds). It changes neither the samples nor their order, only how
+    early shards are fetched; the same measurements give the same depths.
+    """
+
+    def __init__(self, shards: int, grows: bool = False, most: int = AUTO_MAX_SHARDS) -> None:
+        self.shards = shards
+        self.grows = grows
+        self.most = most
+        self.fetched = False  # a shard was fetched ahead (local shards are not, by default)
+        self._since: Optional[float] = None  # when the reader started on the last shard
+        self._waited = 0.0  # the budget's waits then
+
+    def handed_over(self, budget: _Budget, last: Optional["Fetch"]) -> None:
+        """The reader starts on the next shard fetched ahead, done with ``last`` (None: the
+        first, or one not fetched ahead)."""
+        if not self.grows:
+            return
+        now = time.perf_counter()
+        with budget.cond:
+            waited = budget.waited
+            fetched = None if last is None else last.link_seconds
+        since, self._since, before, self._waited = self._since, now, self._waited, waited
+        if since is not None and fetched is not None:
+            self.grow(fetched, now - since, waited - before)
+
+    def grow(self, fetched: float, spent: float, waited: float) -> None:
+        """After a shard that took ``fetched`` seconds to fetch and ``spent`` of the reader's
+        wall time, ``waited`` of which it waited for bytes with room in the budget."""
+        if self.shards >= self.most or waited < AUTO_WAIT_SHARE * spent:
+            return
+        own = max(spent - waited, 1e-6)
+        wanted = math.ceil(fetched / own) - 1
+        if wanted <= self.shards:
+            return
+        before, self.shards = self.shards, min(self.most, wanted)
+        log.info(
+            "webds: read-ahead: %d shards fetched ahead, was %d (a shard took %.3f s to fetch "
+            "and %.3f s to read; the reader waited %.3f s for it)",
+            self.shards,
+            before,
+            fetched,
+            own,
+            waited,
+        )
 
 
 class Fetch:
@@ -107,6 +193,9 @@ class Fetch:
         self._cancelled = False
         self._head = False  # being read: not held up by the budget
         self.handed_over = False  # opened() was called: its stream is the reader's to close
+        #: Seconds from the start to the last byte, less those the budget held it (None
+        #: before the end, or if it did not end cleanly).
+        self.link_seconds: Optional[float] = None
         self._thread = threading.Thread(target=self._run, name=f"webds-readahead {name}")
         self._thread.daemon = True
         self._thread.start()
@@ -115,6 +204,7 @@ class Fetch:
 
     def _run(self) -> None:
         cond = self._cond
+        start, held = time.perf_counter(), 0.0
         try:
             result = self._open_shard()
         except BaseException as exn:  # delivered to the reader, in its thread
@@ -129,8 +219,11 @@ class Fetch:
         try:
             while True:
                 with cond:
-                    while not self._cancelled and not self._may_fetch():
-                        cond.wait()
+                    if not self._cancelled and not self._may_fetch():
+                        waiting = time.perf_counter()
+                        while not self._cancelled and not self._may_fetch():
+                            cond.wait()
+                        held += time.perf_counter() - waiting
                     if self._cancelled:
                         break
                 data = stream.read(CHUNK)
@@ -141,6 +234,7 @@ class Fetch:
                         self._budget.used += len(data)
                     else:
                         self._eof = True
+                        self.link_seconds = time.perf_counter() - start - held
                     cond.notify_all()
                 if not data:
                     break
@@ -169,8 +263,8 @@ class Fetch:
             self.handed_over = True
             self._head = True  # its reader has come: fetch it whatever the budget says
             self._cond.notify_all()
-            while not self._opened:
-                self._cond.wait()
+            if not self._opened:
+                self._budget.wait(lambda: self._opened)
             if self._open_error is not None:
                 raise self._open_error
             assert self._result is not None
@@ -180,8 +274,8 @@ class Fetch:
     def read(self, n: int) -> bytes:
         cond = self._cond
         with cond:
-            while not self._chunks and not self._eof and self._error is None:
-                cond.wait()
+            if not self._chunks and not self._eof and self._error is None:
+                self._budget.wait(lambda: self._chunks or self._eof or self._error is not None)
             if not self._chunks:
                 if self._error is not None:
                     error, self._error = self._error, None
@@ -260,21 +354,22 @@ def fetch_ahead(
     name: Callable[[T], str],
     opener: Callable[[T], Callable[[], Opened]],
     ahead: Callable[[T], bool],
-    shards: int,
+    shards: Union[int, Depth],
     budget: int,
 ) -> Iterator[Tuple[T, Callable[[], Opened]]]:
     """``(item, opened)`` for each item of ``items``, in order, where ``opened()`` opens it.
 
     ``opener(item)``, called in this thread, does what needs no I/O and returns the function
     that opens (see :func:`~webds.io.urls.deferred_open`). While an item is being read, up to
-    ``shards`` of the next items are already taken from ``items`` and fetched
-    (:class:`Fetch`), as long as ``ahead(item)`` is true of each; an item for which it is false
-    is the last taken ahead, and is opened by ``opened()`` in its turn. An error raised by
-    ``items`` itself is raised after the items before it. An item whose ``opened`` was not
-    called by the time the next is asked for, and every fetch not handed over when the iterator
-    is closed, is cancelled.
+    ``shards`` of the next items (a number, or a :class:`Depth` that may grow) are already
+    taken from ``items`` and fetched (:class:`Fetch`), as long as ``ahead(item)`` is true of
+    each; an item for which it is false is the last taken ahead, and is opened by ``opened()``
+    in its turn. An error raised by ``items`` itself is raised after the items before it. An
+    item whose ``opened`` was not called by the time the next is asked for, and every fetch
+    not handed over when the iterator is closed, is cancelled.
     """
-    if shards <= 0:
+    depth = shards if isinstance(shards, Depth) else Depth(shards)
+    if depth.shards <= 0:
         for item in items:
             yield item, opener(item)
         return
@@ -283,12 +378,13 @@ def fetch_ahead(
     it = iter(items)
     failure: Optional[Exception] = None
     exhausted = False
+    last: Optional[Fetch] = None  # the shard fetched ahead that the reader had before
     try:
         while True:
             # Items are taken ahead only behind items being fetched: a list of local shards is
             # pulled one at a time, as without read-ahead (a source may act when its next item
             # is taken: DirectoryShardList releases the shard before).
-            while not exhausted and len(queue) <= shards and (not queue or queue[-1][2]):
+            while not exhausted and len(queue) <= depth.shards and (not queue or queue[-1][2]):
                 try:
                     item = next(it)
                 except StopIteration:
@@ -299,6 +395,7 @@ def fetch_ahead(
                     break
                 open_it = opener(item)
                 fetch = Fetch(name(item), open_it, pool) if ahead(item) else None
+                depth.fetched = depth.fetched or fetch is not None
                 queue.append((item, open_it, fetch))
             if not queue:
                 if failure is not None:
@@ -308,6 +405,8 @@ def fetch_ahead(
             if fetch is None:
                 yield item, open_it
                 continue
+            depth.handed_over(pool, last)
+            last = fetch
             try:
                 yield item, fetch.opened
             finally:

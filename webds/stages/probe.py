@@ -107,6 +107,8 @@ class Probe:
         self.items: List[int] = []
         self.read_seconds = 0.0
         self.read_bytes = 0
+        #: The tar stage's read-ahead (a webds.io.readahead.Depth), while it reads.
+        self.readahead: Any = None
         self.collate_seconds = 0.0
         self.tar_index: Optional[int] = None
         self.started: Optional[float] = None
@@ -179,12 +181,19 @@ class Probe:
         """The samples out of the tar stage (0 without one)."""
         return self.items[self.tar_index] if self.tar_index is not None else 0
 
+    @property
+    def readahead_shards(self) -> Optional[int]:
+        """The shards the tar stage fetches ahead now (None: none was fetched ahead)."""
+        depth = self.readahead
+        return depth.shards if depth is not None and depth.fetched else None
+
     def snapshot(self) -> Dict[str, Any]:
         """What a worker sends: its rows, elapsed time and the samples out of the tar stage."""
         return {
             "rows": [r.as_tuple() for r in self.rows()],
             "elapsed": self.elapsed(),
             "samples": self.samples,
+            "readahead_shards": self.readahead_shards,
             "pid": os.getpid(),  # a new process per epoch unless the workers persist
         }
 
@@ -225,6 +234,9 @@ class PipelineStats:
     workers: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     #: What ``WebLoader(num_workers="auto")`` chose, and why (None: chosen by hand).
     setting: Optional[str] = None
+    #: Shards fetched ahead of the one being read, where the tar stage runs (``main``,
+    #: ``worker N``): ``readahead_shards="auto"`` grows it while the reader waits on the link.
+    readahead_shards: Dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Shares of the time spent in stages; the main process's wait for workers and the
@@ -273,6 +285,7 @@ class PipelineStats:
             ],
             "workers": self.workers,
             "setting": self.setting,
+            "readahead_shards": self.readahead_shards,
         }
 
     def summary(self) -> List[StageTime]:
@@ -307,6 +320,9 @@ class PipelineStats:
             )
         if self.slowest is not None:
             lines.append(f"largest share: {self.slowest}")
+        if self.readahead_shards:
+            where = ", ".join(f"{n} ({w})" for w, n in self.readahead_shards.items())
+            lines.append(f"shards fetched ahead: {where}")
         if self.setting is not None:
             lines.append(f"loader: {self.setting}")
         verdict = self.verdict
@@ -351,7 +367,10 @@ def stats_of(probe: Probe, where: str = "main") -> PipelineStats:
     for r in rows:
         r.where = where
     items = probe.items[-1] if probe.items else 0
-    return PipelineStats(rows, probe.elapsed(), probe.samples or items, items)
+    stats = PipelineStats(rows, probe.elapsed(), probe.samples or items, items)
+    if probe.readahead_shards is not None:
+        stats.readahead_shards[where] = probe.readahead_shards
+    return stats
 
 
 def merged(main: Probe, workers: Dict[Tuple[int, Any], Dict[str, Any]]) -> PipelineStats:
@@ -371,6 +390,7 @@ def merged(main: Probe, workers: Dict[Tuple[int, Any], Dict[str, Any]]) -> Pipel
         by_worker.setdefault(worker, []).append(snap)
     samples = 0
     per_worker: Dict[str, Dict[str, Any]] = {}
+    depths = {} if main.readahead_shards is None else {"main": main.readahead_shards}
     for w, snaps in sorted(by_worker.items()):
         where = f"worker {w}"
         own = _totals((StageTime(*row) for snap in snaps for row in snap["rows"]), where)
@@ -382,10 +402,15 @@ def merged(main: Probe, workers: Dict[Tuple[int, Any], Dict[str, Any]]) -> Pipel
         busy = sum(row.seconds for row in own.values())
         rows.append(StageTime(IDLE, max(0.0, elapsed - busy), 0, where=where))
         samples += done
+        depth = snaps[-1].get("readahead_shards")
+        if depth is not None:
+            depths[where] = depth
         per_worker[str(w)] = {
             "samples": done,
             "elapsed_s": elapsed,
             "samples_per_s": done / elapsed if elapsed else 0.0,
         }
     batches = main.items[-1] if main.items else 0
-    return PipelineStats(rows, main.elapsed(), samples, batches, wait, per_worker)
+    stats = PipelineStats(rows, main.elapsed(), samples, batches, wait, per_worker)
+    stats.readahead_shards = depths
+    return stats

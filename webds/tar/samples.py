@@ -35,7 +35,14 @@ from ..base.handlers import ErrorPolicy, Handler, reraise_exception
 from ..base.ledger import StageLedger, item_id, shard_of
 from ..base.stage import stage
 from ..errors import ArgumentError, ShardReadError
-from ..io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead, fetch_ahead
+from ..io.readahead import (
+    AUTO,
+    AUTO_START_SHARDS,
+    DEFAULT_READAHEAD_SHARDS,
+    Depth,
+    check_readahead,
+    fetch_ahead,
+)
 from ..io.urls import url_scheme
 from .grouper import ALL_FILTERED, END, Grouping, ShardNotes, group_members
 from .grouping import (  # noqa: F401  (the one-step stages: importable from here too)
@@ -76,7 +83,7 @@ def tarfile_to_samples(
     *,
     max_member_size: Optional[int] = None,
     readahead: Union[bool, int, None] = None,
-    readahead_shards: int = DEFAULT_READAHEAD_SHARDS,
+    readahead_shards: Union[int, str] = DEFAULT_READAHEAD_SHARDS,
     sample_starts: Optional[List[int]] = None,
     accept_unterminated: Optional[bool] = None,
     ledger: Any = None,
@@ -96,7 +103,8 @@ def tarfile_to_samples(
     its last sample included, as webdataset reads it, with a logged warning naming it. While a
     shard is read, the next ``readahead_shards`` remote shards are fetched within a
     ``readahead`` budget of bytes (:mod:`webds.io.readahead`; True reads local shards ahead
-    too, False turns it off).
+    too, False turns it off; ``"auto"``, the default: 8, more while the reader waits on the
+    link).
     ``sample_starts``, a list, gets the header offset of each sample's first member (in the
     uncompressed stream) as the sample is made: the shard index records them. In a pipeline,
     sample ``j`` of the pipeline's source item ``k`` is recorded in its ledger as read (see
@@ -128,7 +136,7 @@ class _Reading(NamedTuple):
     sample_starts: Optional[List[int]]
     unterminated: bool  # shards without their end-of-archive marker are read as complete
     readahead: Union[bool, int, None]
-    readahead_shards: int
+    readahead_shards: Union[int, str]
     storage_options: Dict[str, Any]
 
 
@@ -148,7 +156,7 @@ def _read_samples(
     # rename_files, a sample whose members are all filtered out included.
     filtering = how.rules.select_files is not None or how.rules.rename_files is not None
     counted = how.rules._replace(count_raw=filtering)
-    shards = _fetch_shards(src, how, ledger)
+    shards = _fetch_shards(src, how, ledger, probe)
     try:
         for (shard, base, win), opened in shards if probe is None else probe.reads(shards):
             if base >= 0:
@@ -256,10 +264,15 @@ def _end_of_shard(
 _Entry = Tuple[Any, int, Optional[Window]]
 
 
-def _fetch_shards(src: Iterable[Any], how: _Reading, ledger: Any) -> Any:
+def _fetch_shards(src: Iterable[Any], how: _Reading, ledger: Any, probe: Any) -> Any:
     """Each shard's :func:`_entries` entry and the function that opens it, the next shards
-    fetched ahead (:func:`~webds.io.readahead.fetch_ahead`)."""
-    budget, depth, every_shard = check_readahead(how.readahead, how.readahead_shards)
+    fetched ahead (:func:`~webds.io.readahead.fetch_ahead`); ``probe`` (stats=True) reports
+    how many."""
+    budget, shards, every_shard = check_readahead(how.readahead, how.readahead_shards)
+    grows = shards == AUTO
+    depth = Depth(AUTO_START_SHARDS if grows else int(shards), grows)
+    if probe is not None:
+        probe.readahead = depth
 
     def opener(entry: _Entry) -> Callable[[], Tuple[Any, ...]]:
         shard, _, win = entry
