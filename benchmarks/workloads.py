@@ -618,9 +618,14 @@ class Suite:
         size = sum(Path(p).stat().st_size for p in shards) / len(shards)
         info: Dict[str, Any] = {"shards": len(shards), "shard_bytes": size, "links": {}}
         depth = _webds_default("DEFAULT_READAHEAD_SHARDS", 4)
+        grown = ""
+        if depth == "auto":  # it starts there, and grows while the reader waits on the link
+            depth = _webds_default("AUTO_START_SHARDS", 8)
+            most = _webds_default("AUTO_MAX_SHARDS", 0)
+            grown = f" (to start with: 'auto' grows it, up to {most})"
         self.notes.append(
             f"link: {len(shards)} shards of {size / 1e6:.1f} MB; webds reads "
-            f"{depth} shards ahead of the one it reads"
+            f"{depth} shards ahead of the one it reads{grown}"
         )
         for latency, rate in ((0.1, 16e6), (0.02, 100e6)):
             tag = f"link-{int(latency * 1000)}ms-{int(rate / 1e6)}MBps"
