@@ -552,3 +552,18 @@ def test_auto_depth_in_workers(http_server):
     assert all(8 <= d <= ra.AUTO_MAX_SHARDS for d in depths.values())
     assert max(depths.values()) > 8
     assert loader.stats().as_dict()["readahead_shards"] == depths
+
+
+def test_auto_depth_stays_when_the_reader_is_the_bound(http_server):
+    """A training loop slower than the link: the reader never waits after the first shard,
+    each shard's fetch takes less than its reading, so 8 shards ahead stay enough."""
+    urls = serve_shards(http_server, [2] * 24)
+    http_server.latency = 0.02
+    ds = webds.WebDataset(urls, shardshuffle=False, stats=True)
+    got = []
+    for sample in ds:
+        got.append(sample["__key__"])
+        time.sleep(0.02)  # the training step
+    assert got == [f"s{i}-{j:06d}" for i in range(24) for j in range(2)]
+    assert ds.stats().readahead_shards == {"main": 8}
+    assert http_server.most_in_flight <= 9
