@@ -32,6 +32,7 @@ __all__ = [
     "DEFAULT_READAHEAD_SHARDS",
     "AUTO",
     "AUTO_MAX_SHARDS",
+    "AUTO_START_SHARDS",
     "AUTO_WAIT_SHARE",
     "CHUNK",
     "Depth",
@@ -44,17 +45,17 @@ __all__ = [
 #: worker is a process): ``WebDataset(..., readahead=BYTES)``.
 DEFAULT_READAHEAD_BYTES = 128 << 20
 
+#: ``readahead_shards="auto"``: as many shards ahead as keep the reader busy (:class:`Depth`).
+AUTO = "auto"
 #: Shards fetched ahead of the one being read: ``WebDataset(..., readahead_shards=N)``, or
 #: :data:`AUTO` (the default).
-DEFAULT_READAHEAD_SHARDS = "auto"
-AUTO = "auto"
-#: ``readahead_shards="auto"`` starts with this many shards fetched ahead (the fixed default
-#: before it)...
+DEFAULT_READAHEAD_SHARDS = AUTO
+#: ``"auto"`` starts with this many shards fetched ahead (the fixed default before it)...
 AUTO_START_SHARDS = 8
-#: ... and grows to at most this many: a shard in flight is a thread and a connection.
+#: ... and grows to at most this many: a shard in flight is a thread and a connection...
 AUTO_MAX_SHARDS = 32
-#: ... after a round in which the reader waited at least this share of its time for bytes
-#: while the budget had room: below it, a round's spread on a busy machine, not the link.
+#: ... when the reader waited at least this share of a shard's time for its bytes while the
+#: budget had room: below it, the depth keeps up (a busy machine's spread, not the link).
 AUTO_WAIT_SHARE = 0.1
 
 #: Bytes asked of a shard's stream per read, in its fetching thread.
