@@ -567,3 +567,87 @@ def test_auto_depth_stays_when_the_reader_is_the_bound(http_server):
     assert got == [f"s{i}-{j:06d}" for i in range(24) for j in range(2)]
     assert ds.stats().readahead_shards == {"main": 8}
     assert http_server.most_in_flight <= 9
+
+
+def test_auto_depth_grown_errors_come_in_their_turn(http_server):
+    """Grown past 8 on a far server, a missing shard 30 places down the list still raises only
+    when the reader gets to it, after every sample before it."""
+    urls = serve_shards(http_server, [2] * 40)
+    urls[30] = http_server.url("missing.tar")
+    http_server.latency = 0.03
+    ds = webds.WebDataset(urls, shardshuffle=False, stats=True)
+    got: List[str] = []
+    with pytest.raises(OpenError) as info:
+        for s in ds:
+            got.append(s["__key__"])
+    assert "missing.tar" in str(info.value)
+    assert got == [f"s{i}-{j:06d}" for i in range(30) for j in range(2)]
+    assert ds.stats().readahead_shards["main"] > 8
+    assert wait_for(lambda: not readahead_threads())
+
+
+def test_auto_depth_grown_stopping_early_leaves_nothing_behind(http_server, monkeypatch):
+    """Stopped with up to 33 shards in flight: every thread ends, and the connections left are
+    at most those of the fetches that finished (kept idle by the session for reuse): each
+    cancelled body closed its own."""
+    fetches: List[Any] = []
+    real = ra.Fetch.__init__
+
+    def spy(self: Any, *args: Any) -> None:
+        fetches.append(self)
+        real(self, *args)
+
+    monkeypatch.setattr(ra.Fetch, "__init__", spy)
+    urls = serve_shards(http_server, [20] * 60, member_bytes=100_000)  # 4 MB shards
+    http_server.latency = 0.03
+    ds = webds.WebDataset(urls, shardshuffle=False, stats=True)
+    it = iter(ds)
+    for _ in range(50):
+        next(it)
+    assert ds.stats().readahead_shards["main"] > 8
+    assert len(readahead_threads()) > 9
+    it.close()
+    assert wait_for(lambda: not readahead_threads()), readahead_threads()
+    finished = sum(f.link_seconds is not None for f in fetches)
+    assert finished < len(fetches)  # some were cancelled mid-body
+    assert wait_for(lambda: connections_to(http_server.port) <= finished)
+
+
+def test_a_growing_depth_stays_within_the_budget(monkeypatch):
+    """The depth grows by one at every hand-over, up to 6: the bytes held stay within the
+    budget plus one read per shard in flight at the most depth, and every byte arrives."""
+    peaks: List[int] = []
+    real_read = ra.Fetch.read
+
+    def watched(self: Any, n: int) -> bytes:
+        peaks.append(self._budget.used)
+        return real_read(self, n)
+
+    class Growing(ra.Depth):
+        def handed_over(self, budget: Any, last: Any) -> None:
+            self.shards = min(self.most, self.shards + 1)
+
+    monkeypatch.setattr(ra.Fetch, "read", watched)
+    depth = Growing(1, grows=True, most=6)
+    budget = 300_000
+    items = [(f"shard-{i}", 1_000_000) for i in range(12)]
+
+    def opener(item: Any) -> Any:
+        return lambda: (item[0], SlowBytes(item[1], 200_000), None)
+
+    total = 0
+    for _, opened in ra.fetch_ahead(
+        items, name=lambda it: it[0], opener=opener, ahead=lambda it: True,
+        shards=depth, budget=budget,
+    ):  # fmt: skip
+        _, stream, _ = opened()
+        while True:
+            data = stream.read(65536)
+            if not data:
+                break
+            total += len(data)
+            time.sleep(0.0005)
+        stream.close()
+    assert total == 12 * 1_000_000 and depth.shards == 6
+    assert max(peaks) <= budget + min(budget, ra._HEAD_BYTES) + (6 + 1) * 200_000
+    assert wait_for(lambda: not readahead_threads())
