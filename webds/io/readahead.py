@@ -220,11 +220,10 @@ class Fetch:
         try:
             while True:
                 with cond:
-                    if not self._cancelled and not self._may_fetch():
-                        waiting = time.perf_counter()
-                        while not self._cancelled and not self._may_fetch():
-                            cond.wait()
-                        held += time.perf_counter() - waiting
+                    waiting = time.perf_counter()
+                    while not self._cancelled and not self._may_fetch():
+                        cond.wait()
+                    held += time.perf_counter() - waiting
                     if self._cancelled:
                         break
                 data = stream.read(CHUNK)
