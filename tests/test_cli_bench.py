@@ -39,9 +39,10 @@ def check_report(report: dict, shards: int, local: bool = True) -> None:
     for run in ("read", "decode", "loader"):
         assert report[run]["samples_per_s"] > 0 and report[run]["mb_per_s"] > 0, run
         assert report[run]["samples"] > 0 and report[run]["shares"], run
-    # Decoding JPEGs costs more than reading them: the read run is the faster one.
-    assert report["read"]["samples_per_s"] > report["decode"]["samples_per_s"]
-    if local:  # over a network, reading may take longer
+    if local:
+        # Decoding JPEGs costs more than reading them: the read run is the faster one. Over a
+        # network the read run also pays for the first connections, so either may be faster.
+        assert report["read"]["samples_per_s"] > report["decode"]["samples_per_s"]
         assert next(iter(report["decode"]["shares"])) == "decode('pil')"
     assert report["bottleneck"] and report["bottleneck_kind"] in {
         "shards", "storage", "parsing", "decoding", "stage", "main process", "cpus",
