@@ -605,7 +605,9 @@ def test_auto_depth_grown_stopping_early_leaves_nothing_behind(http_server, monk
     for _ in range(50):
         next(it)
     assert ds.stats().readahead_shards["main"] > 8
-    assert len(readahead_threads()) > 9
+    # More fetches started than 8 ahead allow (how many are still running now depends on the
+    # machine's load: the ones cancelled mid-body are counted below).
+    assert len(fetches) > 9
     it.close()
     assert wait_for(lambda: not readahead_threads()), readahead_threads()
     finished = sum(f.link_seconds is not None for f in fetches)

@@ -77,8 +77,16 @@ class _Timed:
 class _TimedStream:
     """A shard stream whose ``read`` time and bytes are added to the probe's reading."""
 
+    #: Its ``read`` and ``readinto`` are those of ``wrapped``, timed: the tar stage's bulk path
+    #: (webds.tar.bulk) reads it with ``readinto`` where it would read ``wrapped`` so.
+    passes_through = True
+
     def __init__(self, stream: Any, probe: "Probe") -> None:
         self._stream, self._probe = stream, probe
+
+    @property
+    def wrapped(self) -> Any:
+        return self._stream
 
     def read(self, n: int = -1) -> bytes:
         start = _now()

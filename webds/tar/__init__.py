@@ -9,6 +9,8 @@ one sample (``0001.jpg``, ``0001.cls``) into a sample dict.
   ``header_encoder``, ``member_bytes``, ``write_member``, ``END_OF_ARCHIVE``).
 - :mod:`~webds.tar.grouper`: the grouping rules (``base_plus_ext``) in one generator,
   ``group_members``, which both readers below use.
+- :mod:`~webds.tar.bulk`: ``bulk_groups``, the same grouping for runs of small plain members,
+  checked a buffer at a time (the tar stage's fast path).
 - :mod:`~webds.tar.grouping`: the stages from shard descriptors to samples one step at a time
   (``url_opener``, ``tar_file_expander``, ``group_by_keys``).
 - :mod:`~webds.tar.samples`: ``tarfile_to_samples``, the same steps in one fast generator that

@@ -30,11 +30,7 @@ def _raw_reader(stream: BinaryIO, url: Optional[str]) -> Callable[[int], bytes]:
         except WebdsError:
             raise
         except Exception as exn:  # OSError, ValueError on a closed file, network errors...
-            raise ShardReadError(
-                f"reading the shard failed: {type(exn).__name__}: {exn}; "
-                "check that the source is reachable and retry",
-                url=url,
-            ) from exn
+            raise read_failed(exn, url) from exn
         if data is None:
             raise ShardReadError(
                 "the stream returned no data (a non-blocking stream?); pass a blocking stream",
@@ -47,20 +43,32 @@ def _raw_reader(stream: BinaryIO, url: Optional[str]) -> Callable[[int], bytes]:
     return raw
 
 
+def read_failed(exn: Exception, url: Optional[str]) -> ShardReadError:
+    """The error for a read of the shard's stream that raised ``exn``."""
+    return ShardReadError(
+        f"reading the shard failed: {type(exn).__name__}: {exn}; "
+        "check that the source is reachable and retry",
+        url=url,
+    )
+
+
 def uncompressed_chunks(stream: BinaryIO, url: Optional[str]) -> Iterator[bytes]:
     """Yield the uncompressed bytes of ``stream`` (plain, gzip, bzip2 or xz, sniffed from the
     first bytes) as non-empty chunks of at most ~1 MiB; failures raise ShardReadError."""
     yield from sniffed_chunks(stream, url)[1]
 
 
-def sniffed_chunks(stream: BinaryIO, url: Optional[str]) -> Tuple[Optional[str], Iterator[bytes]]:
+def sniffed_chunks(
+    stream: BinaryIO, url: Optional[str], chunk: int = _CHUNK
+) -> Tuple[Optional[str], Iterator[bytes]]:
     """``(compression, chunks)``: the compression sniffed from the first bytes (``"gzip"``,
-    ``"bzip2"``, ``"xz"`` or None for a plain stream) and :func:`uncompressed_chunks`."""
+    ``"bzip2"``, ``"xz"`` or None for a plain stream) and :func:`uncompressed_chunks`; a plain
+    stream is read ``chunk`` bytes at a time."""
     raw = _raw_reader(stream, url)
-    first = raw(_CHUNK)
+    first = raw(chunk)
     # A raw pipe or socket may return a few bytes at a time; get enough to see the magic.
     while 0 < len(first) < 512:
-        more = raw(_CHUNK)
+        more = raw(chunk)
         if not more:
             break
         first += more
@@ -73,7 +81,7 @@ def sniffed_chunks(stream: BinaryIO, url: Optional[str]) -> Tuple[Optional[str],
         return "xz", _decompress_stream(
             first, raw, url, "xz", lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ)
         )
-    return None, _plain(first, raw)
+    return None, _plain(first, raw, chunk)
 
 
 def compression_of(first: bytes) -> Optional[str]:
@@ -87,10 +95,10 @@ def compression_of(first: bytes) -> Optional[str]:
     return None
 
 
-def _plain(first: bytes, raw: Callable[[int], bytes]) -> Iterator[bytes]:
+def _plain(first: bytes, raw: Callable[[int], bytes], chunk: int) -> Iterator[bytes]:
     while first:
         yield first
-        first = raw(_CHUNK)
+        first = raw(chunk)
 
 
 def _inflate(data: bytes, raw: Callable[[int], bytes], url: Optional[str]) -> Iterator[bytes]:

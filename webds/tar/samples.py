@@ -44,6 +44,7 @@ from ..io.readahead import (
     fetch_ahead,
 )
 from ..io.urls import url_scheme
+from .bulk import bulk_groups, takes_rules
 from .grouper import ALL_FILTERED, END, Grouping, ShardNotes, group_members
 from .grouping import (  # noqa: F401  (the one-step stages: importable from here too)
     META_PATTERN,
@@ -172,8 +173,14 @@ def _read_samples(
             try:
                 try:
                     url, stream, lpath = opened() if probe is None else probe.open(opened)
-                    members = read_members(stream, url, how.max_member_size, entry)
-                    for done, start in group_members(members, url, rules, policy, notes, lpath):
+                    if takes_rules(rules):
+                        groups = bulk_groups(
+                            stream, url, rules, policy, notes, lpath, how.max_member_size, entry
+                        )
+                    else:
+                        members = read_members(stream, url, how.max_member_size, entry)
+                        groups = group_members(members, url, rules, policy, notes, lpath)
+                    for done, start in groups:
                         if start is END:  # the members are all read: the stream is closed first
                             s, stream = stream, None
                             ends = n + (done is not None)

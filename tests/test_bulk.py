@@ -1,0 +1,256 @@
+"""The bulk grouping (webds.tar.bulk) gives what reading member by member gives, item for item:
+the same samples, sample starts and end, the same warnings, and the same error at the same
+place after the same samples, on random shards from several writers, damaged ones, shards cut
+short, streams that fail, pipes that deliver a few bytes at a time, and with buffers small
+enough that every shard crosses many of them."""
+
+from __future__ import annotations
+
+import io
+import random
+import tarfile
+from pathlib import Path
+from typing import Any, List, Optional, Tuple
+
+import pytest
+from conftest import write_tar
+from test_access import FORMATS, random_members, tarfile_shard
+
+import webds
+from webds.base.handlers import ErrorPolicy, reraise_exception, warn_and_continue
+from webds.stages.probe import READING
+from webds.tar import bulk
+from webds.tar.grouper import END, Grouping, ShardNotes, group_members
+from webds.tar.reader import read_members
+from webds.tar.samples import tarfile_samples
+
+
+class Chunky(io.RawIOBase):
+    """A stream that hands out at most ``most`` bytes a read (a pipe), and may fail at byte
+    ``fail_at``."""
+
+    def __init__(self, data: bytes, most: int, fail_at: Optional[int] = None) -> None:
+        self.data, self.most, self.pos, self.fail_at = data, most, 0, fail_at
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        if self.fail_at is not None and self.pos >= self.fail_at:
+            raise OSError("connection reset")
+        n = min(len(b), self.most, len(self.data) - self.pos)
+        if self.fail_at is not None:
+            n = min(n, max(self.fail_at - self.pos, 0)) or n
+        b[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def outcome(grouped: Any, notes: ShardNotes) -> Tuple[List[Any], Any]:
+    """Everything a grouping gives: its items, then the error that ended it (type, message,
+    offset), with what ``notes`` holds."""
+    items: List[Any] = []
+    error = None
+    try:
+        for done, start in grouped:
+            items.append((done, "END" if start is END else start))
+    except Exception as exn:
+        error = (type(exn), str(exn), getattr(exn, "offset", None))
+    unmarked = None if notes.unmarked is None else str(notes.unmarked)
+    return items, (error, notes.dotless, notes.first_dotless, unmarked)
+
+
+def both(data: bytes, most: int, fail_at: Optional[int] = None, **how: Any) -> Any:
+    """(member by member, bulk) outcomes of grouping ``data``."""
+    rules = Grouping(lcase=how.pop("lcase", True), unmarked_end=True)
+    handler = how.pop("handler", reraise_exception)
+    got = []
+    for grouped in ("members", "bulk"):
+        notes = ShardNotes()
+        policy = ErrorPolicy(handler, "test")
+        stream = io.BufferedReader(Chunky(data, most, fail_at), buffer_size=most)
+        if grouped == "members":
+            members = read_members(stream, "s.tar", how.get("max_member_size"))
+            it = group_members(members, "s.tar", rules, policy, notes, how.get("local_path"))
+        else:
+            it = bulk.bulk_groups(
+                stream, "s.tar", rules, policy, notes, how.get("local_path"),
+                how.get("max_member_size"),
+            )  # fmt: skip
+        got.append(outcome(it, notes))
+    return got
+
+
+@pytest.fixture(params=[(1024, 1024), (8192, 4096), (bulk._CHUNK, bulk._SMALL)], ids=str)
+def buffers(request, monkeypatch):
+    """Buffers as small as two headers (every sample crosses one), and the real ones."""
+    chunk, small = request.param
+    monkeypatch.setattr(bulk, "_FIRST", min(chunk, bulk._FIRST))
+    monkeypatch.setattr(bulk, "_CHUNK", chunk)
+    monkeypatch.setattr(bulk, "_SMALL", small)
+    return chunk
+
+
+def random_shard(tmp_path: Path, rng: random.Random, k: int) -> bytes:
+    path = tmp_path / f"r{k}.tar"
+    fmt = rng.choice(FORMATS + (None, None))  # mostly the plain ustar bulk takes
+    members = random_members(rng, k, long_names=fmt is not None)
+    if rng.random() < 0.5:  # and mostly plain names
+        members = [(n, d) for n, d in members if "/" not in n and "." in n]
+    if rng.random() < 0.1 and members:
+        members.append(rng.choice(members))  # an extension twice, or a key that comes back
+    if fmt is None:
+        write_tar(path, members)
+    else:
+        tarfile_shard(path, members, fmt, rng)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_random_shards_group_alike(tmp_path, buffers, case):
+    rng = random.Random(case)
+    data = random_shard(tmp_path, rng, case)
+    most = rng.choice([1 << 20, 100, 4096])
+    handler = rng.choice([reraise_exception, warn_and_continue])
+    members, bulked = both(data, most, handler=handler, lcase=rng.random() < 0.8,
+                           local_path=rng.choice([None, "/x/s.tar"]))  # fmt: skip
+    assert bulked == members
+
+
+@pytest.mark.parametrize("case", range(60))
+def test_damaged_shards_fail_alike(tmp_path, buffers, case):
+    """A flipped byte, a cut, a zeroed block, a failing read: the same samples before the same
+    error."""
+    rng = random.Random(1000 + case)
+    data = bytearray(random_shard(tmp_path, rng, case))
+    fail_at = None
+    damage = case % 4
+    if damage == 0 and data:
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    elif damage == 1:
+        data = data[: rng.randrange(len(data) + 1)]
+    elif damage == 2 and len(data) >= 512:
+        at = rng.randrange(len(data) // 512) * 512
+        data[at : at + 512] = bytes(512)
+    else:
+        fail_at = rng.randrange(len(data) + 1)
+    most = rng.choice([1 << 20, 512, 700])
+    members, bulked = both(bytes(data), most, fail_at)
+    if fail_at is None:
+        assert bulked == members
+    else:
+        # How much a read that fails takes with it depends on how much it asks for (the member
+        # reader asks for 1 MiB at a time): both give a part of what the whole shard gives,
+        # and then the same error.
+        whole = both(bytes(data), most)[0][0]
+        assert bulked[1][0] == members[1][0]  # (what else they noticed: as far as each read)
+        for items in (members[0], bulked[0]):
+            assert items == whole[: len(items)]
+
+
+def watch_handovers(monkeypatch: Any) -> List[int]:
+    """The stream offsets where the bulk path hands over to the member reader, as it does."""
+    handed: List[int] = []
+    real = bulk._handed_over
+
+    def handed_over(rest: bytes, offset: int, *args: Any) -> Any:
+        handed.append(offset)
+        return real(rest, offset, *args)
+
+    monkeypatch.setattr(bulk, "_handed_over", handed_over)
+    return handed
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_small_records_are_grouped_in_bulk(tmp_path, monkeypatch, small):
+    """Not a vacuous comparison: on shards of plain small members the bulk path makes the
+    samples, and hands over only for the end."""
+    if small:  # many rounds, each sample carried over once
+        monkeypatch.setattr(bulk, "_FIRST", 8192)
+        monkeypatch.setattr(bulk, "_CHUNK", 8192)
+        monkeypatch.setattr(bulk, "_SMALL", 4096)
+    rng = random.Random(7)
+    members = [(f"{i:05d}.{ext}", rng.randbytes(rng.randint(0, 1500)))
+               for i in range(300) for ext in ("bin", "cls")]  # fmt: skip
+    path = write_tar(tmp_path / "s.tar", members)
+    handed = watch_handovers(monkeypatch)
+    members_, bulked = both(path.read_bytes(), 1 << 20)
+    assert bulked == members_ and len(bulked[0]) == 301
+    assert handed == [bulked[0][-2][1]]  # at the last sample
+    ds = webds.WebDataset(str(path)).to_tuple("__key__", "bin")
+    assert [k for k, _ in ds] == [f"{i:05d}" for i in range(300)]
+
+
+def test_large_members_are_read_one_by_one(tmp_path, monkeypatch):
+    members = [(f"{i:03d}.bin", bytes(100_000)) for i in range(40)]
+    path = write_tar(tmp_path / "s.tar", members)
+    handed = watch_handovers(monkeypatch)
+    members_, bulked = both(path.read_bytes(), 1 << 20)
+    assert bulked == members_ and handed == [0]
+
+
+def test_compressed_and_pax_shards_are_read_one_by_one(tmp_path):
+    members = [(f"{i:03d}.txt", b"x" * i) for i in range(100)]
+    for compress, fmt in [("gz", tarfile.USTAR_FORMAT), (None, tarfile.PAX_FORMAT)]:
+        path = write_tar(tmp_path / f"s-{compress}.tar", members, format=fmt, compress=compress)
+        with tarfile.open(path) as tf:  # (a pax header per member: the mtime)
+            assert fmt != tarfile.PAX_FORMAT or tf.getmembers()[0].pax_headers is not None
+        members_, bulked = both(path.read_bytes(), 1 << 20)
+        assert bulked == members_ and len(bulked[0]) == 101
+
+
+def test_a_member_past_max_member_size_fails_alike(tmp_path, buffers):
+    members = [(f"{i:03d}.txt", b"x" * (10 * i)) for i in range(50)]
+    data = write_tar(tmp_path / "s.tar", members).read_bytes()
+    got = both(data, 1 << 20, max_member_size=250)
+    assert got[1] == got[0] and got[0][1][0][0].__name__ == "ShardReadError"
+
+
+def test_streams_that_are_not_io_objects_are_read_through_their_read(tmp_path):
+    """A wrapper that hands its other attributes on to the stream it wraps (readinto among
+    them) is read through its own read(); an io.RawIOBase that defines only read() too."""
+    path = write_tar(tmp_path / "s.tar", [(f"{i:03d}.txt", b"x" * i) for i in range(100)])
+
+    class Counting:
+        def __init__(self, stream: Any) -> None:
+            self.stream, self.seen = stream, 0
+
+        def read(self, n: int = -1) -> bytes:
+            data = self.stream.read(n)
+            self.seen += len(data)
+            return data
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.stream, name)
+
+    class ReadOnly(io.RawIOBase):
+        def __init__(self, stream: Any) -> None:
+            self.stream, self.seen = stream, 0
+
+        def readable(self) -> bool:
+            return True
+
+        def read(self, n: int = -1) -> bytes:
+            data = self.stream.read(n)
+            self.seen += len(data)
+            return data
+
+    for wrap in (Counting, ReadOnly):
+        with open(path, "rb") as f:
+            stream = wrap(f)
+            samples = tarfile_samples([{"url": str(path), "stream": stream}], readahead=False)
+            assert [s["txt"] for s in samples] == [b"x" * i for i in range(100)]
+            assert stream.seen == path.stat().st_size, wrap
+
+
+def test_stats_time_the_bulk_reads(tmp_path, monkeypatch):
+    """stats=True wraps each shard stream to time its reads: the bulk path still reads it, and
+    the reading share counts every byte."""
+    members = [(f"{i:05d}.{ext}", b"y" * 100) for i in range(200) for ext in ("bin", "cls")]
+    path = write_tar(tmp_path / "s.tar", members)
+    handed = watch_handovers(monkeypatch)
+    ds = webds.WebDataset(str(path), stats=True)
+    assert sum(1 for _ in ds) == 200
+    assert len(handed) == 1 and handed[0] > 0  # in bulk, up to the last sample
+    (reading,) = [s for s in ds.stats().stages if s.name == READING]
+    assert reading.nbytes == path.stat().st_size

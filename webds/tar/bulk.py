@@ -1,0 +1,355 @@
+"""Shards of small members grouped in bulk: :func:`bulk_groups`, the tar stage's fast path.
+
+Read member by member, a shard of 1-2 KB records costs microseconds of Python per member: parse
+the header, check its sum, split the name, start or extend a sample. Here numpy checks the
+headers of a whole chunk of the stream at once (4 MiB: a few thousand members), follows the
+chain of sizes from header to header and finds where each sample starts; Python only cuts each
+field's bytes out of the chunk and makes each sample's dict.
+
+It takes only what it can check exactly as :func:`~webds.tar.reader.read_members` and
+:func:`~webds.tar.grouper.group_members` would take it: POSIX ustar headers of regular files
+(type ``0``), their sizes and sums in the layout writers use (``%011o``, ``%06o\\0 ``), names
+without a prefix field that have a ``key.extension`` (not metadata), no extension twice in a
+sample. At anything else (a pax header, a GNU long name, a damaged header, the end of the
+archive) and where members are large (over 8 KiB on average), it hands the stream over to
+those two at the first member of the sample in flight: every error, warning and end of stream
+is theirs, raised where they would raise it, after every sample before it. The samples, their
+start offsets and the order are theirs too (tests/test_bulk.py compares both on random and
+damaged shards).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple
+
+from ..base.handlers import ErrorPolicy
+from ..errors import WebdsError
+from .compression import compression_of, read_failed
+from .fields import _SURROGATE
+from .grouper import Grouping, ShardNotes, group_members
+from .reader import _member_limit, _members
+
+__all__ = ["bulk_groups", "takes_rules"]
+
+_CHUNK = 4 << 20  # bytes read at a time
+#: The first read: enough to tell small members from large ones without holding a chunk.
+_FIRST = 64 << 10
+#: Members larger than this on average (with their headers) are read one by one: for them,
+#: checking a buffer at a time costs more than it saves.
+_SMALL = 8 << 10
+_MAGIC = b"ustar\x0000"  # POSIX ustar: magic and version
+
+
+def takes_rules(rules: Grouping) -> bool:
+    """Whether :func:`bulk_groups` groups by ``rules``: the tar stage's own (no renaming,
+    selecting, key function or extension filter; metadata skipped; samples as the shard has
+    them)."""
+    return (
+        rules.select_files is None
+        and rules.rename_files is None
+        and rules.keys is None
+        and rules.suffixes is None
+        and rules.skip_meta
+        and not rules.count_raw
+    )
+
+
+def bulk_groups(
+    stream: BinaryIO,
+    url: Optional[str],
+    rules: Grouping,
+    policy: ErrorPolicy,
+    notes: ShardNotes,
+    local_path: Optional[str] = None,
+    max_member_size: Optional[int] = None,
+    start: int = 0,
+) -> Iterator[Tuple[Optional[Dict[str, Any]], Any]]:
+    """``group_members(read_members(stream, url, max_member_size, start), url, rules, policy,
+    notes, local_path)``, the same items (see :func:`~webds.tar.grouper.group_members`), with
+    runs of small plain members grouped in bulk. ``rules`` must pass :func:`takes_rules`.
+
+    The stream is read into one buffer, reused (``readinto``): a new buffer per chunk cost more
+    in page faults than the bulk saves. Only an :class:`io.IOBase` stream is, whose
+    ``readinto`` reads what its ``read`` would (a wrapper that handed attributes on to the
+    stream it wraps would be read around); any other, and a compressed one, is read member by
+    member."""
+    readinto = _readinto(stream)
+    if readinto is None:
+        return _handed_over(b"", start, stream, url, rules, policy, notes, local_path,
+                            max_member_size, None, False)  # fmt: skip
+    return _bulk(readinto, stream, url, rules, policy, notes, local_path, max_member_size, start)
+
+
+def _readinto(stream: Any) -> Any:
+    """``stream.readinto`` where it reads what ``stream.read`` would, else None: an
+    :class:`io.IOBase`, or a wrapper whose class says it ``passes_through`` the reads of the
+    stream it wraps (``wrapped``) to one."""
+    inner = stream
+    while getattr(type(inner), "passes_through", False):  # (the type's: not handed on)
+        inner = inner.wrapped
+    return stream.readinto if isinstance(inner, io.IOBase) else None
+
+
+def _bulk(
+    readinto: Any,
+    stream: BinaryIO,
+    url: Optional[str],
+    rules: Grouping,
+    policy: ErrorPolicy,
+    notes: ShardNotes,
+    local_path: Optional[str],
+    max_member_size: Optional[int],
+    start: int,
+) -> Iterator[Tuple[Optional[Dict[str, Any]], Any]]:
+    np = _numpy()
+    store = bytearray(_FIRST)
+    view = memoryview(store)
+    array = np.frombuffer(store, np.uint8)
+    fill = _filler(readinto, url)
+    lcase = rules.lcase
+    fixed = 2 if local_path is None else 3  # __key__, __url__ and maybe __local_path__
+    names: Dict[bytes, str] = {}  # extension bytes -> the sample's field name
+    # The last sample given a start and not yet given; whether the sample at the buffer's start
+    # was given its start (in the round before: its first member was whole there).
+    pending: Optional[Dict[str, Any]] = None
+    started = False
+    base, at = start, 0  # ``at``: where in the buffer the member reader takes over
+    try:
+        size = readinto(view) or 0
+    except (NotImplementedError, io.UnsupportedOperation):
+        size = -1  # a stream with read() only (an io.RawIOBase that defines no readinto)
+    except WebdsError:
+        raise
+    except Exception as exn:
+        raise read_failed(exn, url) from exn
+    limit = _member_limit(max_member_size, None)
+    compressed = compression_of(bytes(view[:16])) is not None  # read member by member
+    while size > 0 and not compressed:
+        hoffs, cuts, keys, exts, firsts, more = _parse(np, array, size, limit)
+        samples = len(firsts) - 1  # (firsts ends with the number of members)
+        if not samples or (more and len(cuts) * _SMALL < size):
+            break  # not one plain member whole in the buffer; or large members
+        for j in range(samples):
+            a, b = firsts[j], firsts[j + 1]
+            if j == samples - 1:
+                at = hoffs[a]  # the last sample may go on: carried over, or handed over
+                if not (a == 0 and started):
+                    yield pending, base + at
+                    pending, started = None, True
+                break
+            sample = {"__key__": keys[j], "__url__": url}
+            if local_path is not None:
+                sample["__local_path__"] = local_path
+            for i in range(a, b):
+                field = names.get(exts[i])
+                if field is None:
+                    field = names[exts[i]] = _field_name(exts[i], lcase)
+                s, e = cuts[i]
+                sample[field] = bytes(view[s:e])
+            if len(sample) != fixed + b - a:  # an extension twice: the member reader says so
+                at, more = hoffs[a], False
+                break
+            if not (a == 0 and started):
+                yield pending, base + hoffs[a]
+            pending, started = sample, False
+        if not more or at == 0:
+            break  # something else than a plain member; or a sample as large as the buffer
+        kept = size - at
+        carried = bytes(view[at:size])  # (a copy: the two ranges may overlap)
+        if len(store) < _CHUNK:  # small members: from now on, read a chunk at a time
+            store = bytearray(_CHUNK)
+            view = memoryview(store)
+            array = np.frombuffer(store, np.uint8)
+        store[:kept] = carried
+        base, at = base + at, 0
+        size = kept + fill(view, kept)
+        if size == kept:
+            break  # the stream ended
+    # The stream ended, or the rest is not for bulk: it is read one member at a time.
+    rest = bytes(view[at:size]) if size > 0 else b""
+    store = view = array = None  # type: ignore[assignment]  # (not held while it reads on)
+    yield from _handed_over(rest, base + at, stream, url, rules, policy, notes, local_path,
+                            max_member_size, pending, started)  # fmt: skip
+
+
+def _filler(readinto: Any, url: Optional[str]) -> Any:
+    """``fill(view, k)``: one read into ``view`` after its first ``k`` bytes; the bytes read
+    (0 at the end). One: what was read is grouped before the next read, which may fail, as the
+    member reader would group it. Failures raise as the member reader raises them."""
+
+    def fill(view: memoryview, k: int) -> int:
+        try:
+            return readinto(view[k:]) or 0
+        except WebdsError:
+            raise
+        except Exception as exn:
+            raise read_failed(exn, url) from exn
+
+    return fill
+
+
+def _handed_over(
+    rest: bytes,
+    offset: int,
+    stream: BinaryIO,
+    url: Optional[str],
+    rules: Grouping,
+    policy: ErrorPolicy,
+    notes: ShardNotes,
+    local_path: Optional[str],
+    max_member_size: Optional[int],
+    pending: Optional[Dict[str, Any]],
+    started: bool,
+) -> Iterator[Tuple[Optional[Dict[str, Any]], Any]]:
+    """The members from stream offset ``offset`` on (``rest``, then the stream), grouped one by
+    one. The first start the member reader gives ends ``pending``, the last sample grouped in
+    bulk, or, where ``started``, was given already."""
+    members = _members(_Prefixed(rest, stream), None, url, max_member_size, offset)
+    groups = group_members(members, url, rules, policy, notes, local_path)
+    first = True
+    try:
+        for done, begins in groups:
+            if first:
+                first = False
+                if started:
+                    continue
+                done = pending
+            yield done, begins
+    finally:
+        groups.close()
+
+
+class _Prefixed:
+    """A stream that reads ``prefix`` first, then ``stream``."""
+
+    def __init__(self, prefix: bytes, stream: BinaryIO) -> None:
+        self.prefix, self.at, self.stream = memoryview(prefix), 0, stream
+
+    def read(self, n: int = -1) -> bytes:
+        left = len(self.prefix) - self.at
+        if left > 0:
+            n = left if n < 0 else min(n, left)
+            self.at += n
+            return bytes(self.prefix[self.at - n : self.at])
+        return self.stream.read(n)
+
+
+def _field_name(ext: bytes, lcase: bool) -> str:
+    name = ext.decode("utf-8", _SURROGATE)
+    return name.lower() if lcase else name
+
+
+_np: Any = None
+
+
+def _numpy() -> Any:
+    # Imported on the first shard read, not with webds: the command and the writers start fast.
+    global _np
+    if _np is None:
+        import numpy
+
+        _np = numpy
+    return _np
+
+
+_Parsed = Tuple[List[int], List[Tuple[int, int]], List[str], List[bytes], List[int], bool]
+
+
+def _parse(np: Any, array: Any, size_of_buf: int, limit: int) -> _Parsed:
+    """The whole members at the start of ``array[:size_of_buf]`` (``buf``, which starts with a
+    header) that the member reader would read as plain ``key.extension`` files, up to the first
+    that is anything else or does not lie whole in ``buf``: ``(header offsets, (data start,
+    data end) of each, each sample's key, each member's extension bytes, the index of each
+    sample's first member, more)``, the indexes ending with the number of members; ``more`` is
+    false where something other than the end of ``buf`` stopped it."""
+    nblocks = size_of_buf // 512
+    if nblocks == 0:
+        return [], [], [], [], [0], True
+    blocks = array[: nblocks * 512].reshape(nblocks, 512)
+    # Candidates: blocks with the ustar magic. The chain of sizes from the first header decides
+    # which are headers; a block of member data that looks like one breaks the chain.
+    cand = np.flatnonzero(blocks[:, 257] == 117)  # "u", then the rest of the magic
+    cand = cand[(blocks[cand, 257:265] == np.frombuffer(_MAGIC, np.uint8)).all(axis=1)]
+    if len(cand) == 0 or cand[0] != 0:
+        return [], [], [], [], [0], False
+    heads = blocks[cand]
+    digits = heads[:, 124:135].astype(np.int64) - 48
+    size = digits @ _powers(np, 11)
+    chk = heads[:, 148:154].astype(np.int64) - 48
+    data_end = cand * 512 + 512 + size
+    # Names: only as wide as the widest (the rest of every name field is NUL).
+    named = heads[:, :100] != 0
+    used = np.flatnonzero(named.any(axis=0))
+    width = int(used[-1]) + 1 if len(used) else 1
+    name, named = heads[:, :width], named[:, :width]
+    slash = name == 47
+    last_slash = np.where(slash.any(axis=1), width - 1 - np.argmax(slash[:, ::-1], axis=1), -1)
+    columns = np.arange(width)
+    dots = (name == 46) & (columns > last_slash[:, None])
+    key_len = np.argmax(dots, axis=1)
+    name_len = named.sum(axis=1)
+    # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
+    unsigned = heads.sum(axis=1, dtype=np.uint32).astype(np.int64)
+    unsigned += 256 - heads[:, 148:156].sum(axis=1, dtype=np.int64)
+    ok = (
+        ((digits >= 0) & (digits <= 7)).all(axis=1)
+        & ((heads[:, 135] == 0) | (heads[:, 135] == 32))
+        & ((chk >= 0) & (chk <= 7)).all(axis=1)
+        & (heads[:, 154] == 0)
+        & (heads[:, 155] == 32)
+        & (unsigned == chk @ _powers(np, 6))
+        & ((heads[:, 156] == 48) | (heads[:, 156] == 0))  # a regular file
+        & (heads[:, 345] == 0)  # no prefix field
+        # A name is its bytes up to the first NUL: no byte after a NUL.
+        & ~(named[:, 1:] & ~named[:, :-1]).any(axis=1)
+        & dots.any(axis=1)
+        & (key_len > last_slash + 1)  # a key.extension file name
+        & ~((heads[:, 0] == 95) & (heads[:, 1] == 95))  # maybe metadata ("__meta__")
+        & (size <= limit)
+        & (data_end <= size_of_buf)
+    )
+    following = cand + 1 + ((size + 511) >> 9)
+    # Members 0..m-1: each whole and plain, each the one its predecessor's size points to.
+    chained = ok.copy()
+    chained[1:] &= following[:-1] == cand[1:]
+    m = int(np.argmin(chained)) if not chained.all() else len(cand)
+    if m == 0:
+        return [], [], [], [], [0], bool(data_end[0] > size_of_buf)
+    nxt = int(following[m - 1])  # the block of the header after the last member taken
+    # More of the stream may continue the run: where that header is not whole in buf, or is
+    # one whose member is not. (A header that is whole in buf and not taken is something else.)
+    more = (nxt + 1) * 512 > size_of_buf or (
+        m < len(cand) and int(cand[m]) == nxt and bool(data_end[m] > size_of_buf)
+    )
+    name, key_len, name_len = name[:m], key_len[:m], name_len[:m]
+    in_key = columns < key_len[:, None]
+    new = np.ones(m, bool)
+    new[1:] = (key_len[1:] != key_len[:-1]) | ((name[1:] != name[:-1]) & in_key[1:]).any(axis=1)
+    firsts = np.flatnonzero(new)
+    nul = np.uint8(0)
+    keys = np.ascontiguousarray(np.where(in_key[firsts], name[firsts], nul))
+    ext_width = max(int((name_len - key_len).max()) - 1, 1)
+    at = key_len[:, None] + 1 + np.arange(ext_width)
+    ext = np.take_along_axis(name, np.minimum(at, width - 1), axis=1)
+    ext = np.where(at < name_len[:, None], ext, nul)
+    hoffs = cand[:m] * 512
+    starts = hoffs + 512
+    return (
+        hoffs.tolist(),
+        list(zip(starts.tolist(), (starts + size[:m]).tolist())),
+        [k.decode("utf-8", _SURROGATE) for k in keys.view(f"S{width}").ravel().tolist()],
+        np.ascontiguousarray(ext).view(f"S{ext_width}").ravel().tolist(),
+        firsts.tolist() + [m],
+        more,
+    )
+
+
+_POWERS: Dict[int, Any] = {}
+
+
+def _powers(np: Any, n: int) -> Any:
+    p = _POWERS.get(n)
+    if p is None:
+        p = _POWERS[n] = 8 ** np.arange(n - 1, -1, -1, dtype=np.int64)
+    return p
