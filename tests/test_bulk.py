@@ -189,14 +189,30 @@ def test_large_members_are_read_one_by_one(tmp_path, monkeypatch):
     assert bulked == members_ and handed == [0]
 
 
-def test_compressed_and_pax_shards_are_read_one_by_one(tmp_path):
+def test_webdataset_shards_in_bulk_and_compressed_ones_one_by_one(tmp_path, monkeypatch):
+    """webdataset writes a pax header with a float mtime before every member: those are taken
+    in bulk. A gzipped shard is read member by member."""
     members = [(f"{i:03d}.txt", b"x" * i) for i in range(100)]
-    for compress, fmt in [("gz", tarfile.USTAR_FORMAT), (None, tarfile.PAX_FORMAT)]:
-        path = write_tar(tmp_path / f"s-{compress}.tar", members, format=fmt, compress=compress)
-        with tarfile.open(path) as tf:  # (a pax header per member: the mtime)
-            assert fmt != tarfile.PAX_FORMAT or tf.getmembers()[0].pax_headers is not None
+    handed = watch_handovers(monkeypatch)
+    for compress, fmt in [(None, tarfile.PAX_FORMAT), ("gz", tarfile.USTAR_FORMAT)]:
+        path = tmp_path / f"s-{compress}.tar"
+        if compress is None:
+            tarfile_shard(path, members, fmt, random.Random(0))
+            with tarfile.open(path) as tf:
+                assert "mtime" in tf.getmembers()[0].pax_headers
+        else:
+            write_tar(path, members, format=fmt, compress=compress)
+        handed.clear()
         members_, bulked = both(path.read_bytes(), 1 << 20)
         assert bulked == members_ and len(bulked[0]) == 101
+        assert handed == ([bulked[0][-2][1]] if compress is None else [0])
+    wds = pytest.importorskip("webdataset")
+    with wds.TarWriter(str(tmp_path / "w.tar")) as sink:
+        for i in range(50):
+            sink.write({"__key__": f"{i:03d}", "txt": b"y" * i, "cls": str(i).encode()})
+    handed.clear()
+    members_, bulked = both((tmp_path / "w.tar").read_bytes(), 1 << 20)
+    assert bulked == members_ and len(bulked[0]) == 51 and handed == [bulked[0][-2][1]]
 
 
 def test_a_member_past_max_member_size_fails_alike(tmp_path, buffers):

@@ -10,7 +10,9 @@ It takes only what it can check exactly as :func:`~webds.tar.reader.read_members
 :func:`~webds.tar.grouper.group_members` would take it: POSIX ustar headers of regular files
 (type ``0``), their sizes and sums in the layout writers use (``%011o``, ``%06o\\0 ``), names
 without a prefix field that have a ``key.extension`` (not metadata), no extension twice in a
-sample. At anything else (a pax header, a GNU long name, a damaged header, the end of the
+sample; each maybe after a pax header whose records change nothing (the mtime tarfile and
+webdataset write before every member). At anything else (a pax header that names or sizes its
+member, a GNU long name, a damaged header, the end of the
 archive) and where members are large (over 8 KiB on average), it hands the stream over to
 those two at the first member of the sample in flight: every error, warning and end of stream
 is theirs, raised where they would raise it, after every sample before it. The samples, their
@@ -28,7 +30,7 @@ from ..errors import WebdsError
 from .compression import compression_of, read_failed
 from .fields import _SURROGATE
 from .grouper import Grouping, ShardNotes, group_members
-from .reader import _member_limit, _members
+from .reader import _harmless_pax, _member_limit, _members
 
 __all__ = ["bulk_groups", "takes_rules"]
 
@@ -126,7 +128,7 @@ def _bulk(
     limit = _member_limit(max_member_size, None)
     compressed = compression_of(bytes(view[:16])) is not None  # read member by member
     while size > 0 and not compressed:
-        hoffs, cuts, keys, exts, firsts, more = _parse(np, array, size, limit)
+        hoffs, cuts, keys, exts, firsts, more = _parse(np, store, array, size, limit)
         samples = len(firsts) - 1  # (firsts ends with the number of members)
         if not samples or (more and len(cuts) * _SMALL < size):
             break  # not one plain member whole in the buffer; or large members
@@ -256,13 +258,15 @@ def _numpy() -> Any:
 _Parsed = Tuple[List[int], List[Tuple[int, int]], List[str], List[bytes], List[int], bool]
 
 
-def _parse(np: Any, array: Any, size_of_buf: int, limit: int) -> _Parsed:
-    """The whole members at the start of ``array[:size_of_buf]`` (``buf``, which starts with a
-    header) that the member reader would read as plain ``key.extension`` files, up to the first
-    that is anything else or does not lie whole in ``buf``: ``(header offsets, (data start,
-    data end) of each, each sample's key, each member's extension bytes, the index of each
-    sample's first member, more)``, the indexes ending with the number of members; ``more`` is
-    false where something other than the end of ``buf`` stopped it."""
+def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) -> _Parsed:
+    """The whole members at the start of ``buf[:size_of_buf]`` (``array``: the same bytes, in
+    numpy; they start with a header) that the member reader would read as plain
+    ``key.extension`` files, each maybe after a pax header whose records change nothing (as
+    tarfile and webdataset write them), up to the first that is anything else or does not lie
+    whole in ``buf``: ``(where each member starts (its pax header's offset, where it has one),
+    (data start, data end) of each, each sample's key, each member's extension bytes, the index
+    of each sample's first member, more)``, the indexes ending with the number of members;
+    ``more`` is false where something other than the end of ``buf`` stopped it."""
     nblocks = size_of_buf // 512
     if nblocks == 0:
         return [], [], [], [], [0], True
@@ -278,6 +282,20 @@ def _parse(np: Any, array: Any, size_of_buf: int, limit: int) -> _Parsed:
     size = digits @ _powers(np, 11)
     chk = heads[:, 148:154].astype(np.int64) - 48
     data_end = cand * 512 + 512 + size
+    # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
+    unsigned = heads.sum(axis=1, dtype=np.uint32).astype(np.int64)
+    unsigned += 256 - heads[:, 148:156].sum(axis=1, dtype=np.int64)
+    whole = (
+        ((digits >= 0) & (digits <= 7)).all(axis=1)
+        & ((heads[:, 135] == 0) | (heads[:, 135] == 32))
+        & ((chk >= 0) & (chk <= 7)).all(axis=1)
+        & (heads[:, 154] == 0)
+        & (heads[:, 155] == 32)
+        & (unsigned == chk @ _powers(np, 6))
+        & (heads[:, 345] == 0)  # no prefix field
+        & (size <= limit)
+        & (data_end <= size_of_buf)
+    )
     # Names: only as wide as the widest (the rest of every name field is NUL).
     named = heads[:, :100] != 0
     used = np.flatnonzero(named.any(axis=0))
@@ -289,42 +307,49 @@ def _parse(np: Any, array: Any, size_of_buf: int, limit: int) -> _Parsed:
     dots = (name == 46) & (columns > last_slash[:, None])
     key_len = np.argmax(dots, axis=1)
     name_len = named.sum(axis=1)
-    # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
-    unsigned = heads.sum(axis=1, dtype=np.uint32).astype(np.int64)
-    unsigned += 256 - heads[:, 148:156].sum(axis=1, dtype=np.int64)
-    ok = (
-        ((digits >= 0) & (digits <= 7)).all(axis=1)
-        & ((heads[:, 135] == 0) | (heads[:, 135] == 32))
-        & ((chk >= 0) & (chk <= 7)).all(axis=1)
-        & (heads[:, 154] == 0)
-        & (heads[:, 155] == 32)
-        & (unsigned == chk @ _powers(np, 6))
-        & ((heads[:, 156] == 48) | (heads[:, 156] == 0))  # a regular file
-        & (heads[:, 345] == 0)  # no prefix field
+    typ = heads[:, 156]
+    member = (
+        whole
+        & ((typ == 48) | (typ == 0))  # a regular file
         # A name is its bytes up to the first NUL: no byte after a NUL.
         & ~(named[:, 1:] & ~named[:, :-1]).any(axis=1)
         & dots.any(axis=1)
         & (key_len > last_slash + 1)  # a key.extension file name
         & ~((heads[:, 0] == 95) & (heads[:, 1] == 95))  # maybe metadata ("__meta__")
-        & (size <= limit)
-        & (data_end <= size_of_buf)
     )
+    # A pax header of one block whose records change nothing, before a member (not another).
+    pax = whole & (typ == 120) & (size > 0) & (size <= 512)
+    for i in np.flatnonzero(pax).tolist():
+        start = int(cand[i]) * 512 + 512
+        pax[i] = _harmless_pax(buf, start, start + int(size[i])) is not None
+    pax[:-1] &= typ[1:] != 120
     following = cand + 1 + ((size + 511) >> 9)
-    # Members 0..m-1: each whole and plain, each the one its predecessor's size points to.
-    chained = ok.copy()
+    # Entries 0..m-1: each whole and taken, each the one its predecessor's size points to.
+    chained = member | pax
     chained[1:] &= following[:-1] == cand[1:]
     m = int(np.argmin(chained)) if not chained.all() else len(cand)
-    if m == 0:
-        return [], [], [], [], [0], bool(data_end[0] > size_of_buf)
-    nxt = int(following[m - 1])  # the block of the header after the last member taken
-    # More of the stream may continue the run: where that header is not whole in buf, or is
-    # one whose member is not. (A header that is whole in buf and not taken is something else.)
+    if m and pax[m - 1]:
+        m -= 1  # a pax header goes with its member
+    nxt = int(following[m - 1]) if m else 0  # the block of the first entry not taken
+    # More of the stream may continue the run: where the next header (or the member after a
+    # pax header) is not whole in buf, or its data is not. (One that is, not taken, is
+    # something else.)
     more = (nxt + 1) * 512 > size_of_buf or (
         m < len(cand) and int(cand[m]) == nxt and bool(data_end[m] > size_of_buf)
     )
-    name, key_len, name_len = name[:m], key_len[:m], name_len[:m]
+    if not more and m < len(cand) and int(cand[m]) == nxt and pax[m]:
+        after = int(following[m])
+        more = (after + 1) * 512 > size_of_buf or (
+            m + 1 < len(cand) and int(cand[m + 1]) == after and bool(data_end[m + 1] > size_of_buf)
+        )
+    members = np.flatnonzero(member[:m])
+    if len(members) == 0:
+        return [], [], [], [], [0], more
+    begins = cand * 512
+    begins[1:] = np.where(pax[:-1], begins[:-1], begins[1:])  # a member after a pax header
+    name, key_len, name_len = name[members], key_len[members], name_len[members]
     in_key = columns < key_len[:, None]
-    new = np.ones(m, bool)
+    new = np.ones(len(members), bool)
     new[1:] = (key_len[1:] != key_len[:-1]) | ((name[1:] != name[:-1]) & in_key[1:]).any(axis=1)
     firsts = np.flatnonzero(new)
     nul = np.uint8(0)
@@ -333,14 +358,13 @@ def _parse(np: Any, array: Any, size_of_buf: int, limit: int) -> _Parsed:
     at = key_len[:, None] + 1 + np.arange(ext_width)
     ext = np.take_along_axis(name, np.minimum(at, width - 1), axis=1)
     ext = np.where(at < name_len[:, None], ext, nul)
-    hoffs = cand[:m] * 512
-    starts = hoffs + 512
+    starts = cand[members] * 512 + 512
     return (
-        hoffs.tolist(),
-        list(zip(starts.tolist(), (starts + size[:m]).tolist())),
+        begins[members].tolist(),
+        list(zip(starts.tolist(), (starts + size[members]).tolist())),
         [k.decode("utf-8", _SURROGATE) for k in keys.view(f"S{width}").ravel().tolist()],
         np.ascontiguousarray(ext).view(f"S{ext_width}").ravel().tolist(),
-        firsts.tolist() + [m],
+        firsts.tolist() + [len(members)],
         more,
     )
 
