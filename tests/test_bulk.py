@@ -106,7 +106,7 @@ def random_shard(tmp_path: Path, rng: random.Random, k: int) -> bytes:
     return path.read_bytes()
 
 
-@pytest.mark.parametrize("case", range(40))
+@pytest.mark.parametrize("case", range(80))
 def test_random_shards_group_alike(tmp_path, buffers, case):
     rng = random.Random(case)
     data = random_shard(tmp_path, rng, case)
@@ -117,7 +117,7 @@ def test_random_shards_group_alike(tmp_path, buffers, case):
     assert bulked == members
 
 
-@pytest.mark.parametrize("case", range(60))
+@pytest.mark.parametrize("case", range(120))
 def test_damaged_shards_fail_alike(tmp_path, buffers, case):
     """A flipped byte, a cut, a zeroed block, a failing read: the same samples before the same
     error."""

@@ -318,10 +318,10 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
         & ~((heads[:, 0] == 95) & (heads[:, 1] == 95))  # maybe metadata ("__meta__")
     )
     # A pax header of one block whose records change nothing, before a member (not another).
-    pax = whole & (typ == 120) & (size > 0) & (size <= 512)
-    for i in np.flatnonzero(pax).tolist():
-        start = int(cand[i]) * 512 + 512
-        pax[i] = _harmless_pax(buf, start, start + int(size[i])) is not None
+    pax = whole & (typ == 120) & (size > 0) & (size <= 512) & (cand + 1 < nblocks)
+    headers = np.flatnonzero(pax)
+    if len(headers):
+        pax[headers] = _harmless(np, buf, blocks[cand[headers] + 1], cand[headers], size[headers])
     pax[:-1] &= typ[1:] != 120
     following = cand + 1 + ((size + 511) >> 9)
     # Entries 0..m-1: each whole and taken, each the one its predecessor's size points to.
@@ -367,6 +367,34 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
         firsts.tolist() + [len(members)],
         more,
     )
+
+
+_MTIME = b"mtime="
+
+
+def _harmless(np: Any, buf: bytearray, data: Any, where: Any, size: Any) -> Any:
+    """Whether each pax header's records (``data``: its data block, ``size`` bytes of records;
+    ``where``: its header's block) change nothing the member reader reads, as its
+    ``_harmless_pax`` says. The one record tarfile and webdataset write, ``"30 mtime=...\\n"``,
+    is recognised at once; other records are matched one header at a time."""
+    rows = np.arange(len(size))
+    width = min(int(size.max()), 99)  # (records of up to 99 bytes are recognised at once)
+    ends = np.minimum(size - 1, width - 1)
+    newline = data[:, :width] == 10
+    one_mtime = (
+        (size >= 10)
+        & (size <= 99)
+        & (data[:, 0] >= 48) & (data[:, 0] <= 57) & (data[:, 1] >= 48) & (data[:, 1] <= 57)
+        & ((data[:, 0].astype(np.int64) - 48) * 10 + data[:, 1] - 48 == size)  # one record
+        & (data[:, 2] == 32)
+        & (data[:, 3:9] == np.frombuffer(_MTIME, np.uint8)).all(axis=1)
+        & newline[rows, ends]
+        & ((newline & (np.arange(width) < size[:, None])).sum(axis=1) == 1)  # at its end only
+    )  # fmt: skip
+    for i in np.flatnonzero(~one_mtime).tolist():
+        start = int(where[i]) * 512 + 512
+        one_mtime[i] = _harmless_pax(buf, start, start + int(size[i])) is not None
+    return one_mtime
 
 
 _POWERS: Dict[int, Any] = {}
