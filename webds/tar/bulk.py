@@ -278,45 +278,12 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
     if len(cand) == 0 or cand[0] != 0:
         return [], [], [], [], [0], False
     heads = blocks[cand]
-    digits = heads[:, 124:135].astype(np.int64) - 48
-    size = digits @ _powers(np, 11)
-    chk = heads[:, 148:154].astype(np.int64) - 48
+    size, whole = _sizes_and_sums(np, heads, limit)
     data_end = cand * 512 + 512 + size
-    # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
-    unsigned = heads.sum(axis=1, dtype=np.uint32).astype(np.int64)
-    unsigned += 256 - heads[:, 148:156].sum(axis=1, dtype=np.int64)
-    whole = (
-        ((digits >= 0) & (digits <= 7)).all(axis=1)
-        & ((heads[:, 135] == 0) | (heads[:, 135] == 32))
-        & ((chk >= 0) & (chk <= 7)).all(axis=1)
-        & (heads[:, 154] == 0)
-        & (heads[:, 155] == 32)
-        & (unsigned == chk @ _powers(np, 6))
-        & (heads[:, 345] == 0)  # no prefix field
-        & (size <= limit)
-        & (data_end <= size_of_buf)
-    )
-    # Names: only as wide as the widest (the rest of every name field is NUL).
-    named = heads[:, :100] != 0
-    used = np.flatnonzero(named.any(axis=0))
-    width = int(used[-1]) + 1 if len(used) else 1
-    name, named = heads[:, :width], named[:, :width]
-    slash = name == 47
-    last_slash = np.where(slash.any(axis=1), width - 1 - np.argmax(slash[:, ::-1], axis=1), -1)
-    columns = np.arange(width)
-    dots = (name == 46) & (columns > last_slash[:, None])
-    key_len = np.argmax(dots, axis=1)
-    name_len = named.sum(axis=1)
+    whole &= data_end <= size_of_buf
+    name, width, key_len, name_len, keyed = _names(np, heads)
     typ = heads[:, 156]
-    member = (
-        whole
-        & ((typ == 48) | (typ == 0))  # a regular file
-        # A name is its bytes up to the first NUL: no byte after a NUL.
-        & ~(named[:, 1:] & ~named[:, :-1]).any(axis=1)
-        & dots.any(axis=1)
-        & (key_len > last_slash + 1)  # a key.extension file name
-        & ~((heads[:, 0] == 95) & (heads[:, 1] == 95))  # maybe metadata ("__meta__")
-    )
+    member = whole & ((typ == 48) | (typ == 0)) & keyed  # a regular file with a key.extension
     # A pax header of one block whose records change nothing, before a member (not another).
     pax = whole & (typ == 120) & (size > 0) & (size <= 512) & (cand + 1 < nblocks)
     headers = np.flatnonzero(pax)
@@ -348,7 +315,7 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
     begins = cand * 512
     begins[1:] = np.where(pax[:-1], begins[:-1], begins[1:])  # a member after a pax header
     name, key_len, name_len = name[members], key_len[members], name_len[members]
-    in_key = columns < key_len[:, None]
+    in_key = np.arange(width) < key_len[:, None]
     new = np.ones(len(members), bool)
     new[1:] = (key_len[1:] != key_len[:-1]) | ((name[1:] != name[:-1]) & in_key[1:]).any(axis=1)
     firsts = np.flatnonzero(new)
@@ -367,6 +334,50 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
         firsts.tolist() + [len(members)],
         more,
     )
+
+
+def _sizes_and_sums(np: Any, heads: Any, limit: int) -> Tuple[Any, Any]:
+    """Each header's member size, and whether the header is one the member reader would read
+    the same way in its plain loop: sizes and sums in the layout writers use, the sum right,
+    no prefix field, a size within ``limit``."""
+    digits = heads[:, 124:135].astype(np.int64) - 48
+    size = digits @ _powers(np, 11)
+    chk = heads[:, 148:154].astype(np.int64) - 48
+    # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
+    unsigned = heads.sum(axis=1, dtype=np.uint32).astype(np.int64)
+    unsigned += 256 - heads[:, 148:156].sum(axis=1, dtype=np.int64)
+    whole = (
+        ((digits >= 0) & (digits <= 7)).all(axis=1)
+        & ((heads[:, 135] == 0) | (heads[:, 135] == 32))
+        & ((chk >= 0) & (chk <= 7)).all(axis=1)
+        & (heads[:, 154] == 0)
+        & (heads[:, 155] == 32)
+        & (unsigned == chk @ _powers(np, 6))
+        & (heads[:, 345] == 0)  # no prefix field
+        & (size <= limit)
+    )
+    return size, whole
+
+
+def _names(np: Any, heads: Any) -> Tuple[Any, int, Any, Any, Any]:
+    """``(name bytes, as wide as the widest, that width, each key's length, each name's length,
+    whether each is a key.extension name grouped by the plain rules)``."""
+    named = heads[:, :100] != 0
+    used = np.flatnonzero(named.any(axis=0))
+    width = int(used[-1]) + 1 if len(used) else 1  # (the rest of every name field is NUL)
+    name, named = heads[:, :width], named[:, :width]
+    slash = name == 47
+    last_slash = np.where(slash.any(axis=1), width - 1 - np.argmax(slash[:, ::-1], axis=1), -1)
+    dots = (name == 46) & (np.arange(width) > last_slash[:, None])
+    key_len = np.argmax(dots, axis=1)
+    keyed = (
+        # A name is its bytes up to the first NUL: no byte after a NUL.
+        ~(named[:, 1:] & ~named[:, :-1]).any(axis=1)
+        & dots.any(axis=1)
+        & (key_len > last_slash + 1)  # a file name with a key and an extension
+        & ~((heads[:, 0] == 95) & (heads[:, 1] == 95))  # maybe metadata ("__meta__")
+    )
+    return name, width, key_len, named.sum(axis=1), keyed
 
 
 _MTIME = b"mtime="
