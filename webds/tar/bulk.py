@@ -30,7 +30,7 @@ from ..errors import WebdsError
 from .compression import compression_of, read_failed
 from .fields import _SURROGATE
 from .grouper import Grouping, ShardNotes, group_members
-from .reader import _harmless_pax, _member_limit, _members
+from .reader import _harmless_pax, _member_limit, read_members
 
 __all__ = ["bulk_groups", "takes_rules"]
 
@@ -207,7 +207,7 @@ def _handed_over(
     """The members from stream offset ``offset`` on (``rest``, then the stream), grouped one by
     one. The first start the member reader gives ends ``pending``, the last sample grouped in
     bulk, or, where ``started``, was given already."""
-    members = _members(_Prefixed(rest, stream), None, url, max_member_size, offset)
+    members = read_members(_Prefixed(rest, stream), url, max_member_size, offset)
     groups = group_members(members, url, rules, policy, notes, local_path)
     first = True
     try:

@@ -58,17 +58,14 @@ def uncompressed_chunks(stream: BinaryIO, url: Optional[str]) -> Iterator[bytes]
     yield from sniffed_chunks(stream, url)[1]
 
 
-def sniffed_chunks(
-    stream: BinaryIO, url: Optional[str], chunk: int = _CHUNK
-) -> Tuple[Optional[str], Iterator[bytes]]:
+def sniffed_chunks(stream: BinaryIO, url: Optional[str]) -> Tuple[Optional[str], Iterator[bytes]]:
     """``(compression, chunks)``: the compression sniffed from the first bytes (``"gzip"``,
-    ``"bzip2"``, ``"xz"`` or None for a plain stream) and :func:`uncompressed_chunks`; a plain
-    stream is read ``chunk`` bytes at a time."""
+    ``"bzip2"``, ``"xz"`` or None for a plain stream) and :func:`uncompressed_chunks`."""
     raw = _raw_reader(stream, url)
-    first = raw(chunk)
+    first = raw(_CHUNK)
     # A raw pipe or socket may return a few bytes at a time; get enough to see the magic.
     while 0 < len(first) < 512:
-        more = raw(chunk)
+        more = raw(_CHUNK)
         if not more:
             break
         first += more
@@ -81,7 +78,7 @@ def sniffed_chunks(
         return "xz", _decompress_stream(
             first, raw, url, "xz", lambda: lzma.LZMADecompressor(lzma.FORMAT_XZ)
         )
-    return None, _plain(first, raw, chunk)
+    return None, _plain(first, raw)
 
 
 def compression_of(first: bytes) -> Optional[str]:
@@ -95,10 +92,10 @@ def compression_of(first: bytes) -> Optional[str]:
     return None
 
 
-def _plain(first: bytes, raw: Callable[[int], bytes], chunk: int) -> Iterator[bytes]:
+def _plain(first: bytes, raw: Callable[[int], bytes]) -> Iterator[bytes]:
     while first:
         yield first
-        first = raw(chunk)
+        first = raw(_CHUNK)
 
 
 def _inflate(data: bytes, raw: Callable[[int], bytes], url: Optional[str]) -> Iterator[bytes]:

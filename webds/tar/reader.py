@@ -74,22 +74,7 @@ def read_members(
     compressed stream (default :data:`DEFAULT_MAX_MEMBER_SIZE`; a larger one raises before it is
     read); it applies to plain streams only when given.
     """
-    return _members(stream, None, url, max_member_size, start)
-
-
-def _members(
-    stream: Optional[BinaryIO],
-    sniffed: Optional[Tuple[Optional[str], Iterator[bytes]]],
-    url: Optional[str],
-    max_member_size: Optional[int],
-    start: int,
-) -> Iterator[Tuple[str, bytes, int]]:
-    """:func:`read_members` of ``stream``, or of the uncompressed chunks from ``start`` on of
-    one already sniffed (``(compression, chunks)``, see
-    :func:`~webds.tar.compression.sniffed_chunks`), as :mod:`webds.tar.bulk` hands them over."""
-    if sniffed is None:
-        sniffed = sniffed_chunks(stream, url)  # type: ignore[arg-type]
-    compression, chunks = sniffed
+    compression, chunks = sniffed_chunks(stream, url)
     limit = _member_limit(max_member_size, compression)
     # One generator, not two: a `yield from` layer costs ~10% on small members. The members most
     # shards are made of (a plain header; one after a pax header that changes nothing) are read
