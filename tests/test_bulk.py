@@ -153,9 +153,9 @@ def watch_handovers(monkeypatch: Any) -> List[int]:
     handed: List[int] = []
     real = bulk._handed_over
 
-    def handed_over(rest: bytes, offset: int, *args: Any) -> Any:
+    def handed_over(shard: Any, rest: bytes, offset: int, *args: Any) -> Any:
         handed.append(offset)
-        return real(rest, offset, *args)
+        return real(shard, rest, offset, *args)
 
     monkeypatch.setattr(bulk, "_handed_over", handed_over)
     return handed

@@ -12,10 +12,10 @@ It takes only what it can check exactly as :func:`~webds.tar.reader.read_members
 without a prefix field that have a ``key.extension`` (not metadata), no extension twice in a
 sample; each maybe after a pax header whose records change nothing (the mtime tarfile and
 webdataset write before every member). At anything else (a pax header that names or sizes its
-member, a GNU long name, a damaged header, the end of the
-archive) and where members are large (over 8 KiB on average), it hands the stream over to
-those two at the first member of the sample in flight: every error, warning and end of stream
-is theirs, raised where they would raise it, after every sample before it. The samples, their
+member, a GNU long name, a damaged header, the end of the archive) and where members are large
+(over 8 KiB on average), it hands the stream over to those two at the first member of the
+sample in flight: every error, warning and end of stream is theirs, raised where they would
+raise it, after every sample before it. The samples, their
 start offsets and the order are theirs too (tests/test_bulk.py compares both on random and
 damaged shards).
 """
@@ -23,7 +23,7 @@ damaged shards).
 from __future__ import annotations
 
 import io
-from typing import Any, BinaryIO, Dict, Iterator, List, Optional, Tuple
+from typing import Any, BinaryIO, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from ..base.handlers import ErrorPolicy
 from ..errors import WebdsError
@@ -57,6 +57,18 @@ def takes_rules(rules: Grouping) -> bool:
     )
 
 
+class _Shard(NamedTuple):
+    """One shard's stream and how its members are grouped (:func:`bulk_groups`'s arguments)."""
+
+    stream: BinaryIO
+    url: Optional[str]
+    rules: Grouping
+    policy: ErrorPolicy
+    notes: ShardNotes
+    local_path: Optional[str]
+    max_member_size: Optional[int]
+
+
 def bulk_groups(
     stream: BinaryIO,
     url: Optional[str],
@@ -76,11 +88,11 @@ def bulk_groups(
     ``readinto`` reads what its ``read`` would (a wrapper that handed attributes on to the
     stream it wraps would be read around); any other, and a compressed one, is read member by
     member."""
+    shard = _Shard(stream, url, rules, policy, notes, local_path, max_member_size)
     readinto = _readinto(stream)
     if readinto is None:
-        return _handed_over(b"", start, stream, url, rules, policy, notes, local_path,
-                            max_member_size, None, False)  # fmt: skip
-    return _bulk(readinto, stream, url, rules, policy, notes, local_path, max_member_size, start)
+        return _handed_over(shard, b"", start, None, False)
+    return _bulk(shard, readinto, start)
 
 
 def _readinto(stream: Any) -> Any:
@@ -94,22 +106,15 @@ def _readinto(stream: Any) -> Any:
 
 
 def _bulk(
-    readinto: Any,
-    stream: BinaryIO,
-    url: Optional[str],
-    rules: Grouping,
-    policy: ErrorPolicy,
-    notes: ShardNotes,
-    local_path: Optional[str],
-    max_member_size: Optional[int],
-    start: int,
+    shard: _Shard, readinto: Any, start: int
 ) -> Iterator[Tuple[Optional[Dict[str, Any]], Any]]:
-    np = _numpy()
+    import numpy as np  # (on the first shard read, not with webds: the command starts fast)
+
+    url, local_path = shard.url, shard.local_path
     store = bytearray(_FIRST)
     view = memoryview(store)
     array = np.frombuffer(store, np.uint8)
-    fill = _filler(readinto, url)
-    lcase = rules.lcase
+    lcase = shard.rules.lcase
     fixed = 2 if local_path is None else 3  # __key__, __url__ and maybe __local_path__
     names: Dict[bytes, str] = {}  # extension bytes -> the sample's field name
     # The last sample given a start and not yet given; whether the sample at the buffer's start
@@ -117,15 +122,8 @@ def _bulk(
     pending: Optional[Dict[str, Any]] = None
     started = False
     base, at = start, 0  # ``at``: where in the buffer the member reader takes over
-    try:
-        size = readinto(view) or 0
-    except (NotImplementedError, io.UnsupportedOperation):
-        size = -1  # a stream with read() only (an io.RawIOBase that defines no readinto)
-    except WebdsError:
-        raise
-    except Exception as exn:
-        raise read_failed(exn, url) from exn
-    limit = _member_limit(max_member_size, None)
+    size = _read_into(readinto, view, 0, url)
+    limit = _member_limit(shard.max_member_size, None)
     compressed = compression_of(bytes(view[:16])) is not None  # read member by member
     while size > 0 and not compressed:
         hoffs, cuts, keys, exts, firsts, more = _parse(np, store, array, size, limit)
@@ -165,48 +163,43 @@ def _bulk(
             array = np.frombuffer(store, np.uint8)
         store[:kept] = carried
         base, at = base + at, 0
-        size = kept + fill(view, kept)
+        size = kept + _read_into(readinto, view, kept, url)
         if size == kept:
             break  # the stream ended
     # The stream ended, or the rest is not for bulk: it is read one member at a time.
     rest = bytes(view[at:size]) if size > 0 else b""
     store = view = array = None  # type: ignore[assignment]  # (not held while it reads on)
-    yield from _handed_over(rest, base + at, stream, url, rules, policy, notes, local_path,
-                            max_member_size, pending, started)  # fmt: skip
+    yield from _handed_over(shard, rest, base + at, pending, started)
 
 
-def _filler(readinto: Any, url: Optional[str]) -> Any:
-    """``fill(view, k)``: one read into ``view`` after its first ``k`` bytes; the bytes read
-    (0 at the end). One: what was read is grouped before the next read, which may fail, as the
+def _read_into(readinto: Any, view: memoryview, k: int, url: Optional[str]) -> int:
+    """One read into ``view`` after its first ``k`` bytes; the bytes read (0 at the end; -1
+    where the first read finds the stream has no ``readinto``, as an io.RawIOBase that defines
+    only ``read``). One: what was read is grouped before the next read, which may fail, as the
     member reader would group it. Failures raise as the member reader raises them."""
-
-    def fill(view: memoryview, k: int) -> int:
-        try:
-            return readinto(view[k:]) or 0
-        except WebdsError:
+    try:
+        return readinto(view[k:]) or 0
+    except (NotImplementedError, io.UnsupportedOperation):
+        if k:
             raise
-        except Exception as exn:
-            raise read_failed(exn, url) from exn
-
-    return fill
+        return -1
+    except WebdsError:
+        raise
+    except Exception as exn:
+        raise read_failed(exn, url) from exn
 
 
 def _handed_over(
+    shard: _Shard,
     rest: bytes,
     offset: int,
-    stream: BinaryIO,
-    url: Optional[str],
-    rules: Grouping,
-    policy: ErrorPolicy,
-    notes: ShardNotes,
-    local_path: Optional[str],
-    max_member_size: Optional[int],
     pending: Optional[Dict[str, Any]],
     started: bool,
 ) -> Iterator[Tuple[Optional[Dict[str, Any]], Any]]:
     """The members from stream offset ``offset`` on (``rest``, then the stream), grouped one by
     one. The first start the member reader gives ends ``pending``, the last sample grouped in
     bulk, or, where ``started``, was given already."""
+    stream, url, rules, policy, notes, local_path, max_member_size = shard
     members = read_members(_Prefixed(rest, stream), url, max_member_size, offset)
     groups = group_members(members, url, rules, policy, notes, local_path)
     first = True
@@ -240,19 +233,6 @@ class _Prefixed:
 def _field_name(ext: bytes, lcase: bool) -> str:
     name = ext.decode("utf-8", _SURROGATE)
     return name.lower() if lcase else name
-
-
-_np: Any = None
-
-
-def _numpy() -> Any:
-    # Imported on the first shard read, not with webds: the command and the writers start fast.
-    global _np
-    if _np is None:
-        import numpy
-
-        _np = numpy
-    return _np
 
 
 _Parsed = Tuple[List[int], List[Tuple[int, int]], List[str], List[bytes], List[int], bool]
@@ -340,8 +320,9 @@ def _sizes_and_sums(np: Any, heads: Any, limit: int) -> Tuple[Any, Any]:
     """Each header's member size, and whether the header is one the member reader would read
     the same way in its plain loop: sizes and sums in the layout writers use, the sum right,
     no prefix field, a size within ``limit``."""
+    octal = 8 ** np.arange(10, -1, -1, dtype=np.int64)  # the place values of 11 digits
     digits = heads[:, 124:135].astype(np.int64) - 48
-    size = digits @ _powers(np, 11)
+    size = digits @ octal
     chk = heads[:, 148:154].astype(np.int64) - 48
     # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
     unsigned = heads.sum(axis=1, dtype=np.uint32).astype(np.int64)
@@ -352,7 +333,7 @@ def _sizes_and_sums(np: Any, heads: Any, limit: int) -> Tuple[Any, Any]:
         & ((chk >= 0) & (chk <= 7)).all(axis=1)
         & (heads[:, 154] == 0)
         & (heads[:, 155] == 32)
-        & (unsigned == chk @ _powers(np, 6))
+        & (unsigned == chk @ octal[5:])
         & (heads[:, 345] == 0)  # no prefix field
         & (size <= limit)
     )
@@ -406,13 +387,3 @@ def _harmless(np: Any, buf: bytearray, data: Any, where: Any, size: Any) -> Any:
         start = int(where[i]) * 512 + 512
         one_mtime[i] = _harmless_pax(buf, start, start + int(size[i])) is not None
     return one_mtime
-
-
-_POWERS: Dict[int, Any] = {}
-
-
-def _powers(np: Any, n: int) -> Any:
-    p = _POWERS.get(n)
-    if p is None:
-        p = _POWERS[n] = 8 ** np.arange(n - 1, -1, -1, dtype=np.int64)
-    return p
