@@ -270,3 +270,88 @@ def test_stats_time_the_bulk_reads(tmp_path, monkeypatch):
     assert len(handed) == 1 and handed[0] > 0  # in bulk, up to the last sample
     (reading,) = [s for s in ds.stats().stages if s.name == READING]
     assert reading.nbytes == path.stat().st_size
+
+
+# -- one step off: cut at a block boundary, entered at an index's offsets, resumed, remote ----
+
+
+def test_a_shard_cut_at_every_block_boundary_fails_alike(tmp_path, buffers):
+    """Cut at each 512-byte boundary (a member boundary among them: no end-of-archive marker),
+    the bulk path ends as the member reader does: the same samples, the same unmarked end or
+    error."""
+    members = [(f"{i:03d}.{ext}", b"z" * (i * 37 % 700)) for i in range(12) for ext in "ab"]
+    data = write_tar(tmp_path / "s.tar", members).read_bytes()
+    for cut in range(0, len(data) + 1, 512):
+        members_, bulked = both(data[:cut], 1 << 20)
+        assert bulked == members_, cut
+
+
+def small_buffers(monkeypatch: Any) -> None:
+    monkeypatch.setattr(bulk, "_FIRST", 2048)
+    monkeypatch.setattr(bulk, "_CHUNK", 2048)
+    monkeypatch.setattr(bulk, "_SMALL", 1024)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_index_windows_read_alike_with_buffers_samples_cross(tmp_path, monkeypatch, case):
+    """Planned segments entered at an index's offsets, through buffers most samples cross:
+    what the member reader reads, for every rank and worker."""
+    from test_access import random_shards
+    from test_windows import read_plan
+
+    from webds.shards.index import ShardIndex
+    from webds.tar import samples as tar_samples
+
+    rng = random.Random(case)
+    index = ShardIndex.build(random_shards(tmp_path, rng, rng.randint(1, 4)))
+    small_buffers(monkeypatch)
+    where = dict(seed=3, epoch=1, world_size=2, num_workers=2, balance="pad", granule=2)
+    for rank, worker in [(0, 0), (0, 1), (1, 0), (1, 1)]:
+        got = read_plan(index, offsets=True, rank=rank, worker=worker, **where)
+        with monkeypatch.context() as m:
+            m.setattr(tar_samples, "takes_rules", lambda rules: False)
+            want = read_plan(index, offsets=True, rank=rank, worker=worker, **where)
+        assert got == want
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 150, 299])
+def test_a_resume_through_buffers_samples_cross_is_exact(tmp_path, monkeypatch, k):
+    """Interrupted after k samples, saved, resumed in a new pipeline: the rest of the epoch,
+    each sample once, and the next epoch as it would be (shards of small records, buffers of
+    a few samples)."""
+    from test_resume import assert_exact
+
+    small_buffers(monkeypatch)
+    urls = []
+    for s in range(3):
+        members = [(f"s{s}-{i:04d}.{ext}", bytes([i % 256]) * (i % 300))
+                   for i in range(100) for ext in ("bin", "cls")]  # fmt: skip
+        urls.append(str(write_tar(tmp_path / f"r{s}.tar", members)))
+    handed = watch_handovers(monkeypatch)
+    assert_exact(
+        lambda: (
+            webds.WebDataset(urls, shardshuffle=True, seed=5)
+            .shuffle(20)
+            .map(lambda s: (s["__key__"], s["bin"]))
+        ),
+        k,
+    )
+    assert handed and all(offset > 0 for offset in handed)  # read in bulk up to the last sample
+
+
+def test_small_records_over_http_that_cuts_its_bodies(flaky_http_server, monkeypatch):
+    """Remote shards of small records, the server closing bodies mid-way (the reader resumes
+    them with range requests): read in bulk, every sample once, as the local copies read."""
+    urls, local = [], []
+    for s in range(2):
+        members = [(f"s{s}-{i:04d}.{ext}", random.Random(i).randbytes(i % 1500))
+                   for i in range(200) for ext in ("bin", "cls")]  # fmt: skip
+        path = write_tar(flaky_http_server.root / f"h{s}.tar", members)
+        urls.append(flaky_http_server.url(path.name))
+        local.append(str(path))
+    want = [(s["__key__"], s["bin"], s["cls"]) for s in webds.WebDataset(local)]
+    handed = watch_handovers(monkeypatch)
+    flaky_http_server.cut_each([70_000, 200_000, 5_000])
+    got = [(s["__key__"], s["bin"], s["cls"]) for s in webds.WebDataset(urls, readahead=False)]
+    assert got == want and flaky_http_server.faults_left["cut"] == 0  # every cut was met
+    assert len(handed) == 2 and all(offset > 0 for offset in handed)
