@@ -150,7 +150,7 @@ class FluidWrapper(DataPipeline, FluentMixin):
         self.append(initial)  # not through __init__, which would splice a list of samples
 
 
-@stage(count=SAME)
+@stage(count=SAME, runs=True)
 def _require_samples(src: Iterable[Any], urls: Any, *, ledger: Any = None) -> Iterator[Any]:
     """Raise if a single-process epoch yields nothing; in a worker, log why it may be empty.
 

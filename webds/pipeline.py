@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 from torch.utils.data import IterableDataset
 
 from .base.ledger import LEAF, Ledger, Pass, unconsumed
+from .base.runs import expanded, runs_span
 from .base.saved import PipelineState, StreamState, read_states
 
 # The stage machinery lives in webds.base.stage (no torch import); these names are importable
@@ -384,18 +385,21 @@ class DataPipeline(IterableDataset):
         tar stage skips consumed samples itself), not at the source: stages before may pick
         items by their place in the stream (``split_by_worker``)."""
         seed = self.effective_seed()
+        probe = ledger.probe = self.probe
+        # Where runs of samples go (webds.base.runs): not while resuming (the tar stage skips
+        # consumed samples one by one) nor measuring (stats count items stage by stage).
+        runs, until = (-1, -1) if ledger.resuming or probe is not None else runs_span(self.pipeline)
         for i, s in enumerate(self.pipeline):
             if hasattr(s, "set_epoch"):
                 s.set_epoch(epoch)
             if isinstance(s, Stage):
                 s.set_seed(seed)
-                s.set_ledger(ledger.at(i))
+                s.set_ledger(ledger.at(i, runs=i == runs))
                 s.threads = self.threads
         skip_at = -1
         if ledger.resuming:
             keeps = [isinstance(s, Stage) and s.factory.wants_ledger for s in self.pipeline]
             skip_at = next((i for i in range(1, len(keeps)) if keeps[i]), len(keeps))
-        probe = ledger.probe = self.probe
         if probe is not None:
             probe.begin(self.pipeline)
         it = self._source_items(ledger)
@@ -404,10 +408,14 @@ class DataPipeline(IterableDataset):
         for i, s in enumerate(self.pipeline[1:], 1):
             if i == skip_at and not s.factory.expands:
                 it = ledger.restore_order(unconsumed(it, ledger))
+            if i == until:
+                it = expanded(it)
             it = iter(s(it)) if probe is None else probe.wrap(iter(s(it)), i)
             its.append(it)
         if skip_at == len(self.pipeline):
             it = ledger.restore_order(unconsumed(it, ledger))
+        if until == len(self.pipeline):
+            it = expanded(it)
         try:
             yield from it
         finally:

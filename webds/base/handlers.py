@@ -17,7 +17,9 @@ import logging
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Generator, Iterable, Iterator, Optional
+
+from .runs import Run, mapped
 
 __all__ = [
     "Handler",
@@ -144,28 +146,55 @@ def apply_each(
     item)``, if given, runs first, to add where the item came from to the exception. With
     ``drop_none``, ``fn`` drops an item by returning ``None``; the number dropped is logged at
     DEBUG level. Exceptions from ``src`` itself are not handled here: they belong upstream.
+    A run of samples (:mod:`webds.base.runs`) goes through ``fn``'s column form where it has
+    one, else sample by sample: a stage built on this loop can take runs (``@stage(runs=True)``).
 
     A stage checks its arguments, then ends with ``return apply_each(src, decoder, handler,
     "decode")``: returning the loop, rather than ``yield from`` it, saves a generator hop per
     item, and argument errors are raised as soon as the stage is applied to its source.
     """
-    policy = ErrorPolicy(handler, stage)
+    return _each(src, fn, ErrorPolicy(handler, stage), annotate, drop_none, True)
+
+
+def _each(
+    src: Iterable[Any],
+    fn: Callable[[Any], Any],
+    policy: ErrorPolicy,
+    annotate: Optional[Callable[[BaseException, str, Any], None]],
+    drop_none: bool,
+    outer: bool,
+) -> Generator[Any, None, bool]:
+    """:func:`apply_each`'s loop; returns whether the handler stopped it. ``outer``: the loop
+    over the stage's source (not over one run's samples), which reports when it ends."""
     dropped = 0
     try:
         for item in src:
+            if type(item) is Run:
+                done = mapped(item, fn)
+                if done is not None:
+                    yield done
+                    continue
+                stopped = yield from _each(item.items(), fn, policy, annotate, drop_none, False)
+                if stopped:
+                    return True
+                continue
             try:
                 result = fn(item)
             except Exception as exn:
                 if annotate is not None:
-                    annotate(exn, stage, item)
+                    annotate(exn, policy.stage, item)
                 if policy(exn):
                     continue
-                break
+                return True
             if drop_none and result is None:
                 dropped += 1
                 continue
             yield result
+        return False
     finally:
-        policy.report()
+        if outer:
+            policy.report()
         if dropped:
-            log.debug("webds: %s returned None for %d item(s), which were dropped", stage, dropped)
+            log.debug(
+                "webds: %s returned None for %d item(s), which were dropped", policy.stage, dropped
+            )

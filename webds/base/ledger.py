@@ -178,9 +178,10 @@ class Ledger:
             slot = self._slots[position] = Slot(self, position)
         return slot
 
-    def at(self, position: int) -> "StageLedger":
-        """This ledger as the stage at ``position`` sees it."""
-        return StageLedger(self, position)
+    def at(self, position: int, runs: bool = False) -> "StageLedger":
+        """This ledger as the stage at ``position`` sees it (``runs``: it may yield runs of
+        samples, see :mod:`webds.base.runs`)."""
+        return StageLedger(self, position, runs)
 
     def restore_plan(self) -> "RestorePlan":
         """Who held what at the checkpoint resumed from (empty when not resuming)."""

@@ -247,13 +247,15 @@ class RestorePlan:
 
 class StageLedger:
     """The pipeline's :class:`Ledger` as the stage at ``position`` sees it: its own
-    :meth:`slot`, everything else shared (``ledger.current`` is the pipeline's)."""
+    :meth:`slot`, everything else shared (``ledger.current`` is the pipeline's). ``runs``: the
+    stages after it take runs of samples (:mod:`webds.base.runs`), so it may yield them."""
 
-    __slots__ = ("ledger", "position")
+    __slots__ = ("ledger", "position", "runs")
 
-    def __init__(self, ledger: Ledger, position: int) -> None:
+    def __init__(self, ledger: Ledger, position: int, runs: bool = False) -> None:
         self.ledger = ledger
         self.position = position
+        self.runs = runs
 
     @property
     def current(self) -> Any:

@@ -121,6 +121,7 @@ class StageFactory:
         count: Optional[Count] = None,
         stateless: bool = False,
         expands: bool = False,
+        runs: bool = False,
     ) -> None:
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -148,6 +149,8 @@ class StageFactory:
             )
         #: It reads samples out of each source item and records each in the ledger itself.
         self.expands = expands
+        #: Its source may hold runs of samples, which it passes on (:mod:`webds.base.runs`).
+        self.takes_runs = runs
         #: What the stage owes a resume: LEDGER, STATELESS, or None (undeclared: refused).
         self.resume: Optional[str] = (
             LEDGER if self.wants_ledger else STATELESS if stateless else None
@@ -244,6 +247,7 @@ def stage(
     count: Optional[Count] = None,
     stateless: bool = False,
     expands: bool = False,
+    runs: bool = False,
 ) -> Any:
     """Turn a generator function ``fn(src, *params)`` into a curried stage factory.
 
@@ -255,10 +259,13 @@ def stage(
     ``@stage(expands=True)``: it reads samples out of each source item (a shard) and numbers
     and records each in the ledger itself (``tarfile_to_samples``); the pipeline then only
     says which source item is current, and leaves skipping consumed samples to it.
+    ``@stage(runs=True)``: its source may hold runs of samples (:mod:`webds.base.runs`), which
+    it passes on, mapped in columns or taken apart (as :func:`~webds.base.handlers.apply_each`
+    does); the pipeline sends runs to no other stage.
     """
     if fn is None:
-        return lambda f: StageFactory(f, count, stateless, expands)
-    return StageFactory(fn, count, stateless, expands)
+        return lambda f: StageFactory(f, count, stateless, expands, runs)
+    return StageFactory(fn, count, stateless, expands, runs)
 
 
 class Stateless:

@@ -179,6 +179,13 @@ def _decoded_image(handler: ImageHandler, data: bytes) -> Any:
     return decode_image(data, handler.imagespec, handler.fast_jpeg, handler.max_pixels)
 
 
+def pure_route(route: Route) -> bool:
+    """Whether every function of ``route`` is one of webds's decoders, which depend on the
+    field's bytes alone and change nothing: a run of samples may go through them in columns
+    (:mod:`webds.base.runs`), and again one by one where a column fails."""
+    return all(getattr(f, "func", f) in _PURE for f in route)
+
+
 def imagehandler(
     imagespec: str,
     extensions: Union[str, Iterable[str]] = IMAGE_EXTENSIONS,
@@ -279,6 +286,9 @@ def _text_loads(data: bytes) -> str:
 
 
 _PICKLE_EXTS = ("pyd", "pickle", "pkl")
+
+#: Route functions that never return None: a column of fields goes through one with map alone.
+ALWAYS_DECODE = frozenset((_int_loads, _text_loads))
 
 
 class BasicHandlers:
@@ -384,3 +394,6 @@ def torch_audio(key: str, data: bytes) -> Any:
             "(matching your torch version)"
         ) from None
     return _media_via_tempfile(key, data, torchaudio.load)
+
+
+_PURE = frozenset((*BasicHandlers._table.values(), _decoded_image))

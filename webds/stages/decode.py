@@ -21,9 +21,10 @@ import copy
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 
 from ..base.handlers import Handler, reraise_exception
+from ..base.runs import Run
 from ..base.stage import SAME, stage
 from ..errors import ArgumentError, DecodeError, SecureModeError
-from .codecs import BasicHandlers, Route, imagehandler, imagespecs
+from .codecs import ALWAYS_DECODE, BasicHandlers, Route, imagehandler, imagespecs, pure_route
 from .limits import FIELD_CODECS, MAX_FIELD_BYTES, MAX_PIXELS, check_max, decompress_field
 from .threads import apply_maybe_threaded, check_threads
 
@@ -245,6 +246,39 @@ class Decoder:
     def __call__(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
         return self.decode(sample)
 
+    def over_run(self, run: Run) -> Optional[Run]:
+        """:meth:`decode` of every sample of ``run``, column by column (None where a field
+        needs it sample by sample: a handler that is not webds's own, or a field that is not
+        the reader's bytes); see :mod:`webds.base.runs`."""
+        columns, raw = run.columns, run.raw
+        if columns is None:
+            return None
+        routes = self._routes()
+        only = self.only
+        result: Dict[str, List[Any]] = {}
+        kept = set()
+        for k, column in columns.items():
+            if k[:2] == "__" or (only is not None and k not in only):
+                result[k] = column  # (the reader's __key__ and __url__ are str)
+                if k in raw:
+                    kept.add(k)
+                continue
+            if k not in raw:
+                return None
+            route = routes.get(k, _UNPLANNED)
+            if route is _UNPLANNED:
+                route = routes[k] = self._route(k)
+            if route is None or not pure_route(route):
+                return None
+            if not route:
+                result[k] = column
+                kept.add(k)
+            elif len(route) == 1 and route[0] in ALWAYS_DECODE:
+                result[k] = list(map(route[0], column))
+            else:
+                result[k] = [_decoded(route, v) for v in column]
+        return run.with_columns(result, frozenset(kept))
+
     def _routes(self) -> Dict[str, Optional[Route]]:
         # Each field name's route, worked out on first sight. Kept with the chain it was worked
         # out from, so that a chain changed afterwards (even in place) is routed afresh.
@@ -286,6 +320,15 @@ class Decoder:
 
     def __repr__(self) -> str:
         return f"Decoder({self.handlers!r}, only={self.only!r}, partial={self.partial})"
+
+
+def _decoded(route: Route, data: bytes) -> Any:
+    """What :meth:`Decoder.decode` makes of a field by its route."""
+    for f in route:
+        value = f(data)
+        if value is not None:
+            return value
+    return data
 
 
 def _decode_error(exn: Exception, url: Any, key: Any, field: str) -> DecodeError:
@@ -372,7 +415,7 @@ def make_decoder(
     )
 
 
-@stage(count=SAME)
+@stage(count=SAME, runs=True)
 def decode(
     src: Iterable[Mapping[str, Any]],
     *args: Union[str, KeyHandler, Decoder],

@@ -25,6 +25,7 @@ from typing import (
 )
 
 from ..base.handlers import Handler, apply_each, reraise_exception
+from ..base.runs import Run
 from ..base.stage import SAME, stage
 from ..errors import ArgumentError, MissingFieldError, SampleError
 from .filters import _annotate, _check_callable, _where, identity
@@ -217,7 +218,7 @@ def rename(
     return apply_each(src, apply, handler, "rename")
 
 
-@stage(count=SAME, stateless=True)
+@stage(count=SAME, stateless=True, runs=True)
 def to_tuple(
     src: Iterable[Any],
     *args: Fields,
@@ -265,6 +266,22 @@ def to_tuple(
             result.append(value)
         return tuple(result)
 
+    def over_run(run: Run) -> Optional[Run]:
+        # Every sample of a run has the same fields, none of them None (webds.base.runs).
+        columns = run.columns
+        if columns is None:
+            return None
+        picked = []
+        for alternatives in spec:
+            for name in alternatives:
+                if name in columns:
+                    picked.append(columns[name])
+                    break
+            else:
+                return None  # missing: an error or a None, sample by sample
+        return run.with_rows(list(zip(*picked)))
+
+    apply.over_run = over_run  # type: ignore[attr-defined]
     return apply_each(src, apply, handler, "to_tuple")
 
 

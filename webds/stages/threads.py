@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
 from ..base.handlers import ErrorPolicy, Handler, apply_each, log
+from ..base.runs import expanded
 from ..errors import ArgumentError
 
 __all__ = ["apply_threaded", "apply_maybe_threaded", "check_threads"]
@@ -56,7 +57,14 @@ def apply_maybe_threaded(
     if threads == 0:
         return apply_each(src, fn, handler, stage, annotate=annotate, drop_none=drop_none)
     return apply_threaded(
-        src, fn, handler, stage, threads, ledger=ledger, annotate=annotate, drop_none=drop_none
+        expanded(src),  # (runs of samples, see webds.base.runs: their samples in the pool)
+        fn,
+        handler,
+        stage,
+        threads,
+        ledger=ledger,
+        annotate=annotate,
+        drop_none=drop_none,
     )
 
 

@@ -26,6 +26,7 @@ import io
 from typing import Any, BinaryIO, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 from ..base.handlers import ErrorPolicy
+from ..base.runs import Run
 from ..errors import WebdsError
 from .compression import compression_of, read_failed
 from .fields import _SURROGATE
@@ -78,10 +79,14 @@ def bulk_groups(
     local_path: Optional[str] = None,
     max_member_size: Optional[int] = None,
     start: int = 0,
-) -> Iterator[Tuple[Optional[Dict[str, Any]], Any]]:
+    runs: bool = False,
+) -> Iterator[Tuple[Any, Any]]:
     """``group_members(read_members(stream, url, max_member_size, start), url, rules, policy,
     notes, local_path)``, the same items (see :func:`~webds.tar.grouper.group_members`), with
     runs of small plain members grouped in bulk. ``rules`` must pass :func:`takes_rules`.
+    With ``runs``, the samples of a chunk whose samples all have the same fields come as one
+    :class:`~webds.base.runs.Run` (with the start of the sample after it), not one by one: the
+    same samples, as columns (what comes between them and the starts they skip is nothing).
 
     The stream is read into one buffer, reused (``readinto``): a new buffer per chunk cost more
     in page faults than the bulk saves. Only an :class:`io.IOBase` stream is, whose
@@ -92,7 +97,7 @@ def bulk_groups(
     readinto = _readinto(stream)
     if readinto is None:
         return _handed_over(shard, b"", start, None, False)
-    return _bulk(shard, readinto, start)
+    return _bulk(shard, readinto, start, runs)
 
 
 def _readinto(stream: Any) -> Any:
@@ -105,9 +110,7 @@ def _readinto(stream: Any) -> Any:
     return stream.readinto if isinstance(inner, io.IOBase) else None
 
 
-def _bulk(
-    shard: _Shard, readinto: Any, start: int
-) -> Iterator[Tuple[Optional[Dict[str, Any]], Any]]:
+def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tuple[Any, Any]]:
     import numpy as np  # (on the first shard read, not with webds: the command starts fast)
 
     url, local_path = shard.url, shard.local_path
@@ -130,7 +133,8 @@ def _bulk(
         samples = len(firsts) - 1  # (firsts ends with the number of members)
         if not samples or (more and len(cuts) * _SMALL < size):
             break  # not one plain member whole in the buffer; or large members
-        for j in range(samples):
+        j = 0
+        while j < samples:
             a, b = firsts[j], firsts[j + 1]
             if j == samples - 1:
                 at = hoffs[a]  # the last sample may go on: carried over, or handed over
@@ -138,6 +142,14 @@ def _bulk(
                     yield pending, base + at
                     pending, started = None, True
                 break
+            run = _run(view, cuts, keys, exts, firsts, j, names, shard) if runs else None
+            if run is not None:  # samples j.. alike: one item (pending ends where they start)
+                if not (a == 0 and started):
+                    yield pending, base + hoffs[a]
+                j += run.count
+                yield run, base + hoffs[firsts[j]]
+                pending, started = None, False
+                continue
             sample = {"__key__": keys[j], "__url__": url}
             if local_path is not None:
                 sample["__local_path__"] = local_path
@@ -153,6 +165,7 @@ def _bulk(
             if not (a == 0 and started):
                 yield pending, base + hoffs[a]
             pending, started = sample, False
+            j += 1
         if not more or at == 0:
             break  # something else than a plain member; or a sample as large as the buffer
         kept = size - at
@@ -170,6 +183,60 @@ def _bulk(
     rest = bytes(view[at:size]) if size > 0 else b""
     store = view = array = None  # type: ignore[assignment]  # (not held while it reads on)
     yield from _handed_over(shard, rest, base + at, pending, started)
+
+
+def _run(
+    view: memoryview,
+    cuts: List[Tuple[int, int]],
+    keys: List[str],
+    exts: List[bytes],
+    firsts: List[int],
+    j: int,
+    names: Dict[bytes, str],
+    shard: _Shard,
+) -> Optional[Run]:
+    """Samples ``j``, ``j + 1``, ... of a chunk (not its last, which may go on in the next) as
+    one run, as long as each has the same extensions in the same order as sample ``j`` (and no
+    field twice); None where fewer than two do. (``names``: the field name of each extension,
+    filled in.)"""
+    a = firsts[j]
+    k = firsts[j + 1] - a
+    pattern = exts[a : a + k]
+    last = len(firsts) - 2  # (firsts ends with the number of members)
+    count = last - j
+    members = k * count
+    if firsts[last] != a + members or exts[a : a + members] != pattern * count:
+        # Not all alike: as many as are, one by one.
+        count = 1
+        while (
+            j + count < last
+            and firsts[j + count + 1] - firsts[j + count] == k
+            and exts[a + k * count : a + k * (count + 1)] == pattern
+        ):
+            count += 1
+        members = k * count
+    elif firsts[j : j + count + 1] != list(range(a, a + members + 1, k)):
+        return None
+    if count < 2:
+        return None
+    fields = []
+    for ext in pattern:
+        field = names.get(ext)
+        if field is None:
+            field = names[ext] = _field_name(ext, shard.rules.lcase)
+        fields.append(field)
+    columns: Dict[str, List[Any]] = {
+        "__key__": keys[j : j + count],
+        "__url__": [shard.url] * count,
+    }
+    if shard.local_path is not None:
+        columns["__local_path__"] = [shard.local_path] * count
+    fixed = len(columns)
+    for p, field in enumerate(fields):
+        columns[field] = [bytes(view[s:e]) for s, e in cuts[a + p : a + members : k]]
+    if len(columns) != fixed + k:
+        return None  # a field twice (or one named as the reader's): the member reader says
+    return Run(columns, None, count, frozenset(fields))
 
 
 def _read_into(readinto: Any, view: memoryview, k: int, url: Optional[str]) -> int:

@@ -33,6 +33,7 @@ from typing import (
 
 from ..base.handlers import ErrorPolicy, Handler, reraise_exception
 from ..base.ledger import StageLedger, item_id, shard_of
+from ..base.runs import Run
 from ..base.stage import stage
 from ..errors import ArgumentError, ShardReadError
 from ..io.readahead import (
@@ -113,6 +114,7 @@ def tarfile_to_samples(
     """
     shared = ledger.ledger if isinstance(ledger, StageLedger) else ledger
     how = _Reading(
+        isinstance(ledger, StageLedger) and ledger.runs,
         Grouping(select_files, rename_files, lcase, unmarked_end=True),
         max_member_size,
         sample_starts,
@@ -132,6 +134,7 @@ def tarfile_to_samples(
 class _Reading(NamedTuple):
     """How :func:`tarfile_to_samples` reads (its arguments, less the handler and the ledger)."""
 
+    runs: bool  # runs of samples may be yielded (webds.base.runs): the next stages take them
     rules: Grouping
     max_member_size: Optional[int]
     sample_starts: Optional[List[int]]
@@ -173,13 +176,10 @@ def _read_samples(
             try:
                 try:
                     url, stream, lpath = opened() if probe is None else probe.open(opened)
-                    if takes_rules(rules):
-                        groups = bulk_groups(
-                            stream, url, rules, policy, notes, lpath, how.max_member_size, entry
-                        )
-                    else:
-                        members = read_members(stream, url, how.max_member_size, entry)
-                        groups = group_members(members, url, rules, policy, notes, lpath)
+                    # Runs where each sample needs nothing but its ledger record (below).
+                    runs = how.runs and win is None and (first, last) == (0, _NO_RANGE)
+                    runs = runs and base >= 0 and not resuming and starts is None
+                    groups = _grouped(stream, url, rules, policy, notes, lpath, how, entry, runs)
                     for done, start in groups:
                         if start is END:  # the members are all read: the stream is closed first
                             s, stream = stream, None
@@ -187,7 +187,10 @@ def _read_samples(
                             _end_of_shard(s, url, ends, last, indexed, notes, how.unterminated)
                         elif bounds is not None and (done is not None or n == win.first):
                             _check_start(url, bounds, n + (done is not None), start)
-                        if done is not None:
+                        if type(done) is Run:
+                            yield done.bind(ledger, base | n)  # (records its samples)
+                            n += done.count
+                        elif done is not None:
                             if n >= first and done is not ALL_FILTERED:
                                 if base < 0:
                                     yield done
@@ -233,6 +236,27 @@ def _read_samples(
     finally:
         shards.close()  # cancels the shards fetched ahead and not read
         policy.report()
+
+
+def _grouped(
+    stream: Any,
+    url: str,
+    rules: Grouping,
+    policy: ErrorPolicy,
+    notes: ShardNotes,
+    local_path: Optional[str],
+    how: _Reading,
+    entry: int,
+    runs: bool,
+) -> Iterator[Tuple[Any, Any]]:
+    """The shard's members from stream offset ``entry``, grouped (in bulk where the rules
+    allow; with ``runs``, maybe in runs of samples)."""
+    if takes_rules(rules):
+        return bulk_groups(
+            stream, url, rules, policy, notes, local_path, how.max_member_size, entry, runs
+        )
+    members = read_members(stream, url, how.max_member_size, entry)
+    return group_members(members, url, rules, policy, notes, local_path)
 
 
 def _end_of_shard(

@@ -1,0 +1,346 @@
+"""Runs of samples (webds.base.runs) change nothing but speed: a pipeline gives with runs what it
+gives without them, item for item, the same error after the same items, the same checkpoint
+after every item, on random shards (mostly samples alike, now and then one that is not: other
+fields, a field twice, metadata, a name without a dot, a large member, a label that is not a
+number, a JSON null) through random chains of stages, some that take runs and some that do not,
+with error handlers that raise and that skip, in one process and in DataLoader workers. And runs
+are really used where they can be, and a handler of yours never sees a field twice."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import tarfile
+from pathlib import Path
+from typing import Any, Callable, List, Tuple
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_tar
+from test_access import tarfile_shard
+from test_resume import assert_exact
+
+import webds
+from webds import pipeline as pipeline_module
+from webds.base import runs as runs_module
+from webds.stages.decode import Decoder
+from webds.tar import bulk
+
+
+def without_runs(monkeypatch: Any) -> None:
+    monkeypatch.setattr(pipeline_module, "runs_span", lambda stages: (-1, -1))
+
+
+def shard(path: Path, rng: random.Random, k: int) -> str:
+    """A shard of samples alike (bin, cls, maybe txt/json), now and then one that is not."""
+    layout = rng.choice([["bin", "cls"], ["cls", "bin", "txt"], ["json", "cls"], ["bin"]])
+    members: List[Tuple[str, bytes]] = []
+    for j in range(rng.randint(0, 60)):
+        key = f"s{k}-{j:04d}"
+        exts = list(layout)
+        odd = rng.random()
+        if odd < 0.03:
+            exts = exts[:-1] or ["txt"]  # fewer fields
+        elif odd < 0.05:
+            exts = exts + ["seg.png"]  # more
+        elif odd < 0.06:
+            exts = exts + [exts[0]]  # a field twice
+        elif odd < 0.07:
+            exts = [e.upper() for e in exts]  # the same fields, lower-cased
+        for ext in exts:
+            if ext.lower() == "cls":
+                data = str(j).encode() if rng.random() > 0.02 else b"not a number"
+            elif ext == "json":
+                data = rng.choice([b"null", b'{"a": 1}', b"[1, 2]"])
+            elif ext == "txt":
+                data = f"caf\u00e9 {j}".encode()
+            else:
+                size = rng.choice([0, 1, 100, 700, 1500]) if rng.random() > 0.02 else 40_000
+                data = rng.randbytes(size)
+            members.append((f"{key}.{ext}", data))
+        if rng.random() < 0.02:
+            members.append(("__meta__", b"{}"))
+        if rng.random() < 0.02:
+            members.append((f"s{k}-README", b"no extension"))
+    out = path / f"shard-{k}.tar"
+    if rng.random() < 0.3:
+        tarfile_shard(out, members, tarfile.PAX_FORMAT, rng)  # as webdataset writes them
+    else:
+        write_tar(out, members)
+    return str(out)
+
+
+def plain(x: Any) -> Any:
+    """An item in comparable form (tensors and arrays as lists)."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return ("array", x.tolist())
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(plain(v) for v in x)
+    return x
+
+
+def outcome(items: Any, most: int = 10_000) -> Tuple[List[Any], Any]:
+    got: List[Any] = []
+    try:
+        for item in itertools.islice(items, most):
+            got.append(plain(item))
+    except Exception as exn:
+        return got, (type(exn).__name__, str(exn))
+    return got, None
+
+
+def key_of(s: Any) -> Any:
+    return s["__key__"] if isinstance(s, dict) else s
+
+
+#: Stages to chain: (name, stage, whether it takes runs).
+CHOICES: List[Tuple[str, Callable[[Any], Any]]] = [
+    ("decode", lambda ds, h: ds.decode(handler=h)),
+    ("decode-only", lambda ds, h: ds.decode(only="cls", handler=h)),
+    ("decode-threads", lambda ds, h: ds.decode(handler=h, threads=2)),
+    ("to_tuple", lambda ds, h: ds.to_tuple("bin;json", "cls", handler=h)),
+    ("to_tuple-missing", lambda ds, h: ds.to_tuple("txt", "bin", missing_is_error=False)),
+    ("to_tuple-key", lambda ds, h: ds.to_tuple("__key__", "cls;CLS", handler=h)),
+    ("map", lambda ds, h: ds.map(lambda s: s, handler=h)),
+    ("rename", lambda ds, h: ds.rename(label="cls", handler=h)),
+    ("select", lambda ds, h: ds.select(lambda s: True)),
+    ("shuffle", lambda ds, h: ds.shuffle(7)),
+    ("batched", lambda ds, h: ds.batched(5, collation_fn=list)),
+]
+
+
+def random_pipeline(urls: List[str], rng: random.Random) -> Callable[[], Any]:
+    chosen = [rng.choice(CHOICES) for _ in range(rng.randint(0, 4))]
+    if chosen and rng.random() < 0.7:  # mostly a stage that takes runs first
+        chosen[0] = rng.choice(CHOICES[:6])
+    handler = rng.choice([webds.reraise_exception, webds.warn_and_continue])
+    shardshuffle = rng.random() < 0.5
+    local = rng.random() < 0.2
+    check = rng.random() < 0.5  # (with it, a stage that takes runs after the reader)
+
+    def make() -> Any:
+        ds = webds.WebDataset(urls, shardshuffle=shardshuffle, seed=3, empty_check=check,
+                              handler=handler)  # fmt: skip
+        if local:
+            ds = webds.DataPipeline(
+                webds.SimpleShardList(urls), webds.tarfile_to_samples(handler=handler)
+            )
+            ds.seed = 3  # (the shuffle's draws, alike in both)
+        for _, add in chosen:
+            ds = add(ds, handler) if not local else ds.compose(*add(_Fluent(), handler).stages)
+        return ds
+
+    make.chosen = [name for name, _ in chosen]  # type: ignore[attr-defined]
+    return make
+
+
+class _Fluent:
+    """Collects the stages a fluent call appends (to chain them onto a DataPipeline)."""
+
+    def __init__(self) -> None:
+        self.stages: List[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def add(*args: Any, **kw: Any) -> "_Fluent":
+            self.stages.append(getattr(webds.filters, name)(*args, **kw))
+            return self
+
+        return add
+
+
+@pytest.fixture(params=[None, 2048], ids=["chunks-4MiB", "chunks-2KiB"])
+def chunks(request, monkeypatch):
+    if request.param is not None:  # most samples cross a chunk: runs of one or two
+        monkeypatch.setattr(bulk, "_FIRST", request.param)
+        monkeypatch.setattr(bulk, "_CHUNK", request.param)
+        monkeypatch.setattr(bulk, "_SMALL", 1024)
+    return request.param
+
+
+@pytest.mark.parametrize("case", range(60))
+def test_random_pipelines_give_alike_with_and_without_runs(tmp_path, monkeypatch, chunks, case):
+    rng = random.Random(case)
+    urls = [shard(tmp_path, rng, k) for k in range(rng.randint(1, 3))]
+    make = random_pipeline(urls, rng)
+    with_runs = outcome(iter(make()))
+    with monkeypatch.context() as m:
+        without_runs(m)
+        assert outcome(iter(make())) == with_runs, make.chosen
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_checkpoints_alike_after_every_item(tmp_path, monkeypatch, case):
+    """The state after each item is the one the pipeline without runs has after it."""
+    rng = random.Random(100 + case)
+    urls = [shard(tmp_path, rng, k) for k in range(rng.randint(1, 3))]
+    make = random_pipeline(urls, rng)
+
+    def states() -> List[Any]:
+        ds = make()
+        out = []
+        try:
+            for _ in ds:
+                state = ds.state_dict(strict=False)
+                state.pop("entropy")  # (drawn once per pipeline object)
+                out.append(json.dumps(state, sort_keys=True))
+        except Exception as exn:
+            out.append(type(exn).__name__)
+        return out
+
+    with_runs = states()
+    with monkeypatch.context() as m:
+        without_runs(m)
+        assert states() == with_runs, make.chosen
+
+
+@pytest.mark.parametrize("k", [0, 1, 13, 40, 77])
+def test_a_resume_from_inside_a_run_is_exact(tmp_path, k):
+    urls = []
+    for s in range(3):
+        members = [(f"s{s}-{i:04d}.{ext}", str(i).encode()) for i in range(30)
+                   for ext in ("bin", "cls")]  # fmt: skip
+        urls.append(str(write_tar(tmp_path / f"r{s}.tar", members)))
+    assert_exact(
+        lambda: (
+            webds.WebDataset(urls, shardshuffle=True, seed=5).decode().to_tuple("__key__", "cls")
+        ),
+        k,
+    )
+    assert_exact(
+        lambda: (
+            webds.WebDataset(urls, shardshuffle=True, seed=5)
+            .decode()
+            .to_tuple("__key__", "cls")
+            .shuffle(9)
+        ),
+        k,
+    )
+
+
+def test_runs_are_used_and_taken_apart_one_by_one(tmp_path, monkeypatch):
+    """Not a vacuous comparison: decode and to_tuple get each chunk as one run."""
+    members = [(f"{i:05d}.{ext}", str(i).encode()) for i in range(500) for ext in ("bin", "cls")]
+    url = str(write_tar(tmp_path / "s.tar", members))
+    seen: List[int] = []
+    real = Decoder.over_run
+
+    def over_run(self: Decoder, run: Any) -> Any:
+        seen.append(run.count)
+        return real(self, run)
+
+    monkeypatch.setattr(Decoder, "over_run", over_run)
+    got = list(webds.WebDataset(url).decode().to_tuple("__key__", "cls"))
+    assert got == [(f"{i:05d}", i) for i in range(500)]
+    # Every sample but the last (which the member reader ends), in two runs: the first read's
+    # (64 KiB) and the next chunk's.
+    assert sum(seen) == 499 and len(seen) == 2
+    assert all(type(x) is tuple for x in got)
+
+
+def test_a_handler_of_yours_sees_each_field_once(tmp_path, monkeypatch):
+    """A decoder handler of yours is called sample by sample, once per field, even where a
+    column of webds's own fails (a label that is not a number) and the run is replayed."""
+    members = []
+    for i in range(200):
+        members += [(f"{i:04d}.foo", b"x"), (f"{i:04d}.cls", b"7" if i != 150 else b"seven")]
+    url = str(write_tar(tmp_path / "s.tar", members))
+    calls: List[bytes] = []
+
+    def foo(data: bytes) -> str:
+        calls.append(data)
+        return "foo"
+
+    ds = webds.WebDataset(url).decode(webds.handle_extension("foo", foo),
+                                      handler=webds.warn_and_continue)  # fmt: skip
+    with pytest.warns(UserWarning):
+        got = list(ds.to_tuple("foo", "cls"))
+    assert len(got) == 199 and len(calls) == 200
+
+
+def test_a_failing_column_meets_its_error_where_samples_would(tmp_path):
+    members = []
+    for i in range(100):
+        members += [(f"{i:04d}.bin", b"b"), (f"{i:04d}.cls", b"1" if i != 42 else b"x")]
+    url = str(write_tar(tmp_path / "s.tar", members))
+    ds = webds.WebDataset(url).decode().to_tuple("__key__", "cls")
+    got = []
+    with pytest.raises(webds.DecodeError, match=r"0042\.cls"):
+        for item in ds:
+            got.append(item)
+    assert got == [(f"{i:04d}", 1) for i in range(42)]
+
+
+def test_workers_read_alike_with_and_without_runs(tmp_path, monkeypatch):
+    rng = random.Random(5)
+    urls = [shard(tmp_path, rng, k) for k in range(4)]
+
+    def read() -> Any:
+        ds = webds.WebDataset(urls, handler=webds.warn_and_continue, empty_check=False)
+        ds = ds.decode(handler=webds.warn_and_continue).to_tuple(
+            "__key__", "cls;CLS", handler=webds.warn_and_continue
+        )
+        loader = webds.WebLoader(ds, batch_size=None, num_workers=2)
+        return sorted(map(tuple, (plain(x) for x in loader)))
+
+    with_runs = read()
+    with monkeypatch.context() as m:
+        without_runs(m)
+        assert read() == with_runs
+    assert len(with_runs) > 50
+
+
+def test_a_run_is_never_seen_outside_the_stages_that_take_them(tmp_path):
+    members = [(f"{i:05d}.{ext}", b"1") for i in range(300) for ext in ("bin", "cls")]
+    url = str(write_tar(tmp_path / "s.tar", members))
+    seen = []
+
+    def look(src: Any) -> Any:
+        for x in src:
+            seen.append(type(x))
+            yield x
+
+    ds = webds.WebDataset(url).decode().compose(webds.stateless(look)).to_tuple("bin", "cls")
+    assert len(list(ds)) == 300
+    assert set(seen) == {dict} and runs_module.Run not in seen
+
+
+def test_every_default_decoder_gives_alike_in_columns(tmp_path, monkeypatch):
+    """Each extension the default decoder knows, decoded in columns as sample by sample: a JSON
+    null stays bytes, arrays come out as arrays."""
+    import io
+
+    members = []
+    for i in range(120):
+        array = io.BytesIO()
+        np.save(array, np.arange(i % 5))
+        fields = {
+            "cls": b"%d" % i,
+            "id": b" 7\n",
+            "txt": "caf\u00e9".encode(),
+            "json": b"null" if i % 3 == 0 else b'{"i": %d}' % i,
+            "npy": array.getvalue(),
+            "bin": b"\x00\x01",
+            "seg.png": b"not decoded",
+        }
+        members += [(f"{i:04d}.{ext}", data) for ext, data in fields.items()]
+    url = str(write_tar(tmp_path / "s.tar", members))
+    decoded = []
+    real = Decoder.over_run
+
+    def over_run(self: Decoder, run: Any) -> Any:
+        done = real(self, run)
+        decoded.append(done is not None)
+        return done
+
+    monkeypatch.setattr(Decoder, "over_run", over_run)
+    with_runs = outcome(iter(webds.WebDataset(url).decode()))
+    assert decoded and all(decoded)
+    with monkeypatch.context() as m:
+        without_runs(m)
+        assert outcome(iter(webds.WebDataset(url).decode())) == with_runs
+    assert with_runs[1] is None and len(with_runs[0]) == 120
+    assert with_runs[0][3]["json"] == b"null" and with_runs[0][4]["json"] == {"i": 4}
