@@ -158,7 +158,7 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
                 if field is None:
                     field = names[exts[i]] = _field_name(exts[i], lcase)
                 s, e = cuts[i]
-                sample[field] = bytes(view[s:e])
+                sample[field] = view[s:e].tobytes()
             if len(sample) != fixed + b - a:  # an extension twice: the member reader says so
                 at, more = hoffs[a], False
                 break
@@ -233,7 +233,7 @@ def _run(
         columns["__local_path__"] = [shard.local_path] * count
     fixed = len(columns)
     for p, field in enumerate(fields):
-        columns[field] = [bytes(view[s:e]) for s, e in cuts[a + p : a + members : k]]
+        columns[field] = [view[s:e].tobytes() for s, e in cuts[a + p : a + members : k]]
     if len(columns) != fixed + k:
         return None  # a field twice (or one named as the reader's): the member reader says
     return Run(columns, None, count, frozenset(fields))
