@@ -197,8 +197,11 @@ def test_checkpoints_alike_after_every_item(tmp_path, monkeypatch, case):
         assert states() == with_runs, make.chosen
 
 
-@pytest.mark.parametrize("k", [0, 1, 13, 40, 77])
+@pytest.mark.parametrize("k", [0, 1, 4, 13, 40, 77])
 def test_a_resume_from_inside_a_run_is_exact(tmp_path, k):
+    """Saved mid-run and resumed: the rest of the epoch and the next one as uninterrupted, in
+    one process, with a shuffle after the runs, across with_epoch's epochs, and in DataLoader
+    workers."""
     urls = []
     for s in range(3):
         members = [(f"s{s}-{i:04d}.{ext}", str(i).encode()) for i in range(30)
@@ -216,6 +219,23 @@ def test_a_resume_from_inside_a_run_is_exact(tmp_path, k):
             .decode()
             .to_tuple("__key__", "cls")
             .shuffle(9)
+        ),
+        k,
+    )
+    assert_exact(
+        lambda: (
+            webds.WebDataset(urls, shardshuffle=True, seed=5)
+            .decode()
+            .to_tuple("__key__", "cls")
+            .with_epoch(37)
+        ),
+        k % 37,
+    )
+    assert_exact(
+        lambda: webds.WebLoader(
+            webds.WebDataset(urls, shardshuffle=True, seed=5).decode().to_tuple("__key__", "cls"),
+            batch_size=None,
+            num_workers=2,
         ),
         k,
     )
