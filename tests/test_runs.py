@@ -37,7 +37,7 @@ def shard(path: Path, rng: random.Random, k: int) -> str:
     """A shard of samples alike (bin, cls, maybe txt/json), now and then one that is not."""
     layout = rng.choice([["bin", "cls"], ["cls", "bin", "txt"], ["json", "cls"], ["bin"]])
     members: List[Tuple[str, bytes]] = []
-    for j in range(rng.randint(0, 60)):
+    for j in range(rng.randint(0, 120)):
         key = f"s{k}-{j:04d}"
         exts = list(layout)
         odd = rng.random()
@@ -152,12 +152,12 @@ class _Fluent:
         return add
 
 
-@pytest.fixture(params=[None, 2048], ids=["chunks-4MiB", "chunks-2KiB"])
+@pytest.fixture(params=[None, 32768], ids=["chunks-4MiB", "chunks-32KiB"])
 def chunks(request, monkeypatch):
-    if request.param is not None:  # most samples cross a chunk: runs of one or two
+    if request.param is not None:  # runs of a few samples, many cut by the chunks' ends
         monkeypatch.setattr(bulk, "_FIRST", request.param)
         monkeypatch.setattr(bulk, "_CHUNK", request.param)
-        monkeypatch.setattr(bulk, "_SMALL", 1024)
+        monkeypatch.setattr(bulk, "_SMALL", 4096)
     return request.param
 
 

@@ -42,6 +42,8 @@ _FIRST = 64 << 10
 #: checking a buffer at a time costs more than it saves.
 _SMALL = 8 << 10
 _MAGIC = b"ustar\x0000"  # POSIX ustar: magic and version
+#: The fewest samples alike made a run (webds.base.runs): a shorter one costs more than it saves.
+_RUN = 8
 
 
 def takes_rules(rules: Grouping) -> bool:
@@ -142,7 +144,10 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
                     yield pending, base + at
                     pending, started = None, True
                 break
-            run = _run(view, cuts, keys, exts, firsts, j, names, shard) if runs else None
+            run = None
+            if runs and j + _RUN < samples and exts[b] == exts[a]:  # (a first look: cheap)
+                if exts[a : a + (b - a) * _RUN] == exts[a:b] * _RUN:
+                    run = _run(view, cuts, keys, exts, firsts, j, names, shard)
             if run is not None:  # samples j.. alike: one item (pending ends where they start)
                 if not (a == 0 and started):
                     yield pending, base + hoffs[a]
@@ -197,28 +202,15 @@ def _run(
 ) -> Optional[Run]:
     """Samples ``j``, ``j + 1``, ... of a chunk (not its last, which may go on in the next) as
     one run, as long as each has the same extensions in the same order as sample ``j`` (and no
-    field twice); None where fewer than two do. (``names``: the field name of each extension,
-    filled in.)"""
+    field twice); None where fewer than :data:`_RUN` do. (``names``: the field name of each
+    extension, filled in.)"""
     a = firsts[j]
     k = firsts[j + 1] - a
     pattern = exts[a : a + k]
-    last = len(firsts) - 2  # (firsts ends with the number of members)
-    count = last - j
+    count = _alike(exts, firsts, j, len(firsts) - 2 - j)  # (firsts ends with the members)
+    if count < _RUN:
+        return None
     members = k * count
-    if firsts[last] != a + members or exts[a : a + members] != pattern * count:
-        # Not all alike: as many as are, one by one.
-        count = 1
-        while (
-            j + count < last
-            and firsts[j + count + 1] - firsts[j + count] == k
-            and exts[a + k * count : a + k * (count + 1)] == pattern
-        ):
-            count += 1
-        members = k * count
-    elif firsts[j : j + count + 1] != list(range(a, a + members + 1, k)):
-        return None
-    if count < 2:
-        return None
     fields = []
     for ext in pattern:
         field = names.get(ext)
@@ -237,6 +229,30 @@ def _run(
     if len(columns) != fixed + k:
         return None  # a field twice (or one named as the reader's): the member reader says
     return Run(columns, None, count, frozenset(fields))
+
+
+def _alike(exts: List[bytes], firsts: List[int], j: int, most: int) -> int:
+    """How many samples from sample ``j`` on (at most ``most``) have the members sample ``j``
+    has, by extension, in order. In steps that double while they are all alike (each a list
+    comparison), then one by one: the time grows with the count, not with ``most``."""
+    a = firsts[j]
+    k = firsts[j + 1] - a
+    pattern = exts[a : a + k]
+
+    def alike(start: int, end: int) -> bool:  # samples j + start .. j + end - 1
+        return exts[a + k * start : a + k * end] == pattern * (end - start) and firsts[
+            j + start : j + end + 1
+        ] == list(range(a + k * start, a + k * end + 1, k))
+
+    count, step = 1, 1
+    while count < most:
+        end = min(count + step, most)
+        if not alike(count, end):
+            break
+        count, step = end, step * 2
+    while count < most and alike(count, count + 1):
+        count += 1
+    return count
 
 
 def _read_into(readinto: Any, view: memoryview, k: int, url: Optional[str]) -> int:
