@@ -28,6 +28,9 @@ from webds.base import runs as runs_module
 from webds.stages.decode import Decoder
 from webds.tar import bulk
 
+# (the skipping handler's warnings, one per sample skipped: what is compared is what is read)
+pytestmark = pytest.mark.filterwarnings("ignore:webds. skipping:UserWarning")
+
 
 def without_runs(monkeypatch: Any) -> None:
     monkeypatch.setattr(pipeline_module, "runs_span", lambda stages: (-1, -1))
