@@ -163,9 +163,10 @@ def _each(
     annotate: Optional[Callable[[BaseException, str, Any], None]],
     drop_none: bool,
     outer: bool,
-) -> Generator[Any, None, bool]:
-    """:func:`apply_each`'s loop; returns whether the handler stopped it. ``outer``: the loop
-    over the stage's source (not over one run's samples), which reports when it ends."""
+) -> Generator[Any, None, int]:
+    """:func:`apply_each`'s loop, until ``src`` ends or the handler stops it
+    (``policy.stopped``); returns the number of items dropped. ``outer``: the loop over the
+    stage's source (not over one run's samples), which reports when it ends."""
     dropped = 0
     try:
         for item in src:
@@ -174,9 +175,9 @@ def _each(
                 if done is not None:
                     yield done
                     continue
-                stopped = yield from _each(item.items(), fn, policy, annotate, drop_none, False)
-                if stopped:
-                    return True
+                dropped += yield from _each(item.items(), fn, policy, annotate, drop_none, False)
+                if policy.stopped:
+                    break
                 continue
             try:
                 result = fn(item)
@@ -185,16 +186,18 @@ def _each(
                     annotate(exn, policy.stage, item)
                 if policy(exn):
                     continue
-                return True
+                break
             if drop_none and result is None:
                 dropped += 1
                 continue
             yield result
-        return False
+        return dropped
     finally:
         if outer:
             policy.report()
-        if dropped:
-            log.debug(
-                "webds: %s returned None for %d item(s), which were dropped", policy.stage, dropped
-            )
+            if dropped:
+                log.debug(
+                    "webds: %s returned None for %d item(s), which were dropped",
+                    policy.stage,
+                    dropped,
+                )

@@ -90,9 +90,6 @@ class Run:
             reading[1] = j + i
             yield item
 
-    def __len__(self) -> int:
-        return self.count
-
     def __repr__(self) -> str:
         shape = f"columns {list(self.columns)}" if self.columns is not None else "rows"
         return f"Run({self.count} samples, {shape})"

@@ -223,11 +223,10 @@ def _run(
     }
     if shard.local_path is not None:
         columns["__local_path__"] = [shard.local_path] * count
-    fixed = len(columns)
+    if len({*columns, *fields}) != len(columns) + k:
+        return None  # a field twice (or one named as the reader's): the member reader says
     for p, field in enumerate(fields):
         columns[field] = [view[s:e].tobytes() for s, e in cuts[a + p : a + members : k]]
-    if len(columns) != fixed + k:
-        return None  # a field twice (or one named as the reader's): the member reader says
     return Run(columns, None, count, frozenset(fields))
 
 

@@ -156,6 +156,10 @@ def _read_samples(
     reading = ledger.reading if ledger is not None else None
     probe = getattr(ledger, "probe", None)  # stats=True: reading is timed (stages.probe)
     starts = how.sample_starts
+    # Runs of samples (webds.base.runs) where each sample needs nothing but its ledger record,
+    # which the run makes as it is taken apart: not while resuming, nor recording starts; and
+    # (in the shard loop) a whole shard, numbered, without an index's bounds to check.
+    may_run = how.runs and not resuming and starts is None
     # With an index, samples are numbered as the index counted them: before select_files and
     # rename_files, a sample whose members are all filtered out included.
     filtering = how.rules.select_files is not None or how.rules.rename_files is not None
@@ -176,9 +180,7 @@ def _read_samples(
             try:
                 try:
                     url, stream, lpath = opened() if probe is None else probe.open(opened)
-                    # Runs where each sample needs nothing but its ledger record (below).
-                    runs = how.runs and win is None and (first, last) == (0, _NO_RANGE)
-                    runs = runs and base >= 0 and not resuming and starts is None
+                    runs = may_run and base >= 0 and win is None and (first, last) == (0, _NO_RANGE)
                     groups = _grouped(stream, url, rules, policy, notes, lpath, how, entry, runs)
                     for done, start in groups:
                         if start is END:  # the members are all read: the stream is closed first
