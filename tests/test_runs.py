@@ -1,10 +1,12 @@
 """Runs of samples (webds.base.runs) change nothing but speed: a pipeline gives with runs what it
 gives without them, item for item, the same error after the same items, the same checkpoint
-after every item, on random shards (mostly samples alike, now and then one that is not: other
-fields, a field twice, metadata, a name without a dot, a large member, a label that is not a
-number, a JSON null) through random chains of stages, some that take runs and some that do not,
-with error handlers that raise and that skip, in one process and in DataLoader workers. And runs
-are really used where they can be, and a handler of yours never sees a field twice."""
+after every item (seeded or not, with an index or not), on random shards (mostly samples alike,
+now and then one that is not: other fields, a field twice, metadata, a name without a dot, a
+large member, a label that is not a number, a JSON null) through random chains of stages, some
+that take runs and some that do not, some that drop items, with error handlers that raise and
+that skip, in one process and in 1-3 DataLoader workers; on shards cut at every block boundary
+or with a flipped byte, and over a server that cuts its bodies. And runs are really used where
+they can be, and a handler of yours never sees a field twice."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from test_resume import assert_exact
 import webds
 from webds import pipeline as pipeline_module
 from webds.base import runs as runs_module
+from webds.shards.index import ShardIndex
 from webds.stages.decode import Decoder
 from webds.tar import bulk
 
@@ -110,7 +113,7 @@ CHOICES: List[Tuple[str, Callable[[Any], Any]]] = [
     ("to_tuple-key", lambda ds, h: ds.to_tuple("__key__", "cls;CLS", handler=h)),
     ("map", lambda ds, h: ds.map(lambda s: s, handler=h)),
     ("rename", lambda ds, h: ds.rename(label="cls", handler=h)),
-    ("select", lambda ds, h: ds.select(lambda s: True)),
+    ("select", lambda ds, h: ds.select(lambda s: len(repr(s)) % 3 != 0)),  # drops some
     ("shuffle", lambda ds, h: ds.shuffle(7)),
     ("batched", lambda ds, h: ds.batched(5, collation_fn=list)),
 ]
@@ -124,9 +127,20 @@ def random_pipeline(urls: List[str], rng: random.Random) -> Callable[[], Any]:
     shardshuffle = rng.random() < 0.5
     local = rng.random() < 0.2
     check = rng.random() < 0.5  # (with it, a stage that takes runs after the reader)
+    # Unseeded where nothing is drawn; an index now and then (its plan: no runs, same items).
+    seed = 3 if shardshuffle or any(name == "shuffle" for name, _ in chosen) else None
+    source: Any = urls
+    if rng.random() < 0.5:
+        try:
+            index = ShardIndex.build(urls)
+        except webds.WebdsError:
+            pass  # (a sample with a field twice: the index refuses the shard)
+        else:
+            source = str(Path(urls[0]).parent / "index.json")
+            index.save(source)
 
     def make() -> Any:
-        ds = webds.WebDataset(urls, shardshuffle=shardshuffle, seed=3, empty_check=check,
+        ds = webds.WebDataset(source, shardshuffle=shardshuffle, seed=seed, empty_check=check,
                               handler=handler)  # fmt: skip
         if local:
             ds = webds.DataPipeline(
@@ -188,7 +202,9 @@ def test_checkpoints_alike_after_every_item(tmp_path, monkeypatch, case):
         try:
             for _ in ds:
                 state = ds.state_dict(strict=False)
-                state.pop("entropy")  # (drawn once per pipeline object)
+                state.pop("entropy")  # (drawn once per pipeline object; so is an unset seed)
+                if state["config"]["seed"] is None:
+                    state.pop("seed")
                 out.append(json.dumps(state, sort_keys=True))
         except Exception as exn:
             out.append(type(exn).__name__)
@@ -297,7 +313,8 @@ def test_a_failing_column_meets_its_error_where_samples_would(tmp_path):
     assert got == [(f"{i:04d}", 1) for i in range(42)]
 
 
-def test_workers_read_alike_with_and_without_runs(tmp_path, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_workers_read_alike_with_and_without_runs(tmp_path, monkeypatch, workers):
     rng = random.Random(5)
     urls = [shard(tmp_path, rng, k) for k in range(4)]
 
@@ -306,7 +323,7 @@ def test_workers_read_alike_with_and_without_runs(tmp_path, monkeypatch):
         ds = ds.decode(handler=webds.warn_and_continue).to_tuple(
             "__key__", "cls;CLS", handler=webds.warn_and_continue
         )
-        loader = webds.WebLoader(ds, batch_size=None, num_workers=2)
+        loader = webds.WebLoader(ds, batch_size=None, num_workers=workers)
         return sorted(map(tuple, (plain(x) for x in loader)))
 
     with_runs = read()
@@ -367,3 +384,54 @@ def test_every_default_decoder_gives_alike_in_columns(tmp_path, monkeypatch):
         assert outcome(iter(webds.WebDataset(url).decode())) == with_runs
     assert with_runs[1] is None and len(with_runs[0]) == 120
     assert with_runs[0][3]["json"] == b"null" and with_runs[0][4]["json"] == {"i": 4}
+
+
+@pytest.mark.parametrize("damage", ["cut", "flip"])
+def test_damaged_shards_read_alike_with_and_without_runs(tmp_path, monkeypatch, damage):
+    """A shard cut at every 512-byte boundary, or with a byte flipped in each block in turn:
+    the same samples, then the same error, with runs and without (32 KiB chunks, so that runs
+    come before the damage)."""
+    monkeypatch.setattr(bulk, "_FIRST", 32768)
+    monkeypatch.setattr(bulk, "_CHUNK", 32768)
+    monkeypatch.setattr(bulk, "_SMALL", 4096)
+    members = [(f"{i:04d}.{ext}", b"%d" % i * (i % 7)) for i in range(60) for ext in ("bin", "cls")]
+    data = write_tar(tmp_path / "whole.tar", members).read_bytes()
+    used = []
+    real = bulk._run
+
+    def watched(*args: Any) -> Any:
+        run = real(*args)
+        used.append(run is not None)
+        return run
+
+    monkeypatch.setattr(bulk, "_run", watched)
+    for at in range(0, len(data), 512):
+        broken = bytearray(data[:at] if damage == "cut" else data)
+        if damage == "flip":
+            broken[at + 148] ^= 0x10  # a header's checksum, or a byte of data
+        path = tmp_path / "s.tar"
+        path.write_bytes(bytes(broken))
+        with_runs = outcome(iter(webds.WebDataset(str(path)).decode().to_tuple("__key__", "cls")))
+        with monkeypatch.context() as m:
+            without_runs(m)
+            alone = outcome(iter(webds.WebDataset(str(path)).decode().to_tuple("__key__", "cls")))
+        assert alone == with_runs, at
+    assert any(used)
+
+
+def test_a_server_that_cuts_its_bodies_reads_alike_with_runs(flaky_http_server):
+    """Remote shards whose bodies the server closes mid-way (ranged resumes), decoded in runs:
+    what the local copies give without runs."""
+    urls, local = [], []
+    for s in range(2):
+        members = [(f"s{s}-{i:04d}.{ext}", b"%d" % i) for i in range(300) for ext in ("bin", "cls")]
+        path = write_tar(flaky_http_server.root / f"h{s}.tar", members)
+        urls.append(flaky_http_server.url(path.name))
+        local.append(str(path))
+    flaky_http_server.cut_each([7_000, 90_000, 3_000])
+    got = list(webds.WebDataset(urls, readahead=False).decode().to_tuple("__key__", "cls"))
+    assert flaky_http_server.faults_left["cut"] == 0  # every cut was met
+    with pytest.MonkeyPatch.context() as m:
+        without_runs(m)
+        want = list(webds.WebDataset(local).decode().to_tuple("__key__", "cls"))
+    assert got == want and len(got) == 600
