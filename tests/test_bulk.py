@@ -286,6 +286,65 @@ def test_a_shard_cut_at_every_block_boundary_fails_alike(tmp_path, buffers):
         assert bulked == members_, cut
 
 
+def _resummed(header: bytes) -> bytes:
+    """``header`` with its checksum made right, written as writers write it (``%06o``, NUL,
+    space)."""
+    out = bytearray(header)
+    out[148:156] = b" " * 8
+    out[148:156] = b"%06o\0 " % sum(out)
+    return bytes(out)
+
+
+#: Header bytes and the values each is set to: the name, mode, size (its digits and the NUL or
+#: space after them), checksum, type flag, magic and prefix fields, at the values their checks
+#: turn on ("0" - 1, "0", "7", "8", NUL, space, ".", "/", "_", 0xff, ...).
+_FIELD_BYTES = [*range(0, 14), 98, 99, 100, 107, *range(124, 136), *range(148, 156), 156,
+                *range(257, 265), 345, 346]  # fmt: skip
+_VALUES = [0x00, 0x20, 0x2E, 0x2F, 0x30, 0x37, 0x38, 0x5F, 0x78, 0xFF]
+
+
+@pytest.mark.parametrize("summed", [True, False], ids=["sum-right", "sum-wrong"])
+def test_every_header_field_byte_changed_reads_alike(tmp_path, summed):
+    """Each byte of each field the bulk path checks (in numpy, eight bytes at a time), set to
+    each value a check turns on, in the header of a sample in mid-chunk; with its checksum made
+    right (so that the field checks themselves decide) or left wrong: what the member reader
+    reads, the same samples then the same error."""
+    members = [(f"{i:03d}.{ext}", b"v" * (i * 53 % 900)) for i in range(24) for ext in "ab"]
+    data = write_tar(tmp_path / "s.tar", members).read_bytes()
+    at = 0
+    for _ in range(2 * 9):  # the header of the 10th sample's first member
+        at += 512 + (int(data[at + 124 : at + 135], 8) + 511) // 512 * 512
+    for offset in _FIELD_BYTES:
+        for value in _VALUES:
+            damaged = bytearray(data)
+            damaged[at + offset] = value
+            if summed and not 148 <= offset < 156:
+                damaged[at : at + 512] = _resummed(damaged[at : at + 512])
+            members_, bulked = both(bytes(damaged), 1 << 20)
+            assert bulked == members_, (offset, value)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["__meta__.json", "__index__/x.json", "__k.json", "_k.json", "a/__k__.b", "x/y.z/009.a",
+     "x/y.z/009", "009.", ".a", "009..a", "009.a/b", "009.a\0x", "009\0.a", "/009.a",
+     "009.\xff\xfe", "\xc3.a", "9" * 99 + "a", "009.A"],
+)  # fmt: skip
+def test_a_header_of_every_name_kind_reads_alike(tmp_path, name):
+    """A name of each kind the grouping rules tell apart (metadata, folders with dots, no key,
+    no extension, a NUL inside, bytes that are not UTF-8, the longest), its checksum right, in
+    a sample in mid-chunk: what the member reader reads."""
+    members = [(f"{i:03d}.{ext}", b"v" * (i * 53 % 900)) for i in range(24) for ext in "ab"]
+    data = bytearray(write_tar(tmp_path / "s.tar", members).read_bytes())
+    at = 0
+    for _ in range(2 * 9):  # the header of the 10th sample's first member
+        at += 512 + (int(data[at + 124 : at + 135], 8) + 511) // 512 * 512
+    data[at : at + 100] = name.encode("latin-1").ljust(100, b"\0")
+    data[at : at + 512] = _resummed(data[at : at + 512])
+    members_, bulked = both(bytes(data), 1 << 20)
+    assert bulked == members_
+
+
 def small_buffers(monkeypatch: Any) -> None:
     monkeypatch.setattr(bulk, "_FIRST", 2048)
     monkeypatch.setattr(bulk, "_CHUNK", 2048)

@@ -335,17 +335,16 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
     blocks = array[: nblocks * 512].reshape(nblocks, 512)
     # Candidates: blocks with the ustar magic. The chain of sizes from the first header decides
     # which are headers; a block of member data that looks like one breaks the chain.
-    cand = np.flatnonzero(blocks[:, 257] == 117)  # "u", then the rest of the magic
-    cand = cand[(blocks[cand, 257:265] == np.frombuffer(_MAGIC, np.uint8)).all(axis=1)]
+    cand = np.flatnonzero(_field(np, array, nblocks, 257, "<u8") == _MAGIC_WORD)
     if len(cand) == 0 or cand[0] != 0:
         return [], [], [], [], [0], False
     heads = blocks[cand]
     size, whole = _sizes_and_sums(np, heads, limit)
     data_end = cand * 512 + 512 + size
     whole &= data_end <= size_of_buf
-    name, width, key_len, name_len, keyed = _names(np, heads)
+    names = _Names(np, heads)
     typ = heads[:, 156]
-    member = whole & ((typ == 48) | (typ == 0)) & keyed  # a regular file with a key.extension
+    member = whole & ((typ == 48) | (typ == 0)) & names.keyed  # a regular key.extension file
     # A pax header of one block whose records change nothing, before a member (not another).
     pax = whole & (typ == 120) & (size > 0) & (size <= 512) & (cand + 1 < nblocks)
     headers = np.flatnonzero(pax)
@@ -376,71 +375,130 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
         return [], [], [], [], [0], more
     begins = cand * 512
     begins[1:] = np.where(pax[:-1], begins[:-1], begins[1:])  # a member after a pax header
-    name, key_len, name_len = name[members], key_len[members], name_len[members]
-    in_key = np.arange(width) < key_len[:, None]
-    new = np.ones(len(members), bool)
-    new[1:] = (key_len[1:] != key_len[:-1]) | ((name[1:] != name[:-1]) & in_key[1:]).any(axis=1)
-    firsts = np.flatnonzero(new)
-    nul = np.uint8(0)
-    keys = np.ascontiguousarray(np.where(in_key[firsts], name[firsts], nul))
-    ext_width = max(int((name_len - key_len).max()) - 1, 1)
-    at = key_len[:, None] + 1 + np.arange(ext_width)
-    ext = np.take_along_axis(name, np.minimum(at, width - 1), axis=1)
-    ext = np.where(at < name_len[:, None], ext, nul)
     starts = cand[members] * 512 + 512
+    keys, exts, firsts = names.grouped(members)
     return (
         begins[members].tolist(),
         list(zip(starts.tolist(), (starts + size[members]).tolist())),
-        [k.decode("utf-8", _SURROGATE) for k in keys.view(f"S{width}").ravel().tolist()],
-        np.ascontiguousarray(ext).view(f"S{ext_width}").ravel().tolist(),
-        firsts.tolist() + [len(members)],
+        keys,
+        exts,
+        firsts,
         more,
     )
 
 
+# Header fields as little-endian words, read across every header at once (a word's first byte
+# is its lowest): the numbers' digits checked and summed eight bytes at a time.
+_MAGIC_WORD = int.from_bytes(_MAGIC, "little")
+_OCTAL8 = 0xF8F8F8F8F8F8F8F8  # of each byte, the bits that are 0x30 for "0".."7"
+_ZEROS8 = 0x3030303030303030
+_BYTES = 0x00FF00FF00FF00FF
+
+
+def _field(np: Any, array: Any, rows: int, offset: int, dtype: str) -> Any:
+    """The ``dtype`` number at byte ``offset`` of each of the ``rows`` 512-byte blocks at the
+    start of ``array`` (a view: no copy)."""
+    return np.ndarray((rows,), dtype, array, offset, (512,))
+
+
+def _octal(np: Any, word: Any, digits: int) -> Any:
+    """The value of the first ``digits`` (at most 8) octal digits of each word (checked to be
+    "0".."7" by the caller), the first the highest."""
+    d = (word - np.uint64(_ZEROS8)) << np.uint64(64 - 8 * digits)  # (the digits at the top)
+    d = ((d & np.uint64(_BYTES)) << np.uint64(3)) | ((d >> np.uint64(8)) & np.uint64(_BYTES))
+    d = ((d & np.uint64(0x0000FFFF0000FFFF)) << np.uint64(6)) | (
+        (d >> np.uint64(16)) & np.uint64(0x0000FFFF0000FFFF)
+    )
+    return (((d & np.uint64(0xFFFFFFFF)) << np.uint64(12)) | (d >> np.uint64(32))).astype(np.int64)
+
+
+def _byte_sums(np: Any, words: Any) -> Any:
+    """The sum of the bytes of each row of ``words`` (uint64; rows of at most 128 words), as
+    int64: the bytes added two by two in 16-bit lanes, then the lanes."""
+    mask = np.uint64(_BYTES)
+    s = (words & mask).sum(axis=-1) + ((words >> np.uint64(8)) & mask).sum(axis=-1)
+    s = (s & np.uint64(0x0000FFFF0000FFFF)) + ((s >> np.uint64(16)) & np.uint64(0x0000FFFF0000FFFF))
+    return ((s & np.uint64(0xFFFFFFFF)) + (s >> np.uint64(32))).astype(np.int64)
+
+
 def _sizes_and_sums(np: Any, heads: Any, limit: int) -> Tuple[Any, Any]:
     """Each header's member size, and whether the header is one the member reader would read
-    the same way in its plain loop: sizes and sums in the layout writers use, the sum right,
-    no prefix field, a size within ``limit``."""
-    octal = 8 ** np.arange(10, -1, -1, dtype=np.int64)  # the place values of 11 digits
-    digits = heads[:, 124:135].astype(np.int64) - 48
-    size = digits @ octal
-    chk = heads[:, 148:154].astype(np.int64) - 48
-    # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
-    unsigned = heads.sum(axis=1, dtype=np.uint32).astype(np.int64)
-    unsigned += 256 - heads[:, 148:156].sum(axis=1, dtype=np.int64)
+    the same way in its plain loop: sizes and sums in the layout writers use (``%011o`` then NUL
+    or space, ``%06o`` then NUL and space), the sum right, no prefix field, a size within
+    ``limit``."""
+    n = len(heads)
+    high = _field(np, heads, n, 124, "<u8")  # the size's first 8 digits
+    low = _field(np, heads, n, 132, "<u4").astype(np.uint64)  # its last 3, then NUL or space
+    chk = _field(np, heads, n, 148, "<u8")  # 6 digits, NUL, space
+    octal = np.uint64(_OCTAL8)
     whole = (
-        ((digits >= 0) & (digits <= 7)).all(axis=1)
-        & ((heads[:, 135] == 0) | (heads[:, 135] == 32))
-        & ((chk >= 0) & (chk <= 7)).all(axis=1)
-        & (heads[:, 154] == 0)
-        & (heads[:, 155] == 32)
-        & (unsigned == chk @ octal[5:])
+        ((high & octal) == np.uint64(_ZEROS8))
+        & ((low & np.uint64(0xDFF8F8F8)) == np.uint64(0x303030))
+        & ((chk & np.uint64(0xFFFFF8F8F8F8F8F8)) == np.uint64(0x2000303030303030))
         & (heads[:, 345] == 0)  # no prefix field
-        & (size <= limit)
     )
+    size = (_octal(np, high, 8) << 9) + _octal(np, low, 3)
+    # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
+    unsigned = _byte_sums(np, heads.view(np.uint64)) - _byte_sums(np, chk[:, None]) + 256
+    whole &= (unsigned == _octal(np, chk, 6)) & (size <= limit)
     return size, whole
 
 
-def _names(np: Any, heads: Any) -> Tuple[Any, int, Any, Any, Any]:
-    """``(name bytes, as wide as the widest, that width, each key's length, each name's length,
-    whether each is a key.extension name grouped by the plain rules)``."""
-    named = heads[:, :100] != 0
-    used = np.flatnonzero(named.any(axis=0))
-    width = int(used[-1]) + 1 if len(used) else 1  # (the rest of every name field is NUL)
-    name, named = heads[:, :width], named[:, :width]
-    slash = name == 47
-    last_slash = np.where(slash.any(axis=1), width - 1 - np.argmax(slash[:, ::-1], axis=1), -1)
-    dots = (name == 46) & (np.arange(width) > last_slash[:, None])
-    key_len = np.argmax(dots, axis=1)
-    keyed = (
-        # A name is its bytes up to the first NUL: no byte after a NUL.
-        ~(named[:, 1:] & ~named[:, :-1]).any(axis=1)
-        & dots.any(axis=1)
-        & (key_len > last_slash + 1)  # a file name with a key and an extension
-        & ~((heads[:, 0] == 95) & (heads[:, 1] == 95))  # maybe metadata ("__meta__")
-    )
-    return name, width, key_len, named.sum(axis=1), keyed
+class _Names:
+    """The name fields of a chunk's headers read as the plain grouping rules read them, a byte
+    position at a time: the names' bytes transposed (a row per position, a column per header),
+    so that each step is one numpy operation along rows as long as the chunk's header count."""
+
+    def __init__(self, np: Any, heads: Any) -> None:
+        # The widest name: the rest of every name field is NUL (at least 2: "__" is looked at).
+        used = np.bitwise_or.reduce(heads.view(np.uint64)[:, :13], axis=0).view(np.uint8)[:100]
+        width = max(int(np.flatnonzero(used)[-1]) + 1 if used.any() else 1, 2)
+        self.np, self.width = np, width
+        self.bytes = name = np.ascontiguousarray(heads[:, :width].T)
+        self.rows = at = np.arange(width)[:, None]
+        named = name != 0
+        self.length = named.sum(axis=0)
+        slash = name == 47
+        last_slash = np.where(slash, at, -1).max(axis=0) if slash.any() else -1
+        dots = (name == 46) & (at > last_slash)
+        self.key_length = np.argmax(dots, axis=0)
+        self.keyed = (
+            # A name is its bytes up to the first NUL: no byte after a NUL.
+            ~(named[1:] & ~named[:-1]).any(axis=0)
+            & dots.any(axis=0)
+            & (self.key_length > last_slash + 1)  # a file name with a key and an extension
+            & ~((name[0] == 95) & (name[1] == 95))  # maybe metadata ("__meta__")
+        )
+
+    def grouped(self, members: Any) -> Tuple[List[str], List[bytes], List[int]]:
+        """For the headers ``members`` (keyed names, in order): each sample's key, each
+        member's extension bytes, and the index of each sample's first member, then the number
+        of members."""
+        np, width = self.np, self.width
+        name, key_len, name_len = (
+            self.bytes[:, members],
+            self.key_length[members],
+            self.length[members],
+        )
+        in_key = self.rows < key_len
+        new = np.ones(len(members), bool)
+        new[1:] = (key_len[1:] != key_len[:-1]) | (
+            (name[:, 1:] != name[:, :-1]) & in_key[:, 1:]
+        ).any(axis=0)
+        firsts = np.flatnonzero(new)
+        nul = np.uint8(0)
+        keys = np.ascontiguousarray(np.where(in_key[:, firsts], name[:, firsts], nul).T)
+        # (One decode for all: a NUL is in no key, nor in what an undecodable byte becomes.)
+        joined = b"\0".join(keys.view(f"S{width}").ravel().tolist())
+        ext_width = max(int((name_len - key_len).max()) - 1, 1)
+        at = key_len + 1 + np.arange(ext_width)[:, None]
+        ext = np.take_along_axis(name, np.minimum(at, width - 1), axis=0)
+        ext = np.ascontiguousarray(np.where(at < name_len, ext, nul).T)
+        return (
+            joined.decode("utf-8", _SURROGATE).split("\0"),
+            ext.view(f"S{ext_width}").ravel().tolist(),
+            firsts.tolist() + [len(members)],
+        )
 
 
 _MTIME = b"mtime="
