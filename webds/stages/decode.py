@@ -274,7 +274,7 @@ class Decoder:
                 result[k] = column
                 kept.add(k)
             elif len(route) == 1 and route[0] in ALWAYS_DECODE:
-                result[k] = list(map(route[0], column))
+                result[k] = list(map(ALWAYS_DECODE[route[0]], column))
             else:
                 result[k] = [_decoded(route, v) for v in column]
         return run.with_columns(result, frozenset(kept))
