@@ -131,9 +131,9 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
     limit = _member_limit(shard.max_member_size, None)
     compressed = compression_of(bytes(view[:16])) is not None  # read member by member
     while size > 0 and not compressed:
-        hoffs, cuts, keys, exts, firsts, more = _parse(np, store, array, size, limit)
+        hoffs, starts, ends, keys, exts, firsts, more = _parse(np, store, array, size, limit)
         samples = len(firsts) - 1  # (firsts ends with the number of members)
-        if not samples or (more and len(cuts) * _SMALL < size):
+        if not samples or (more and len(starts) * _SMALL < size):
             break  # not one plain member whole in the buffer; or large members
         j = 0
         while j < samples:
@@ -147,7 +147,7 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
             run = None
             if runs and j + _RUN < samples and exts[b] == exts[a]:  # (a first look: cheap)
                 if exts[a : a + (b - a) * _RUN] == exts[a:b] * _RUN:
-                    run = _run(view, cuts, keys, exts, firsts, j, names, shard)
+                    run = _run(view, (starts, ends), keys, exts, firsts, j, names, shard)
             if run is not None:  # samples j.. alike: one item (pending ends where they start)
                 if not (a == 0 and started):
                     yield pending, base + hoffs[a]
@@ -162,8 +162,7 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
                 field = names.get(exts[i])
                 if field is None:
                     field = names[exts[i]] = _field_name(exts[i], lcase)
-                s, e = cuts[i]
-                sample[field] = view[s:e].tobytes()
+                sample[field] = view[starts[i] : ends[i]].tobytes()
             if len(sample) != fixed + b - a:  # an extension twice: the member reader says so
                 at, more = hoffs[a], False
                 break
@@ -192,7 +191,7 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
 
 def _run(
     view: memoryview,
-    cuts: List[Tuple[int, int]],
+    cuts: Tuple[List[int], List[int]],
     keys: List[str],
     exts: List[bytes],
     firsts: List[int],
@@ -204,6 +203,7 @@ def _run(
     one run, as long as each has the same extensions in the same order as sample ``j`` (and no
     field twice); None where fewer than :data:`_RUN` do. (``names``: the field name of each
     extension, filled in.)"""
+    starts, ends = cuts
     a = firsts[j]
     k = firsts[j + 1] - a
     pattern = exts[a : a + k]
@@ -226,7 +226,8 @@ def _run(
     if len({*columns, *fields}) != len(columns) + k:
         return None  # a field twice (or one named as the reader's): the member reader says
     for p, field in enumerate(fields):
-        columns[field] = [view[s:e].tobytes() for s, e in cuts[a + p : a + members : k]]
+        taken = slice(a + p, a + members, k)
+        columns[field] = [view[s:e].tobytes() for s, e in zip(starts[taken], ends[taken])]
     return Run(columns, None, count, frozenset(fields))
 
 
@@ -317,7 +318,7 @@ def _field_name(ext: bytes, lcase: bool) -> str:
     return name.lower() if lcase else name
 
 
-_Parsed = Tuple[List[int], List[Tuple[int, int]], List[str], List[bytes], List[int], bool]
+_Parsed = Tuple[List[int], List[int], List[int], List[str], List[bytes], List[int], bool]
 
 
 def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) -> _Parsed:
@@ -326,18 +327,18 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
     ``key.extension`` files, each maybe after a pax header whose records change nothing (as
     tarfile and webdataset write them), up to the first that is anything else or does not lie
     whole in ``buf``: ``(where each member starts (its pax header's offset, where it has one),
-    (data start, data end) of each, each sample's key, each member's extension bytes, the index
-    of each sample's first member, more)``, the indexes ending with the number of members;
-    ``more`` is false where something other than the end of ``buf`` stopped it."""
+    where its data starts, where it ends, each sample's key, each member's extension bytes, the
+    index of each sample's first member, more)``, the indexes ending with the number of
+    members; ``more`` is false where something other than the end of ``buf`` stopped it."""
     nblocks = size_of_buf // 512
     if nblocks == 0:
-        return [], [], [], [], [0], True
+        return [], [], [], [], [], [0], True
     blocks = array[: nblocks * 512].reshape(nblocks, 512)
     # Candidates: blocks with the ustar magic. The chain of sizes from the first header decides
     # which are headers; a block of member data that looks like one breaks the chain.
     cand = np.flatnonzero(_field(np, array, nblocks, 257, "<u8") == _MAGIC_WORD)
     if len(cand) == 0 or cand[0] != 0:
-        return [], [], [], [], [0], False
+        return [], [], [], [], [], [0], False
     heads = blocks[cand]
     size, whole = _sizes_and_sums(np, heads, limit)
     data_end = cand * 512 + 512 + size
@@ -370,16 +371,20 @@ def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) ->
         more = (after + 1) * 512 > size_of_buf or (
             m + 1 < len(cand) and int(cand[m + 1]) == after and bool(data_end[m + 1] > size_of_buf)
         )
-    members = np.flatnonzero(member[:m])
-    if len(members) == 0:
-        return [], [], [], [], [0], more
+    members: Any = np.flatnonzero(member[:m])
+    count = len(members)
+    if count == 0:
+        return [], [], [], [], [], [0], more
+    if members[-1] == count - 1:
+        members = slice(count)  # all the entries (no pax header): views, not copies
     begins = cand * 512
     begins[1:] = np.where(pax[:-1], begins[:-1], begins[1:])  # a member after a pax header
     starts = cand[members] * 512 + 512
-    keys, exts, firsts = names.grouped(members)
+    keys, exts, firsts = names.grouped(members, count)
     return (
         begins[members].tolist(),
-        list(zip(starts.tolist(), (starts + size[members]).tolist())),
+        starts.tolist(),
+        (starts + size[members]).tolist(),
         keys,
         exts,
         firsts,
@@ -470,10 +475,10 @@ class _Names:
             & ~((name[0] == 95) & (name[1] == 95))  # maybe metadata ("__meta__")
         )
 
-    def grouped(self, members: Any) -> Tuple[List[str], List[bytes], List[int]]:
-        """For the headers ``members`` (keyed names, in order): each sample's key, each
-        member's extension bytes, and the index of each sample's first member, then the number
-        of members."""
+    def grouped(self, members: Any, count: int) -> Tuple[List[str], List[bytes], List[int]]:
+        """For the ``count`` headers ``members`` (an index array or slice; keyed names, in
+        order): each sample's key, each member's extension bytes, and the index of each
+        sample's first member, then the number of members."""
         np, width = self.np, self.width
         name, key_len, name_len = (
             self.bytes[:, members],
@@ -481,7 +486,7 @@ class _Names:
             self.length[members],
         )
         in_key = self.rows < key_len
-        new = np.ones(len(members), bool)
+        new = np.ones(count, bool)
         new[1:] = (key_len[1:] != key_len[:-1]) | (
             (name[:, 1:] != name[:, :-1]) & in_key[:, 1:]
         ).any(axis=0)
@@ -497,7 +502,7 @@ class _Names:
         return (
             joined.decode("utf-8", _SURROGATE).split("\0"),
             ext.view(f"S{ext_width}").ravel().tolist(),
-            firsts.tolist() + [len(members)],
+            firsts.tolist() + [count],
         )
 
 
