@@ -303,17 +303,39 @@ _FIELD_BYTES = [*range(0, 14), 98, 99, 100, 107, *range(124, 136), *range(148, 1
 _VALUES = [0x00, 0x20, 0x2E, 0x2F, 0x30, 0x37, 0x38, 0x5F, 0x78, 0xFF]
 
 
-@pytest.mark.parametrize("summed", [True, False], ids=["sum-right", "sum-wrong"])
-def test_every_header_field_byte_changed_reads_alike(tmp_path, summed):
-    """Each byte of each field the bulk path checks (in numpy, eight bytes at a time), set to
-    each value a check turns on, in the header of a sample in mid-chunk; with its checksum made
-    right (so that the field checks themselves decide) or left wrong: what the member reader
-    reads, the same samples then the same error."""
+def _mid_shard(tmp_path: Path, writer: str) -> Tuple[bytearray, int]:
+    """A shard of 24 two-member samples and the offset of a header in mid-shard: the 10th
+    sample's first member's (``"ustar"``: webds's test writer), or in a shard with a pax header
+    before every member (as webdataset writes it), that pax header's (``"pax-header"``) or the
+    member's after it (``"pax-member"``)."""
     members = [(f"{i:03d}.{ext}", b"v" * (i * 53 % 900)) for i in range(24) for ext in "ab"]
-    data = write_tar(tmp_path / "s.tar", members).read_bytes()
+    path = tmp_path / "s.tar"
+    if writer == "ustar":
+        write_tar(path, members)
+        entries = 2 * 9
+    else:
+        tarfile_shard(path, members, tarfile.PAX_FORMAT, random.Random(0))
+        entries = 4 * 9 + (writer == "pax-member")
+    data = bytearray(path.read_bytes())
     at = 0
-    for _ in range(2 * 9):  # the header of the 10th sample's first member
+    for _ in range(entries):
         at += 512 + (int(data[at + 124 : at + 135], 8) + 511) // 512 * 512
+    assert data[at + 156] == (ord("x") if writer == "pax-header" else ord("0"))
+    return data, at
+
+
+WRITERS = ["ustar", "pax-header", "pax-member"]
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+@pytest.mark.parametrize("summed", [True, False], ids=["sum-right", "sum-wrong"])
+def test_every_header_field_byte_changed_reads_alike(tmp_path, buffers, summed, writer):
+    """Each byte of each field the bulk path checks (in numpy, eight bytes at a time), set to
+    each value a check turns on, in a header in mid-shard (a member's, or a pax header's before
+    it); with its checksum made right (so that the field checks themselves decide) or left
+    wrong; through buffers as small as two headers and the real ones: what the member reader
+    reads, the same samples then the same error."""
+    data, at = _mid_shard(tmp_path, writer)
     for offset in _FIELD_BYTES:
         for value in _VALUES:
             damaged = bytearray(data)
@@ -324,21 +346,18 @@ def test_every_header_field_byte_changed_reads_alike(tmp_path, summed):
             assert bulked == members_, (offset, value)
 
 
+@pytest.mark.parametrize("writer", ["ustar", "pax-member"])
 @pytest.mark.parametrize(
     "name",
     ["__meta__.json", "__index__/x.json", "__k.json", "_k.json", "a/__k__.b", "x/y.z/009.a",
      "x/y.z/009", "009.", ".a", "009..a", "009.a/b", "009.a\0x", "009\0.a", "/009.a",
      "009.\xff\xfe", "\xc3.a", "9" * 99 + "a", "009.A"],
 )  # fmt: skip
-def test_a_header_of_every_name_kind_reads_alike(tmp_path, name):
+def test_a_header_of_every_name_kind_reads_alike(tmp_path, name, writer):
     """A name of each kind the grouping rules tell apart (metadata, folders with dots, no key,
     no extension, a NUL inside, bytes that are not UTF-8, the longest), its checksum right, in
-    a sample in mid-chunk: what the member reader reads."""
-    members = [(f"{i:03d}.{ext}", b"v" * (i * 53 % 900)) for i in range(24) for ext in "ab"]
-    data = bytearray(write_tar(tmp_path / "s.tar", members).read_bytes())
-    at = 0
-    for _ in range(2 * 9):  # the header of the 10th sample's first member
-        at += 512 + (int(data[at + 124 : at + 135], 8) + 511) // 512 * 512
+    a sample in mid-shard (after a pax header too): what the member reader reads."""
+    data, at = _mid_shard(tmp_path, writer)
     data[at : at + 100] = name.encode("latin-1").ljust(100, b"\0")
     data[at : at + 512] = _resummed(data[at : at + 512])
     members_, bulked = both(bytes(data), 1 << 20)

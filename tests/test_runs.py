@@ -386,6 +386,44 @@ def test_every_default_decoder_gives_alike_in_columns(tmp_path, monkeypatch):
     assert with_runs[0][3]["json"] == b"null" and with_runs[0][4]["json"] == {"i": 4}
 
 
+#: Labels and texts at the edges of what int() and a strict UTF-8 decode take: a column of
+#: them goes through int and bytes.decode at once, or fails and is taken sample by sample.
+_LABELS = [b"7", b" -3\n", b"+0", b"1_000", b"\xd9\xa3", b"", b"x", b"0x1f", b"\x00", b"9" * 40]
+_TEXTS = ["caf\u00e9".encode(), b"", b"\xef\xbb\xbfbom", b"\xff\xfe", b"\xed\xa0\x80", b"a\x00b"]
+
+
+@pytest.mark.parametrize("handler", ["reraise", "skip"])
+@pytest.mark.parametrize("odd", range(len(_LABELS) + len(_TEXTS)))
+def test_labels_and_texts_at_the_edges_decode_alike_in_columns(tmp_path, monkeypatch, handler, odd):
+    """One label or text at an edge of int() or UTF-8 (a sign, an underscore, a non-ASCII
+    digit, an empty field, a BOM, bytes a strict decode refuses) in the 43rd sample of runs of
+    good ones: with runs as without, item for item, then the same error or the same skip."""
+    labels = _LABELS[odd] if odd < len(_LABELS) else b"1"
+    text = _TEXTS[odd - len(_LABELS)] if odd >= len(_LABELS) else b"t"
+    members = []
+    for i in range(100):
+        members += [
+            (f"{i:04d}.cls", labels if i == 42 else b"%d" % i),
+            (f"{i:04d}.txt", text if i == 42 else b"t%d" % i),
+        ]
+    url = str(write_tar(tmp_path / "s.tar", members))
+    how = webds.reraise_exception if handler == "reraise" else webds.ignore_and_continue
+
+    def read() -> Any:
+        ds = webds.WebDataset(url).decode(handler=how).to_tuple("__key__", "cls", "txt")
+        return outcome(iter(ds))
+
+    with_runs = read()
+    with monkeypatch.context() as m:
+        without_runs(m)
+        assert read() == with_runs
+    items, error = with_runs
+    if handler == "skip":
+        assert error is None and len(items) in (99, 100)
+    else:
+        assert len(items) == (100 if error is None else 42)
+
+
 @pytest.mark.parametrize("damage", ["cut", "flip"])
 def test_damaged_shards_read_alike_with_and_without_runs(tmp_path, monkeypatch, damage):
     """A shard cut at every 512-byte boundary, or with a byte flipped in each block in turn:
