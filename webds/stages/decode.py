@@ -226,13 +226,7 @@ class Decoder:
                 if route is None:
                     result[k] = self.decode1(k, v, sample)
                     continue
-                for f in route:
-                    value = f(v)
-                    if value is not None:
-                        result[k] = value
-                        break
-                else:
-                    result[k] = v
+                result[k] = _decoded(route, v)
             except SecureModeError as exn:
                 # A refusal, not bad data: raised as it is, saying where.
                 url, skey = sample.get("__url__"), sample.get("__key__")
