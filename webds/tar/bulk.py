@@ -147,7 +147,7 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
             run = None
             if runs and j + _RUN < samples and exts[b] == exts[a]:  # (a first look: cheap)
                 if exts[a : a + (b - a) * _RUN] == exts[a:b] * _RUN:
-                    run = _run(view, (starts, ends), keys, exts, firsts, j, names, shard)
+                    run = _run(view, starts, ends, keys, exts, firsts, j, names, shard)
             if run is not None:  # samples j.. alike: one item (pending ends where they start)
                 if not (a == 0 and started):
                     yield pending, base + hoffs[a]
@@ -191,7 +191,8 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
 
 def _run(
     view: memoryview,
-    cuts: Tuple[List[int], List[int]],
+    starts: List[int],
+    ends: List[int],
     keys: List[str],
     exts: List[bytes],
     firsts: List[int],
@@ -202,8 +203,7 @@ def _run(
     """Samples ``j``, ``j + 1``, ... of a chunk (not its last, which may go on in the next) as
     one run, as long as each has the same extensions in the same order as sample ``j`` (and no
     field twice); None where fewer than :data:`_RUN` do. (``names``: the field name of each
-    extension, filled in.)"""
-    starts, ends = cuts
+    extension, filled in; ``starts`` and ``ends``: where each member's data lies in ``view``.)"""
     a = firsts[j]
     k = firsts[j + 1] - a
     pattern = exts[a : a + k]
