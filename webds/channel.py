@@ -89,6 +89,9 @@ class WorkerChannel:
         self.pending: List[Any] = []  # the ids of the items yielded, not yet collated
         self.sent = 0  # items in the batches collated so far this epoch
         self.restored: List[Tuple[Any, Any]] = []  # what the main process held: (item, ids)
+        # The WebLoader copies the batches into reused shared buffers (see EnvelopeCollate): a
+        # batching stage may stack them in plain memory (webds.stages.batching._batch_memory).
+        self.packs = False
 
     def take_start(self, epoch: int) -> Optional[WorkerStart]:
         """How this DataLoader worker begins ``epoch``, when resuming it (taken: used once)."""

@@ -202,6 +202,7 @@ class LoaderSource(StreamKeeper):
             # Reused shared buffers (webds.stages.batchbuffers) save the main process most of its
             # work per batch; a pinned copy is made from torch's own transfer instead.
             pack = batch_buffers and loader.num_workers > 0 and not loader.pin_memory
+            dataset.channel.packs = pack
             loader.collate_fn = EnvelopeCollate(loader.collate_fn, dataset, single, pack)
         # This process's copy of each worker's stream, kept from the batches' envelopes.
         self.mirrors = WorkerMirrors(loader.num_workers, loader.batch_size)

@@ -26,7 +26,7 @@ from ..errors import ArgumentError, NoSamplesError
 from ..io.cache import pid_alive
 from ..io.security import WEBDATASET_PICKLE, refuse
 from ..shards.shardlists import expand_urls
-from ..stages.batching import _collate_column
+from ..stages.batching import _collate_column, _Collation
 from ..stages.codecs import basichandlers
 from ..stages.decode import gzfilter
 from .legacy import repeatedly as legacy_repeatedly
@@ -159,7 +159,7 @@ def combine_values(
     """One column of a batch, collated as :func:`~webds.stages.batching.default_collation_fn`
     collates a column (numbers to an array, tensors and arrays stacked, the rest a list)."""
     values = list(b)
-    return _collate_column(values, "#0", values, combine_tensors, combine_scalars)
+    return _collate_column(values, "#0", values, _Collation(combine_tensors, combine_scalars))
 
 
 def tuple2dict(value: Any) -> Dict[Any, Any]:

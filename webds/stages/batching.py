@@ -16,7 +16,10 @@ downstream does not keep its whole batch alive), and every column needs one entr
 
 from __future__ import annotations
 
+import functools
 import numbers
+import threading
+import weakref
 from typing import (
     Any,
     Callable,
@@ -26,6 +29,7 @@ from typing import (
     Iterator,
     List,
     Mapping,
+    NamedTuple,
     Optional,
     Sequence,
 )
@@ -66,50 +70,115 @@ def _stack_error(
     )
 
 
-def _collate_column(
-    values: List[Any],
-    column: str,
-    samples: Sequence[Any],
-    combine_tensors: bool,
-    combine_scalars: bool,
-    combine_dicts: bool = False,
-) -> Any:
+class _Collation(NamedTuple):
+    """How :func:`default_collation_fn` combines a column (its keyword arguments), and where
+    big stacks go (``memory``: a batching pass's reused blocks, or None)."""
+
+    tensors: bool = True
+    scalars: bool = True
+    dicts: bool = False
+    memory: Optional["BatchMemory"] = None
+
+
+def _collate_column(values: List[Any], column: str, samples: Sequence[Any], how: _Collation) -> Any:
     if all(isinstance(v, Mapping) for v in values):
         # Nested dicts (JSON metadata) stay a list of dicts, as webdataset's collation gives and
         # code like metadata[i]["filename"] expects; with combine_dicts, those with one set of
         # fields are collated field by field.
-        if not combine_dicts or any(v.keys() != values[0].keys() for v in values):
+        if not how.dicts or any(v.keys() != values[0].keys() for v in values):
             return values
-        return _collate_dicts(
-            values, samples, combine_tensors, combine_scalars, prefix=column, combine_dicts=True
-        )
+        return _collate_dicts(values, samples, how, prefix=column)
     if all(isinstance(v, torch.Tensor) for v in values):
-        if not combine_tensors:
+        if not how.tensors:
             return values
         if any(v.shape != values[0].shape for v in values):
             raise _stack_error("tensor", column, values, samples)
-        return _stack_tensors(values)
+        return _stack_tensors(values, how.memory)
     if all(isinstance(v, np.ndarray) for v in values):
-        if not combine_tensors:
+        if not how.tensors:
             return values
         if any(v.shape != values[0].shape for v in values):
             raise _stack_error("array", column, values, samples)
-        return np.stack(values)
-    if combine_scalars and all(_is_scalar(v) for v in values):
+        return _stack_arrays(values, how.memory)
+    if how.scalars and all(_is_scalar(v) for v in values):
         return np.array(values)
     return values
 
 
-def _stack_tensors(values: List[Any]) -> Any:
-    """``torch.stack(values)``; inside a DataLoader worker, straight into shared memory.
+#: Stacks of at least this many bytes go into a :class:`BatchMemory` block; the C allocator's
+#: heap reuses smaller ones itself.
+_REUSED_BYTES = 1 << 20
+_ALIGN = 64
+
+
+class BatchMemory:
+    """Reused memory for the big stacks of one batching pass.
+
+    A block larger than the C allocator's mmap threshold (32 MB at most) comes fresh from the
+    kernel for each batch, a page fault per 4 KiB: stacking 64 float images of 224 pixels cost
+    about as much as decoding and cropping 45 of them (docs/benchmarks.md). Here a stack goes
+    into a block an earlier batch gave back, and a block is given back only when its batch and
+    every view of it are gone (a finalizer on the array the stack is made over, which every
+    tensor or array over it keeps alive): no batch ever shares memory with one still held.
+    At most ``keep`` free blocks are kept; ``made`` counts the blocks allocated.
+    """
+
+    def __init__(self, tensors: bool = True, keep: int = 2) -> None:
+        self.tensors = tensors  # tensors as well as arrays (see _batch_memory)
+        self.keep = keep
+        self.made = 0
+        self._free: List[Any] = []
+        # A batch may be freed on another thread (a loader's pin thread, the training loop's).
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> Any:
+        """A ``uint8`` array of ``nbytes``, 64-byte aligned, that no live batch uses."""
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.size >= nbytes + _ALIGN]
+            best = min(fits, key=lambda i: self._free[i].size) if fits else None
+            block = self._free.pop(best) if best is not None else None
+        if block is None:
+            block = np.empty(nbytes + _ALIGN, np.uint8)
+            self.made += 1
+        start = -block.ctypes.data % _ALIGN
+        lease = block[start : start + nbytes]  # a new array: its end gives the block back
+        weakref.finalize(lease, self._give_back, block)
+        # Handed out behind a memoryview: numpy makes a view's base the array that owns the
+        # memory (the block), so a view of the batch would not keep the lease alive.
+        return np.frombuffer(memoryview(lease), np.uint8)
+
+    def _give_back(self, block: Any) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(block)
+
+
+def _batch_memory() -> BatchMemory:
+    """A batching pass's :class:`BatchMemory`. In a DataLoader worker a tensor stack goes
+    straight into shared memory instead (see :func:`_stack_tensors`), unless the WebLoader
+    copies the worker's batches into its reused buffers anyway (``channel.packs``)."""
+    info = torch.utils.data.get_worker_info()
+    if info is None:
+        return BatchMemory()
+    channel = getattr(info.dataset, "channel", None)
+    return BatchMemory(tensors=bool(getattr(channel, "packs", False)))
+
+
+def _stack_tensors(values: List[Any], memory: Optional[BatchMemory] = None) -> Any:
+    """``torch.stack(values)``: into a reused block of ``memory`` where it takes tensors;
+    else inside a DataLoader worker, straight into shared memory.
 
     The batch leaves a worker through shared memory anyway. Stacking into a shared block (as
     torch's default_collate does) saves that copy and, above all, leaves no batch-sized block
     on the worker's heap: freed ones are kept by the C allocator, and a persistent worker's
     memory grew by about an epoch of batches per epoch before this (see docs/benchmarks.md).
     """
-    out = None
     first = values[0]
+    nbytes = len(values) * first.numel() * first.element_size()
+    if memory is not None and memory.tensors and nbytes >= _REUSED_BYTES and _plain(values):
+        lease = torch.from_numpy(memory.take(nbytes))
+        return torch.stack(values, 0, out=lease.view(first.dtype).view(len(values), *first.shape))
+    out = None
     if torch.utils.data.get_worker_info() is not None and first.device.type == "cpu":
         numel = sum(v.numel() for v in values)
         storage = first._typed_storage()._new_shared(numel, device=first.device)
@@ -117,13 +186,36 @@ def _stack_tensors(values: List[Any]) -> Any:
     return torch.stack(values, 0, out=out)
 
 
+def _plain(values: List[Any]) -> bool:
+    """Whether a stack of ``values`` can go into plain memory: CPU tensors of one dtype, not
+    subclasses (whose type torch.stack keeps), quantized or needing gradients."""
+    first = values[0]
+    return (
+        first.device.type == "cpu"
+        and first.layout == torch.strided
+        and not first.is_quantized
+        and all(type(v) is torch.Tensor and v.dtype == first.dtype for v in values)
+        and not any(v.requires_grad for v in values)
+    )
+
+
+def _stack_arrays(values: List[Any], memory: Optional[BatchMemory] = None) -> Any:
+    """``np.stack(values)``, into a reused block of ``memory`` where it is big."""
+    first = values[0]
+    nbytes = len(values) * first.nbytes
+    if (
+        memory is None
+        or nbytes < _REUSED_BYTES
+        or first.dtype.hasobject
+        or any(v.dtype != first.dtype for v in values)
+    ):
+        return np.stack(values)
+    out = memory.take(nbytes).view(first.dtype).reshape((len(values), *first.shape))
+    return np.stack(values, out=out)
+
+
 def _collate_dicts(
-    dicts: List[Any],
-    samples: Sequence[Any],
-    combine_tensors: bool,
-    combine_scalars: bool,
-    prefix: str,
-    combine_dicts: bool = False,
+    dicts: List[Any], samples: Sequence[Any], how: _Collation, prefix: str
 ) -> Dict[str, Any]:
     keys = list(dicts[0].keys())
     keyset = set(keys)
@@ -140,12 +232,7 @@ def _collate_dicts(
             )
     return {
         k: _collate_column(
-            [d[k] for d in dicts],
-            f"{prefix}.{k}" if prefix else repr(k),
-            samples,
-            combine_tensors,
-            combine_scalars,
-            combine_dicts,
+            [d[k] for d in dicts], f"{prefix}.{k}" if prefix else repr(k), samples, how
         )
         for k in keys
     }
@@ -172,6 +259,11 @@ def default_collation_fn(
     (unless ``combine_scalars`` is false), anything else a list. Tensors of different shapes are a
     :class:`SampleError`; pad them, or pass your own ``collation_fn`` to :func:`batched`.
     """
+    return _collate(samples, _Collation(combine_tensors, combine_scalars, combine_dicts))
+
+
+def _collate(samples: Sequence[Any], how: _Collation) -> Any:
+    """:func:`default_collation_fn`, its arguments in ``how``."""
     samples = list(samples)
     if not samples:
         raise ArgumentError("default_collation_fn needs at least one sample")
@@ -182,14 +274,7 @@ def default_collation_fn(
                 raise SampleError(
                     f"cannot batch a dict sample with a {type(s).__name__} (sample #{i})"
                 )
-        return _collate_dicts(
-            samples,
-            samples,
-            combine_tensors,
-            combine_scalars,
-            prefix="",
-            combine_dicts=combine_dicts,
-        )
+        return _collate_dicts(samples, samples, how, prefix="")
     if isinstance(first, (tuple, list)):
         for i, s in enumerate(samples):
             if not isinstance(s, (tuple, list)) or len(s) != len(first):
@@ -199,13 +284,10 @@ def default_collation_fn(
                     f"elements, sample #{i} has {what}"
                 )
         columns = [
-            _collate_column(
-                list(col), f"#{j}", samples, combine_tensors, combine_scalars, combine_dicts
-            )
-            for j, col in enumerate(zip(*samples))
+            _collate_column(list(col), f"#{j}", samples, how) for j, col in enumerate(zip(*samples))
         ]
         return tuple(columns) if isinstance(first, tuple) else columns
-    return _collate_column(samples, "#0", samples, combine_tensors, combine_scalars, combine_dicts)
+    return _collate_column(samples, "#0", samples, how)
 
 
 def _batches(
@@ -291,6 +373,10 @@ def batched(
     """
     if collation_fn is not None:
         _check_callable("batched", "collation_fn", collation_fn)
+    if collation_fn is default_collation_fn:
+        # The default collation stacks big columns into blocks reused across the pass.
+        how = _Collation(memory=_batch_memory())
+        collation_fn = functools.partial(_collate, how=how)
     for batch in _batches(src, batchsize, partial, ledger):
         yield batch if collation_fn is None else collation_fn(batch)
 

@@ -1,0 +1,247 @@
+"""Reused memory for big batches (webds.stages.batching.BatchMemory): ``batched()`` stacks big
+tensor and array columns into blocks given back by earlier batches, and a block is given back
+only when its batch and every view of it are gone. Batches and views a training loop keeps are
+never overwritten, whatever it keeps, in one process, with threads and in DataLoader workers;
+blocks are really reused when batches are dropped."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import write_tar
+
+import webds
+from webds.stages import batching as B
+
+MIB = 1 << 20
+
+DTYPES = [torch.float32, torch.uint8, torch.int64, torch.bool, torch.float16, torch.bfloat16]
+NP_DTYPES = [np.float32, np.uint8, np.int16, np.float64]
+
+
+def values(i, shape, dtype):
+    """Sample ``i``'s tensor: distinct in every element, derived from ``i``."""
+    n = int(np.prod(shape))
+    base = torch.arange(n, dtype=torch.int64).reshape(shape) + 7 * i
+    return (base % 2).bool() if dtype == torch.bool else (base % 200).to(dtype)
+
+
+def array_values(i, shape, dtype):
+    n = int(np.prod(shape))
+    return ((np.arange(n).reshape(shape) + 3 * i) % 100).astype(dtype)
+
+
+def fields(sample, shape, dtype, ashape, adtype):
+    i = int(sample["__key__"][1:])
+    return {"i": i, "t": values(i, shape, dtype), "a": array_values(i, ashape, adtype)}
+
+
+def shards(tmp_path, n, per=10):
+    for s in range(-(-n // per)):
+        members = [(f"s{k:05d}.txt", b"x") for k in range(s * per, min(n, (s + 1) * per))]
+        write_tar(tmp_path / f"m-{s:03d}.tar", members)
+    return sorted(str(p) for p in tmp_path.glob("m-*.tar"))
+
+
+def check(batch, shape, dtype, ashape, adtype):
+    labels = batch["i"].tolist()
+    assert batch["t"].shape == (len(labels), *shape) and batch["t"].dtype == dtype
+    # (A DataLoader makes the array column a tensor.)
+    arrays = np.asarray(batch["a"])
+    assert arrays.shape == (len(labels), *ashape) and arrays.dtype == adtype
+    for row, i in enumerate(labels):
+        assert torch.equal(batch["t"][row], values(i, shape, dtype)), f"sample {i} changed"
+        assert np.array_equal(arrays[row], array_values(i, ashape, adtype))
+
+
+def keep_some(batches, rng, kept):
+    """The loop of a training run that keeps, at random, whole batches, a row of a column
+    (a view), a slice of the array column, or nothing; checks all it kept as it goes on."""
+    for batch in batches:
+        what = rng.choice(["batch", "row", "slice", "nothing", "nothing"])
+        if what == "batch":
+            kept.append(("batch", batch))
+        elif what == "row":
+            j = rng.randrange(len(batch["i"]))
+            kept.append(("row", (int(batch["i"][j]), batch["t"][j])))
+        elif what == "slice":
+            kept.append(("slice", (batch["i"][:2].tolist(), batch["a"][:2])))
+        del batch
+        if rng.random() < 0.3:
+            gc.collect()
+
+
+def check_kept(kept, shape, dtype, ashape, adtype):
+    for what, thing in kept:
+        if what == "batch":
+            check(thing, shape, dtype, ashape, adtype)
+        elif what == "row":
+            i, row = thing
+            assert torch.equal(row, values(i, shape, dtype)), f"a kept row of sample {i} changed"
+        else:
+            labels, rows = thing
+            for i, row in zip(labels, rows):
+                assert np.array_equal(np.asarray(row), array_values(i, ashape, adtype))
+
+
+def config(seed):
+    rng = random.Random(seed)
+    dtype = rng.choice(DTYPES)
+    adtype = rng.choice(NP_DTYPES)
+    size = torch.empty(0, dtype=dtype).element_size()
+    # Some columns under the reuse threshold, most over it.
+    per_sample = rng.choice([4096, 64 * 1024, 200 * 1024, 300 * 1024])
+    shape = (2, per_sample // size // 2)
+    ashape = (rng.choice([1000, 40_000]),)
+    batch = rng.choice([4, 8, 13])
+    n = rng.choice([41, 60, 96])
+    return rng, shape, dtype, ashape, adtype, batch, n
+
+
+def dataset(urls, shape, dtype, ashape, adtype, batch):
+    make = functools.partial(fields, shape=shape, dtype=dtype, ashape=ashape, adtype=adtype)
+    return webds.WebDataset(urls, shardshuffle=False).map(make).batched(batch)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_what_the_loop_keeps_is_never_overwritten_in_one_process(tmp_path, seed):
+    rng, shape, dtype, ashape, adtype, batch, n = config(seed)
+    ds = dataset(shards(tmp_path, n), shape, dtype, ashape, adtype, batch)
+    kept = []
+    keep_some(ds, rng, kept)
+    check_kept(kept, shape, dtype, ashape, adtype)
+    # A second pass reuses what the first gave back: still nothing kept changes.
+    keep_some(ds, rng, kept)
+    check_kept(kept, shape, dtype, ashape, adtype)
+
+
+@pytest.mark.parametrize(
+    "seed,loader",
+    [
+        (100, dict(num_workers=2)),
+        (101, dict(num_workers=2, batch_buffers=False)),
+        (102, dict(num_workers=1, persistent_workers=True)),
+        (103, dict(num_workers=0)),
+        (104, dict(num_workers=0, threads=2)),
+    ],
+)
+def test_what_the_loop_keeps_is_never_overwritten_through_a_webloader(tmp_path, seed, loader):
+    rng, _, _, _, _, batch, n = config(seed)
+    shape, dtype, ashape, adtype = (2, 100_000), torch.float32, (40_000,), np.float64
+    ds = dataset(shards(tmp_path, n), shape, dtype, ashape, adtype, batch)
+    wl = webds.WebLoader(ds, batch_size=None, **loader)
+    kept = []
+    for _ in range(2):
+        keep_some(wl, rng, kept)
+        check_kept(kept, shape, dtype, ashape, adtype)
+    assert len([k for k in kept if k[0] == "batch"]) > 0
+
+
+def test_batches_freed_on_other_threads_are_reused_safely(tmp_path):
+    # A training loop that hands each batch to another thread, which checks it and lets it go
+    # (as a pin-memory thread does): blocks come back on that thread, while the next batch is
+    # being stacked on this one.
+    shape, dtype, ashape, adtype = (2, 70_000), torch.float32, (30_000,), np.float32
+    ds = dataset(shards(tmp_path, 120), shape, dtype, ashape, adtype, 6)
+    errors = []
+
+    def consume(batch, kept_row):
+        try:
+            check(batch, shape, dtype, ashape, adtype)
+            i, row = kept_row
+            assert torch.equal(row, values(i, shape, dtype))
+        except AssertionError as e:
+            errors.append(e)
+
+    threads = []
+    for batch in ds:
+        t = threading.Thread(target=consume, args=(batch, (int(batch["i"][0]), batch["t"][0])))
+        t.start()
+        threads.append(t)
+        del batch
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_blocks_are_reused_when_batches_are_dropped(tmp_path):
+    shape = (2, 64 * 1024)
+    urls = shards(tmp_path, 120)
+    ds = dataset(urls, shape, torch.float32, (40_000,), np.float32, 8)
+    tensors, arrays = set(), set()
+    for batch in ds:
+        tensors.add(batch["t"].data_ptr())
+        arrays.add(batch["a"].ctypes.data)
+        assert batch["t"].data_ptr() % 64 == 0 and batch["a"].ctypes.data % 64 == 0
+    # 15 batches in two or three blocks per column: the one held while the next is stacked.
+    assert len(tensors) <= 3 and len(arrays) <= 3
+    # Kept batches each get their own block.
+    kept = list(ds)
+    assert len({b["t"].data_ptr() for b in kept}) == len(kept) == 15
+
+
+def test_batch_memory_keeps_a_few_free_blocks():
+    memory = B.BatchMemory(keep=2)
+    leases = [memory.take(2 * MIB) for _ in range(5)]
+    assert memory.made == 5 and len({a.ctypes.data for a in leases}) == 5
+    assert all(a.nbytes == 2 * MIB and a.ctypes.data % 64 == 0 for a in leases)
+    view = torch.from_numpy(leases[0])[10:20]  # a view keeps its block taken
+    view.fill_(9)
+    del leases
+    gc.collect()
+    again = [memory.take(MIB) for _ in range(3)]
+    # Two blocks came back and are reused (a smaller stack fits a bigger block); the third
+    # take makes a new one, and the view still holds its own.
+    assert memory.made == 6
+    assert all(int(v) == 9 for v in view)
+    del again
+
+
+def test_small_odd_and_gradient_stacks_are_stacked_as_torch_does():
+    memory = B.BatchMemory()
+    big = [torch.ones(300_000) for _ in range(2)]
+    # Mixed dtypes promote as torch.stack does.
+    mixed = B._stack_tensors([torch.ones(300_000, dtype=torch.uint8), big[0]], memory)
+    assert mixed.dtype == torch.float32
+    # Gradients flow through a stack in the main process.
+    leaf = torch.ones(300_000, requires_grad=True)
+    stacked = B._stack_tensors([leaf, leaf * 2], memory)
+    stacked.sum().backward()
+    assert leaf.grad is not None and float(leaf.grad[0]) == 3.0
+
+    # A subclass keeps its type.
+    class Tagged(torch.Tensor):
+        pass
+
+    tagged = [torch.ones(300_000).as_subclass(Tagged) for _ in range(2)]
+    assert type(B._stack_tensors(tagged, memory)) is Tagged
+    # Small stacks and object arrays are left to the allocator.
+    assert memory.made == 0
+    B._stack_tensors(big, memory)
+    B._stack_arrays([np.ones(200_000), np.ones(200_000)], memory)
+    B._stack_arrays([np.array([object()] * 300_000)] * 2, memory)
+    assert memory.made == 2
+
+
+def _where_stacked(batch):
+    return batch["t"], torch.tensor(batch["t"].is_shared())
+
+
+def test_workers_stack_in_plain_memory_only_when_the_loader_copies_batches(tmp_path):
+    # With batch buffers, the WebLoader copies each batch into a reused shared buffer: the
+    # worker stacks into a reused plain block. Without them (or with pin_memory) the batch
+    # leaves through torch's shared memory, so it is stacked straight into it.
+    urls = shards(tmp_path, 24)
+    ds = dataset(urls, (2, 100_000), torch.float32, (1000,), np.float32, 8).map(_where_stacked)
+    packed = list(webds.WebLoader(ds, batch_size=None, num_workers=1))
+    unpacked = list(webds.WebLoader(ds, batch_size=None, num_workers=1, batch_buffers=False))
+    assert [bool(s) for _, s in packed] == [False] * 3
+    assert [bool(s) for _, s in unpacked] == [True] * 3
+    for (a, _), (b, _) in zip(packed, unpacked):
+        assert torch.equal(a, b)
