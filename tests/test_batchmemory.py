@@ -190,7 +190,7 @@ def test_batch_memory_keeps_a_few_free_blocks():
     memory = B.BatchMemory(keep=2)
     leases = [memory.take(2 * MIB) for _ in range(5)]
     assert memory.made == 5 and len({a.ctypes.data for a in leases}) == 5
-    assert all(a.nbytes == 2 * MIB and a.ctypes.data % 64 == 0 for a in leases)
+    assert all(a.nbytes == 2 * MIB and a.ctypes.data % (2 << 20) == 0 for a in leases)
     view = torch.from_numpy(leases[0])[10:20]  # a view keeps its block taken
     view.fill_(9)
     del leases
@@ -245,3 +245,31 @@ def test_workers_stack_in_plain_memory_only_when_the_loader_copies_batches(tmp_p
     assert [bool(s) for _, s in unpacked] == [True] * 3
     for (a, _), (b, _) in zip(packed, unpacked):
         assert torch.equal(a, b)
+
+
+def test_a_pass_keeps_no_free_block_after_it_ends(tmp_path, monkeypatch):
+    # A persistent worker idles between epochs: the pass's free blocks are let go at its end,
+    # and a block given back later (the last batch, still held) is not kept.
+    made = []
+
+    def memory():
+        made.append(B.BatchMemory())
+        return made[-1]
+
+    monkeypatch.setattr(B, "_batch_memory", memory)
+    ds = dataset(shards(tmp_path, 40), (2, 100_000), torch.float32, (1000,), np.float32, 8)
+    last = None
+    for batch in ds:
+        last = batch
+    (memory,) = made
+    assert memory.made >= 2 and memory._free == []
+    del batch, last
+    gc.collect()
+    assert memory._free == []
+    # Without the release, the blocks of the last batches would be kept for the next pass.
+    again = B.BatchMemory()
+    lease = again.take(2 * MIB)
+    del lease
+    assert len(again._free) == 1
+    again.release()
+    assert again._free == []
