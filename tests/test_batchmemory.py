@@ -143,6 +143,27 @@ def test_what_the_loop_keeps_is_never_overwritten_through_a_webloader(tmp_path, 
     assert len([k for k in kept if k[0] == "batch"]) > 0
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_made_again_after_the_loader_and_shuffled_are_never_overwritten(tmp_path, workers):
+    # Rebatching in the main process (from the workers' reused buffers into this process's
+    # reused blocks), batches held in a shuffle buffer, the loop keeping some of what it gets.
+    shape, dtype, ashape, adtype = (2, 40_000), torch.float32, (40_000,), np.float64
+    ds = dataset(shards(tmp_path, 90), shape, dtype, ashape, adtype, 4)
+    wl = webds.WebLoader(ds, batch_size=None, num_workers=workers)
+    rebatched = wl.unbatched().shuffle(20, seed=1).batched(7).shuffle(3, seed=2)
+    rng, kept, seen = random.Random(workers), [], []
+
+    def counted(batches):
+        for batch in batches:
+            seen.extend(batch["i"].tolist())
+            yield batch
+
+    for _ in range(2):
+        keep_some(counted(rebatched), rng, kept)
+        check_kept(kept, shape, dtype, ashape, adtype)
+    assert sorted(seen) == sorted(list(range(90)) * 2) and any(k[0] == "batch" for k in kept)
+
+
 def test_batches_freed_on_other_threads_are_reused_safely(tmp_path):
     # A training loop that hands each batch to another thread, which checks it and lets it go
     # (as a pin-memory thread does): blocks come back on that thread, while the next batch is
