@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import pickle
 import random
 import threading
 
@@ -294,3 +295,122 @@ def test_a_pass_keeps_no_free_block_after_it_ends(tmp_path, monkeypatch):
     assert len(again._free) == 1
     again.release()
     assert again._free == []
+
+
+# -- torch's default_collate in a WebLoader (batch_size=) -------------------------------------
+
+
+def unbatched_dataset(urls, shape, dtype, ashape, adtype):
+    make = functools.partial(fields, shape=shape, dtype=dtype, ashape=ashape, adtype=adtype)
+    return webds.WebDataset(urls, shardshuffle=False).map(make)
+
+
+@pytest.mark.parametrize(
+    "seed,loader",
+    [
+        (200, dict(num_workers=2)),
+        (201, dict(num_workers=2, batch_buffers=False)),
+        (202, dict(num_workers=0)),
+        (203, dict(num_workers=0, threads=2)),
+        (204, dict(num_workers=1, persistent_workers=True, drop_last=True)),
+    ],
+)
+def test_torch_batches_the_loop_keeps_are_never_overwritten(tmp_path, seed, loader):
+    # WebLoader(batch_size=...): torch's default_collate, its big stacks in reused memory.
+    rng, _, _, _, _, batch, n = config(seed)
+    shape, dtype, ashape, adtype = (2, 100_000), torch.float32, (40_000,), np.float64
+    ds = unbatched_dataset(shards(tmp_path, n), shape, dtype, ashape, adtype)
+    wl = webds.WebLoader(ds, batch_size=batch, **loader)
+    kept, seen = [], []
+
+    def counted(batches):
+        for b in batches:
+            seen.extend(b["i"].tolist())
+            yield b
+
+    for _ in range(2):
+        keep_some(counted(wl), rng, kept)
+        check_kept(kept, shape, dtype, ashape, adtype)
+    expected = n - n % batch if loader.get("drop_last") and loader["num_workers"] <= 1 else n
+    assert len(seen) == 2 * expected and any(k[0] == "batch" for k in kept)
+
+
+class Items(torch.utils.data.IterableDataset):
+    """Samples of every kind torch's default_collate tells apart, big and small."""
+
+    def __iter__(self):
+        for i in range(12):
+            yield {
+                "big": torch.full((300, 300), float(i)),
+                "big_int": torch.arange(300_000, dtype=torch.int64) + i,
+                "small": torch.tensor([i, i + 1]),
+                "array": np.full((200, 400), i, dtype=np.float64),
+                "small_array": np.arange(3) + i,
+                "scalar": np.float32(i) / 2,
+                "n": i,
+                "x": i / 3,
+                "s": f"s{i}",
+                "b": b"b%d" % i,
+                "pair": (torch.full((600, 600), float(i)), [i, str(i)]),
+                "nested": {"t": torch.ones(400, 700) * i, "k": i},
+            }
+
+
+def same(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_torch_batches_are_default_collates(workers):
+    # Every kind of field comes out as torch's own default_collate makes it, values and types.
+    pipeline = webds.DataPipeline(Items())
+    ours = list(webds.WebLoader(pipeline, batch_size=5, num_workers=workers))
+    theirs = list(torch.utils.data.DataLoader(Items(), batch_size=5, num_workers=workers))
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        same(a, b)
+
+
+def test_a_collate_fn_of_yours_is_called_as_it_is(tmp_path):
+    calls = []
+
+    def collate(samples):
+        calls.append(len(samples))
+        return [s["i"] for s in samples]
+
+    ds = unbatched_dataset(shards(tmp_path, 20), (2, 100_000), torch.float32, (10,), np.float32)
+    got = list(webds.WebLoader(ds, batch_size=8, collate_fn=collate, num_workers=0))
+    assert got == [list(range(8)), list(range(8, 16)), list(range(16, 20))] and calls == [8, 8, 4]
+
+
+def test_a_dataset_pickles_in_the_middle_of_a_pass(tmp_path):
+    # Its channel holds the pass's memory (a lock): a copy made then gets none.
+    ds = unbatched_dataset(shards(tmp_path, 20), (2, 100_000), torch.float32, (10,), np.float32)
+    wl = webds.WebLoader(ds, batch_size=4, num_workers=0)
+    it = iter(wl)
+    next(it)
+    assert ds.channel.batch_memory is not None
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.channel.batch_memory is None
+    rest = list(it)
+    assert len(rest) == 4 and ds.channel.batch_memory is None
+
+
+def test_torch_batches_reuse_blocks_in_this_process(tmp_path):
+    ds = unbatched_dataset(shards(tmp_path, 96), (2, 100_000), torch.float32, (10,), np.float32)
+    pointers = {b["t"].data_ptr() for b in webds.WebLoader(ds, batch_size=8, num_workers=0)}
+    assert len(pointers) <= 3  # 12 batches
+    # The memory of a pass is let go at its end.
+    assert ds.channel.batch_memory is None

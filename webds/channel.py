@@ -22,9 +22,12 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from torch.utils.data import default_collate
+
 from .base.ledger import PAD, Envelope, Ledger, Pass, Restored, ids_of, qualify, unqualify
 from .base.saved import PipelineState, StreamState
 from .stages.batchbuffers import Packed, SlotPool, Unpacker
+from .stages.batchmemory import BatchMemory, default_collate_into
 
 __all__ = ["WorkerStart", "WorkerChannel", "EnvelopeCollate", "WorkerMirrors", "StreamKeeper"]
 __all__ += ["release_free_heap", "is_worker_dataset"]
@@ -92,6 +95,9 @@ class WorkerChannel:
         # The WebLoader copies the batches into reused shared buffers (see EnvelopeCollate): a
         # batching stage may stack them in plain memory (webds.stages.batching._batch_memory).
         self.packs = False
+        # This pass's reused memory for the batches EnvelopeCollate makes with torch's
+        # default_collate (a WebLoader's batch_size=): made and let go by tracked().
+        self.batch_memory: Optional[BatchMemory] = None
 
     def take_start(self, epoch: int) -> Optional[WorkerStart]:
         """How this DataLoader worker begins ``epoch``, when resuming it (taken: used once)."""
@@ -108,24 +114,31 @@ class WorkerChannel:
         (``Restored``), then ``PAD`` where the turn was."""
         pending = self.pending = []
         self.sent = done
-        if start is not None and start.restore:
-            first = next(it, PAD)  # reads again, first, what the main process held
-            held, self.restored = self.restored, []
-            yield Restored([x for x, _ in held], [j for _, j in held])
-            yield from [PAD] * (start.restore - 1 + start.pad)
-            if first is not PAD:
+        memory = self.batch_memory = BatchMemory()
+        try:
+            if start is not None and start.restore:
+                first = next(it, PAD)  # reads again, first, what the main process held
+                held, self.restored = self.restored, []
+                yield Restored([x for x, _ in held], [j for _, j in held])
+                yield from [PAD] * (start.restore - 1 + start.pad)
+                if first is not PAD:
+                    self._note(pending)
+                    yield first
+            for item in it:
                 self._note(pending)
-                yield first
-        for item in it:
-            self._note(pending)
-            yield item
+                yield item
+        finally:
+            memory.release()
+            if self.batch_memory is memory:
+                self.batch_memory = None
 
     def _note(self, pending: List[Any]) -> None:
         current = self.current_pass
         pending.append(current.ledger.current if current is not None else None)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "current_pass": None}  # a worker reads its own pass
+        # A worker reads its own pass, with its own memory.
+        return {**self.__dict__, "current_pass": None, "batch_memory": None}
 
 
 class EnvelopeCollate:
@@ -140,9 +153,21 @@ class EnvelopeCollate:
         self.single = single
         self.pack = pack
         self.pool: Optional[SlotPool] = None  # made in the worker, by its first batch
+        self._into: Tuple[Any, Any] = (None, None)  # (a pass's BatchMemory, its collate)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "pool": None}  # each worker makes its own
+        return {**self.__dict__, "pool": None, "_into": (None, None)}  # each worker makes its own
+
+    def _collate_for(self, channel: "WorkerChannel", in_worker: bool) -> Any:
+        """The collate function for this batch: torch's default_collate stacks big tensors
+        into the pass's reused memory, in this process or where the batch is copied into the
+        reused buffers anyway (as ``batched()`` does: webds.stages.batchmemory)."""
+        memory = channel.batch_memory
+        if memory is None or self.collate is not default_collate or (in_worker and not self.pack):
+            return self.collate
+        if self._into[0] is not memory:
+            self._into = (memory, default_collate_into(memory) or self.collate)
+        return self._into[1]
 
     def __call__(self, data: Any) -> Any:
         from torch.utils.data import get_worker_info
@@ -167,11 +192,12 @@ class EnvelopeCollate:
             number = current.number
             return Envelope(Restored(items, ids), worker, None, delta, sent, number, problem)
         probe = getattr(dataset, "probe", None)
+        collate = self._collate_for(channel, info is not None)
         if probe is None:
-            batch = self.collate(data)
+            batch = collate(data)
         else:
             began = perf_counter()
-            batch = self.collate(data)
+            batch = collate(data)
             probe.collate_seconds += perf_counter() - began
         if current is None or not current.ledger.tracking:
             return batch  # iterated outside a WebLoader's iter()

@@ -17,10 +17,7 @@ downstream does not keep its whole batch alive), and every column needs one entr
 from __future__ import annotations
 
 import functools
-import mmap
 import numbers
-import threading
-import weakref
 from typing import (
     Any,
     Callable,
@@ -41,6 +38,7 @@ import torch
 from ..base.slots import pulled_back
 from ..base.stage import BATCH, UNBATCH, stage
 from ..errors import ArgumentError, SampleError
+from .batchmemory import BatchMemory, arrays_into, stacked_into
 from .filters import _check_callable, _check_int, _where
 
 __all__ = ["batched", "listed", "unbatched", "unlisted", "default_collation_fn"]
@@ -78,7 +76,7 @@ class _Collation(NamedTuple):
     tensors: bool = True
     scalars: bool = True
     dicts: bool = False
-    memory: Optional["BatchMemory"] = None
+    memory: Optional[BatchMemory] = None
 
 
 def _collate_column(values: List[Any], column: str, samples: Sequence[Any], how: _Collation) -> Any:
@@ -106,81 +104,6 @@ def _collate_column(values: List[Any], column: str, samples: Sequence[Any], how:
     return values
 
 
-#: Stacks of at least this many bytes go into a :class:`BatchMemory` block; the C allocator's
-#: heap reuses smaller ones itself.
-_REUSED_BYTES = 1 << 20
-
-
-class BatchMemory:
-    """Reused memory for the big stacks of one batching pass.
-
-    A block larger than the C allocator's mmap threshold (32 MB at most) comes fresh from the
-    kernel for each batch, a page fault per 4 KiB: stacking 64 float images of 224 pixels cost
-    about as much as decoding and cropping 45 of them (docs/benchmarks.md). Here a stack goes
-    into a block an earlier batch gave back, and a block is given back only when its batch and
-    every view of it are gone (a finalizer on the array the stack is made over, which every
-    tensor or array over it keeps alive): no batch ever shares memory with one still held.
-    At most ``keep`` free blocks are kept, none after :meth:`release` (the pass's end: a
-    persistent worker holds no batch-sized block between epochs); ``made`` counts the blocks
-    allocated.
-    """
-
-    def __init__(self, tensors: bool = True, keep: int = 2) -> None:
-        self.tensors = tensors  # tensors as well as arrays (see _batch_memory)
-        self.keep = keep
-        self.made = 0
-        self._free: List[Any] = []
-        self._released = False
-        # A batch may be freed on another thread (a loader's pin thread, the training loop's).
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> Any:
-        """A ``uint8`` array of ``nbytes`` that no live batch uses, starting on a huge page."""
-        with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.size >= nbytes]
-            best = min(fits, key=lambda i: self._free[i].size) if fits else None
-            block = self._free.pop(best) if best is not None else None
-        if block is None:
-            block = _mapped(nbytes)
-            self.made += 1
-        lease = block[:nbytes]  # a new array: its end gives the block back
-        weakref.finalize(lease, self._give_back, block)
-        # Handed out behind a memoryview: numpy makes a view's base the array that owns the
-        # memory (the block), so a view of the batch would not keep the lease alive.
-        return np.frombuffer(memoryview(lease), np.uint8)
-
-    def _give_back(self, block: Any) -> None:
-        with self._lock:
-            if not self._released and len(self._free) < self.keep:
-                self._free.append(block)
-
-    def release(self) -> None:
-        """Free the blocks kept, and keep none given back from now on."""
-        with self._lock:
-            self._released = True
-            self._free.clear()
-
-
-#: Blocks start on a huge page (2 MiB), so that the kernel can back them with huge pages:
-#: stacking into 4 KiB pages measured 2-2.5x slower (TLB misses).
-_HUGE_PAGE = 2 << 20
-
-
-def _mapped(nbytes: int) -> Any:
-    """A block of ``nbytes`` in a private mapping of its own rather than on the C heap: freed,
-    it goes back to the OS at once, leaving no hole in the heap for a persistent worker to
-    keep between epochs."""
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mapping.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages
-            pass
-    whole = np.frombuffer(mapping, np.uint8)
-    start = -whole.ctypes.data % _HUGE_PAGE
-    return whole[start : start + nbytes]
-
-
 def _batch_memory() -> BatchMemory:
     """A batching pass's :class:`BatchMemory`. In a DataLoader worker a tensor stack goes
     straight into shared memory instead (see :func:`_stack_tensors`), unless the WebLoader
@@ -201,12 +124,12 @@ def _stack_tensors(values: List[Any], memory: Optional[BatchMemory] = None) -> A
     on the worker's heap: freed ones are kept by the C allocator, and a persistent worker's
     memory grew by about an epoch of batches per epoch before this (see docs/benchmarks.md).
     """
-    first = values[0]
-    nbytes = len(values) * first.numel() * first.element_size()
-    if memory is not None and memory.tensors and nbytes >= _REUSED_BYTES and _plain(values):
-        lease = torch.from_numpy(memory.take(nbytes))
-        return torch.stack(values, 0, out=lease.view(first.dtype).view(len(values), *first.shape))
+    if memory is not None and memory.tensors:
+        stacked = stacked_into(values, memory)
+        if stacked is not None:
+            return stacked
     out = None
+    first = values[0]
     if torch.utils.data.get_worker_info() is not None and first.device.type == "cpu":
         numel = sum(v.numel() for v in values)
         storage = first._typed_storage()._new_shared(numel, device=first.device)
@@ -214,32 +137,10 @@ def _stack_tensors(values: List[Any], memory: Optional[BatchMemory] = None) -> A
     return torch.stack(values, 0, out=out)
 
 
-def _plain(values: List[Any]) -> bool:
-    """Whether a stack of ``values`` can go into plain memory: CPU tensors of one dtype, not
-    subclasses (whose type torch.stack keeps), quantized or needing gradients."""
-    first = values[0]
-    return (
-        first.device.type == "cpu"
-        and first.layout == torch.strided
-        and not first.is_quantized
-        and all(type(v) is torch.Tensor and v.dtype == first.dtype for v in values)
-        and not any(v.requires_grad for v in values)
-    )
-
-
 def _stack_arrays(values: List[Any], memory: Optional[BatchMemory] = None) -> Any:
     """``np.stack(values)``, into a reused block of ``memory`` where it is big."""
-    first = values[0]
-    nbytes = len(values) * first.nbytes
-    if (
-        memory is None
-        or nbytes < _REUSED_BYTES
-        or first.dtype.hasobject
-        or any(v.dtype != first.dtype for v in values)
-    ):
-        return np.stack(values)
-    out = memory.take(nbytes).view(first.dtype).reshape((len(values), *first.shape))
-    return np.stack(values, out=out)
+    stacked = None if memory is None else arrays_into(values, memory)
+    return np.stack(values) if stacked is None else stacked
 
 
 def _collate_dicts(
