@@ -97,11 +97,11 @@ def config(seed):
     adtype = rng.choice(NP_DTYPES)
     size = torch.empty(0, dtype=dtype).element_size()
     # Some columns under the reuse threshold, most over it.
-    per_sample = rng.choice([4096, 64 * 1024, 200 * 1024, 300 * 1024])
+    per_sample = rng.choice([4096, 160 * 1024, 300 * 1024])
     shape = (2, per_sample // size // 2)
     ashape = (rng.choice([1000, 40_000]),)
     batch = rng.choice([4, 8, 13])
-    n = rng.choice([41, 60, 96])
+    n = rng.choice([29, 41, 50])
     return rng, shape, dtype, ashape, adtype, batch, n
 
 
@@ -110,7 +110,7 @@ def dataset(urls, shape, dtype, ashape, adtype, batch):
     return webds.WebDataset(urls, shardshuffle=False).map(make).batched(batch)
 
 
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", range(10))
 def test_what_the_loop_keeps_is_never_overwritten_in_one_process(tmp_path, seed):
     rng, shape, dtype, ashape, adtype, batch, n = config(seed)
     ds = dataset(shards(tmp_path, n), shape, dtype, ashape, adtype, batch)
