@@ -82,6 +82,8 @@ LINK_AUTO = "webds WebLoader num_workers='auto'"
 #: link-depth: read-ahead depths set by hand (webds's default is readahead_shards="auto").
 DEPTH_8 = "webds WebDataset, readahead_shards=8"
 DEPTH_32 = "webds WebDataset, readahead_shards=32"
+#: link-depth: one WebDataset read pass after pass ("auto" learned once, by its first pass).
+AUTO_LATER = "webds WebDataset, its later passes"
 #: read-images: the shards' bytes read into a reused buffer, nothing parsed: the ceiling of any
 #: reader that brings the bytes into the process (see loaders.read_shard_bytes).
 SHARD_BYTES = "shard bytes only, no samples"
@@ -156,6 +158,8 @@ RATIO_TARGETS = [
 OTHER_RATIOS = [
     ("link-depth: readahead_shards='auto' / 8 (the default before)", "link-depth", WEBDS,
      DEPTH_8),
+    ("link-depth: 'auto', later passes of one dataset / 32 by hand", "link-depth", AUTO_LATER,
+     DEPTH_32),
     ("read-small: webds / bare reader loop", "read-small", WEBDS, "bare reader loop"),
     ("read-small: webds stats=True / webds", "read-small", WEBDS_STATS, WEBDS),
     ("pipeline: webds stats=True / webds", "pipeline", WEBDS_STATS, WEBDS),
@@ -706,10 +710,13 @@ class Suite:
         with SlowLink(Path(shards[0]).parent, latency=0.1, rate=16e6) as link:
             urls = [f"{link.endpoint}/{n}" for n in names]
             grown = L.raw_dataset("webds", urls, stats=True)
+            later = L.raw_dataset("webds", urls)
             self._measure(
                 "link-depth",
                 {
                     WEBDS: lambda: L.count(L.raw_dataset("webds", urls)),
+                    # Its warm-up pass is its first: every measured pass starts deep.
+                    AUTO_LATER: lambda: L.count(later),
                     DEPTH_8: lambda: L.count(L.raw_dataset("webds", urls, readahead_shards=8)),
                     DEPTH_32: lambda: L.count(L.raw_dataset("webds", urls, readahead_shards=32)),
                 },

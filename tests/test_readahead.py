@@ -12,6 +12,7 @@ import io
 import itertools
 import json
 import os
+import pickle
 import random
 import threading
 import time
@@ -653,3 +654,28 @@ def test_a_growing_depth_stays_within_the_budget(monkeypatch):
     assert total == 12 * 1_000_000 and depth.shards == 6
     assert max(peaks) <= budget + min(budget, ra._HEAD_BYTES) + (6 + 1) * 200_000
     assert wait_for(lambda: not readahead_threads())
+
+
+def test_auto_depth_learned_in_one_pass_starts_the_next(http_server):
+    """A WebDataset's later passes start at the depth its first grew to, so only the first
+    ramps up: right after a later pass's first sample, more than 9 shards are in flight, and
+    so in a copy of it (a DataLoader worker's); a fresh dataset starts at 8. The samples and
+    their order stay those of a read without read-ahead."""
+    urls = serve_shards(http_server, [2] * 60)
+    want = keys(webds.WebDataset(urls, shardshuffle=False, readahead=False))
+    http_server.latency = 0.05
+    ds = webds.WebDataset(urls, shardshuffle=False, stats=True)
+    assert keys(ds) == want
+    grown = ds.stats().readahead_shards["main"]
+    assert grown > 8
+    fresh = webds.WebDataset(urls, shardshuffle=False)
+    copy = pickle.loads(pickle.dumps(ds))
+    for dataset, deep in ((fresh, False), (ds, True), (copy, True)):
+        assert wait_for(lambda: not readahead_threads())
+        http_server.most_in_flight = 0
+        it = iter(dataset)
+        first = next(it)["__key__"]
+        in_flight = http_server.most_in_flight
+        assert [first] + [s["__key__"] for s in it] == want
+        assert (in_flight > 9) if deep else (in_flight <= 9), (deep, in_flight)
+    assert ds.stats().readahead_shards["main"] >= grown

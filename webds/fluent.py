@@ -28,7 +28,7 @@ from typing import (
 from .base.handlers import Handler, reraise_exception
 from .base.workers import default_seed, worker_info
 from .errors import ArgumentError, NoSamplesError
-from .io.readahead import DEFAULT_READAHEAD_SHARDS, check_readahead
+from .io.readahead import AUTO, DEFAULT_READAHEAD_SHARDS, LearnedDepth, check_readahead
 from .io.urls import url_identity
 from .keywords import legacy_keywords
 from .pipeline import BATCH, SAME, Count, DataPipeline, Stage, StageFactory, stage
@@ -409,7 +409,8 @@ class WebDataset(DataPipeline, FluentMixin):
                 max_member_size=max_member_size,
                 accept_unterminated=accept_unterminated,
                 readahead=readahead,
-                readahead_shards=readahead_shards,
+                # "auto" learned once per dataset, not once per pass.
+                readahead_shards=LearnedDepth() if readahead_shards == AUTO else readahead_shards,
                 **(storage_options or {}),
             )
         )

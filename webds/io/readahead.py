@@ -39,6 +39,7 @@ __all__ = [
     "Fetch",
     "check_readahead",
     "fetch_ahead",
+    "LearnedDepth",
 ]
 
 #: Bytes fetched and not yet read, over all the shards in flight in one process (a DataLoader
@@ -77,7 +78,13 @@ def check_readahead(readahead: Any, shards: Any) -> Tuple[int, Union[int, str], 
     a budget in bytes > 0 (remote shards), True (every shard, local files and ``pipe:`` commands
     too, with the default budget), or False or 0 (off).
     """
-    if shards != AUTO and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 0):
+    if isinstance(shards, LearnedDepth):
+        shards_ok = True
+    else:
+        shards_ok = shards == AUTO or (
+            isinstance(shards, int) and not isinstance(shards, bool) and shards >= 0
+        )
+    if not shards_ok:
         raise ArgumentError(f"readahead_shards must be an int >= 0 or 'auto', got {shards!r}")
     if readahead is None:
         return DEFAULT_READAHEAD_BYTES, shards, False
@@ -129,10 +136,17 @@ class Depth:
     early shards are fetched; the same measurements give the same depths.
     """
 
-    def __init__(self, shards: int, grows: bool = False, most: int = AUTO_MAX_SHARDS) -> None:
+    def __init__(
+        self,
+        shards: int,
+        grows: bool = False,
+        most: int = AUTO_MAX_SHARDS,
+        learned: Optional["LearnedDepth"] = None,
+    ) -> None:
         self.shards = shards
         self.grows = grows
         self.most = most
+        self.learned = learned  # told each depth grown, for the next pass to start at
         self.fetched = False  # a shard was fetched ahead (local shards are not, by default)
         self._since: Optional[float] = None  # when the reader started on the last shard
         self._waited = 0.0  # the budget's waits then
@@ -160,6 +174,8 @@ class Depth:
         if wanted <= self.shards:
             return
         before, self.shards = self.shards, min(self.most, wanted)
+        if self.learned is not None:
+            self.learned.reached(self.shards)
         log.info(
             "webds: read-ahead: %d shards fetched ahead, was %d (a shard took %.3f s to fetch "
             "and %.3f s to read; the reader waited %.3f s for it)",
@@ -169,6 +185,27 @@ class Depth:
             own,
             waited,
         )
+
+
+class LearnedDepth:
+    """``readahead_shards="auto"`` that remembers across passes: each pass's :class:`Depth`
+    starts at the deepest one the passes before it grew to (at first
+    :data:`AUTO_START_SHARDS`), so only a dataset's first pass ramps up. ``WebDataset`` keeps
+    one per dataset; each DataLoader worker its own copy, for as long as it lives
+    (``persistent_workers=True``: every epoch after the first starts deep)."""
+
+    def __init__(self, shards: int = AUTO_START_SHARDS) -> None:
+        self.shards = shards
+
+    def depth(self) -> Depth:
+        """The depth a pass starts with, growing from what the passes before it learned."""
+        return Depth(self.shards, grows=True, learned=self)
+
+    def reached(self, shards: int) -> None:
+        self.shards = max(self.shards, shards)
+
+    def __repr__(self) -> str:
+        return f"LearnedDepth({self.shards})"
 
 
 class Fetch:

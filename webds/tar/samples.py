@@ -41,6 +41,7 @@ from ..io.readahead import (
     AUTO_START_SHARDS,
     DEFAULT_READAHEAD_SHARDS,
     Depth,
+    LearnedDepth,
     check_readahead,
     fetch_ahead,
 )
@@ -302,8 +303,12 @@ def _fetch_shards(src: Iterable[Any], how: _Reading, ledger: Any, probe: Any) ->
     fetched ahead (:func:`~webds.io.readahead.fetch_ahead`); ``probe`` (stats=True) reports
     how many."""
     budget, shards, every_shard = check_readahead(how.readahead, how.readahead_shards)
-    grows = shards == AUTO
-    depth = Depth(AUTO_START_SHARDS if grows else int(shards), grows)
+    if isinstance(shards, LearnedDepth):
+        depth = shards.depth()  # WebDataset's: starts where its earlier passes got to
+    elif shards == AUTO:
+        depth = Depth(AUTO_START_SHARDS, grows=True)
+    else:
+        depth = Depth(int(shards))
     if probe is not None:
         probe.readahead = depth
 
