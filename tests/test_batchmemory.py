@@ -91,6 +91,22 @@ def check_kept(kept, shape, dtype, ashape, adtype):
                 assert np.array_equal(np.asarray(row), array_values(i, ashape, adtype))
 
 
+def two_passes(loader, rng, kept, shape, dtype, ashape, adtype):
+    """Two passes of :func:`keep_some` over ``loader``, what was kept checked after each; the
+    samples' numbers seen."""
+    seen = []
+
+    def counted(batches):
+        for batch in batches:
+            seen.extend(batch["i"].tolist())
+            yield batch
+
+    for _ in range(2):
+        keep_some(counted(loader), rng, kept)
+        check_kept(kept, shape, dtype, ashape, adtype)
+    return seen
+
+
 def config(seed):
     rng = random.Random(seed)
     dtype = rng.choice(DTYPES)
@@ -152,16 +168,8 @@ def test_batches_made_again_after_the_loader_and_shuffled_are_never_overwritten(
     ds = dataset(shards(tmp_path, 90), shape, dtype, ashape, adtype, 4)
     wl = webds.WebLoader(ds, batch_size=None, num_workers=workers)
     rebatched = wl.unbatched().shuffle(20, seed=1).batched(7).shuffle(3, seed=2)
-    rng, kept, seen = random.Random(workers), [], []
-
-    def counted(batches):
-        for batch in batches:
-            seen.extend(batch["i"].tolist())
-            yield batch
-
-    for _ in range(2):
-        keep_some(counted(rebatched), rng, kept)
-        check_kept(kept, shape, dtype, ashape, adtype)
+    kept = []
+    seen = two_passes(rebatched, random.Random(workers), kept, shape, dtype, ashape, adtype)
     assert sorted(seen) == sorted(list(range(90)) * 2) and any(k[0] == "batch" for k in kept)
 
 
@@ -321,16 +329,8 @@ def test_torch_batches_the_loop_keeps_are_never_overwritten(tmp_path, seed, load
     shape, dtype, ashape, adtype = (2, 100_000), torch.float32, (40_000,), np.float64
     ds = unbatched_dataset(shards(tmp_path, n), shape, dtype, ashape, adtype)
     wl = webds.WebLoader(ds, batch_size=batch, **loader)
-    kept, seen = [], []
-
-    def counted(batches):
-        for b in batches:
-            seen.extend(b["i"].tolist())
-            yield b
-
-    for _ in range(2):
-        keep_some(counted(wl), rng, kept)
-        check_kept(kept, shape, dtype, ashape, adtype)
+    kept = []
+    seen = two_passes(wl, rng, kept, shape, dtype, ashape, adtype)
     expected = n - n % batch if loader.get("drop_last") and loader["num_workers"] <= 1 else n
     assert len(seen) == 2 * expected and any(k[0] == "batch" for k in kept)
 

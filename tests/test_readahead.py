@@ -519,10 +519,10 @@ def test_auto_counts_waits_only_with_room_in_the_budget(room):
     assert (budget.waited >= 0.04) if room else budget.waited == 0.0
 
 
-def test_auto_depth_grows_on_a_far_server_and_reads_the_same(http_server):
-    """60 small shards behind 50 ms to the first byte: by default more than 8 shards are
-    fetched at once (the server sees it), stats() reports the depth, and the samples and their
-    order are those of a read without read-ahead; readahead_shards=8 stays at 9 connections."""
+def grown_on_a_far_server(http_server):
+    """60 small shards behind 50 ms to the first byte, read once by a WebDataset with
+    ``stats=True`` (the same samples as without read-ahead): (urls, their keys, the dataset,
+    the depth it grew to, more than 8)."""
     urls = serve_shards(http_server, [2] * 60)
     want = keys(webds.WebDataset(urls, shardshuffle=False, readahead=False))
     http_server.latency = 0.05
@@ -530,6 +530,14 @@ def test_auto_depth_grows_on_a_far_server_and_reads_the_same(http_server):
     assert keys(ds) == want
     grown = ds.stats().readahead_shards["main"]
     assert 8 < grown <= ra.AUTO_MAX_SHARDS
+    return urls, want, ds, grown
+
+
+def test_auto_depth_grows_on_a_far_server_and_reads_the_same(http_server):
+    """60 small shards behind 50 ms to the first byte: by default more than 8 shards are
+    fetched at once (the server sees it), stats() reports the depth, and the samples and their
+    order are those of a read without read-ahead; readahead_shards=8 stays at 9 connections."""
+    urls, want, ds, grown = grown_on_a_far_server(http_server)
     assert http_server.most_in_flight > 9
     assert f"shards fetched ahead: {grown} (main)" in str(ds.stats())
     http_server.most_in_flight = 0
@@ -661,13 +669,7 @@ def test_auto_depth_learned_in_one_pass_starts_the_next(http_server):
     ramps up: right after a later pass's first sample, more than 9 shards are in flight, and
     so in a copy of it (a DataLoader worker's); a fresh dataset starts at 8. The samples and
     their order stay those of a read without read-ahead."""
-    urls = serve_shards(http_server, [2] * 60)
-    want = keys(webds.WebDataset(urls, shardshuffle=False, readahead=False))
-    http_server.latency = 0.05
-    ds = webds.WebDataset(urls, shardshuffle=False, stats=True)
-    assert keys(ds) == want
-    grown = ds.stats().readahead_shards["main"]
-    assert grown > 8
+    urls, want, ds, grown = grown_on_a_far_server(http_server)
     fresh = webds.WebDataset(urls, shardshuffle=False)
     copy = pickle.loads(pickle.dumps(ds))
     for dataset, deep in ((fresh, False), (ds, True), (copy, True)):
