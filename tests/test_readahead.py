@@ -681,3 +681,22 @@ def test_auto_depth_learned_in_one_pass_starts_the_next(http_server):
         assert [first] + [s["__key__"] for s in it] == want
         assert (in_flight > 9) if deep else (in_flight <= 9), (deep, in_flight)
     assert ds.stats().readahead_shards["main"] >= grown
+
+
+def test_auto_depth_learned_by_a_persistent_worker_starts_its_next_epoch(http_server):
+    """A persistent DataLoader worker keeps its dataset copy's learned depth: its second epoch
+    starts with more than 9 shards in flight; the samples stay the same."""
+    urls = serve_shards(http_server, [2] * 60)
+    want = sorted(keys(webds.WebDataset(urls, shardshuffle=False, readahead=False)))
+    http_server.latency = 0.05
+    ds = webds.WebDataset(urls, shardshuffle=False)
+    loader = webds.WebLoader(ds, batch_size=None, num_workers=1, persistent_workers=True)
+    assert sorted(s["__key__"] for s in loader) == want
+    assert http_server.most_in_flight > 9
+    assert wait_for(lambda: http_server.in_flight == 0)
+    http_server.most_in_flight = 0
+    it = iter(loader)
+    first = next(it)["__key__"]
+    in_flight = http_server.most_in_flight
+    assert sorted([first] + [s["__key__"] for s in it]) == want
+    assert in_flight > 9
