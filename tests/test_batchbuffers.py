@@ -128,6 +128,18 @@ def test_batch_buffers_false_keeps_torchs_transfer(spec):
         assert not one_buffer(batch)
 
 
+def test_pin_memory_without_an_accelerator_keeps_the_buffers(spec):
+    # torch pins nothing without an accelerator (it warns): the batches come in the buffers.
+    assert not torch.accelerator.is_available()
+    n = 0
+    with pytest.warns(UserWarning, match="no accelerator"):
+        for batch in loader(spec, pin_memory=True):  # (each let go: its buffer is free again)
+            check(batch)
+            assert one_buffer(batch)
+            n += len(batch[2])
+    assert n == 160
+
+
 def test_resume_is_exact_with_buffers(spec):
     from test_resume import assert_exact
 

@@ -21,6 +21,7 @@ import os
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import torch
 from torch.utils.data import DataLoader
 
 from .base.ledger import Ledger, Pass, item_id
@@ -179,6 +180,17 @@ def _with_workers(kwargs: Dict[str, Any], n: int) -> Dict[str, Any]:
     return kwargs
 
 
+def _pins(loader: DataLoader) -> bool:
+    """Whether ``loader`` pins its batches: ``pin_memory=True`` and an accelerator to pin
+    them for (as torch's DataLoader decides)."""
+    if not loader.pin_memory:
+        return False
+    accelerator = getattr(torch, "accelerator", None)  # (torch 2.6 and later)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
+
+
 class LoaderSource(StreamKeeper):
     """A ``DataLoader`` as the source of a pipeline (a :class:`WebLoader`'s).
 
@@ -200,8 +212,9 @@ class LoaderSource(StreamKeeper):
                 dataset.channel = WorkerChannel()
             single = loader.batch_size is None and loader.batch_sampler is None
             # Reused shared buffers (webds.stages.batchbuffers) save the main process most of its
-            # work per batch; a pinned copy is made from torch's own transfer instead.
-            pack = batch_buffers and loader.num_workers > 0 and not loader.pin_memory
+            # work per batch; a pinned copy is made from torch's own transfer instead (torch
+            # pins only where there is an accelerator: pin_memory=True on a CPU does nothing).
+            pack = batch_buffers and loader.num_workers > 0 and not _pins(loader)
             dataset.channel.packs = pack
             loader.collate_fn = EnvelopeCollate(loader.collate_fn, dataset, single, pack)
         # This process's copy of each worker's stream, kept from the batches' envelopes.
