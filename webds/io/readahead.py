@@ -78,13 +78,11 @@ def check_readahead(readahead: Any, shards: Any) -> Tuple[int, Union[int, str], 
     a budget in bytes > 0 (remote shards), True (every shard, local files and ``pipe:`` commands
     too, with the default budget), or False or 0 (off).
     """
-    if isinstance(shards, LearnedDepth):
-        shards_ok = True
-    else:
-        shards_ok = shards == AUTO or (
-            isinstance(shards, int) and not isinstance(shards, bool) and shards >= 0
-        )
-    if not shards_ok:
+    if (
+        not isinstance(shards, LearnedDepth)
+        and shards != AUTO
+        and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 0)
+    ):
         raise ArgumentError(f"readahead_shards must be an int >= 0 or 'auto', got {shards!r}")
     if readahead is None:
         return DEFAULT_READAHEAD_BYTES, shards, False

@@ -38,7 +38,6 @@ from ..base.stage import stage
 from ..errors import ArgumentError, ShardReadError
 from ..io.readahead import (
     AUTO,
-    AUTO_START_SHARDS,
     DEFAULT_READAHEAD_SHARDS,
     Depth,
     LearnedDepth,
@@ -303,12 +302,9 @@ def _fetch_shards(src: Iterable[Any], how: _Reading, ledger: Any, probe: Any) ->
     fetched ahead (:func:`~webds.io.readahead.fetch_ahead`); ``probe`` (stats=True) reports
     how many."""
     budget, shards, every_shard = check_readahead(how.readahead, how.readahead_shards)
-    if isinstance(shards, LearnedDepth):
-        depth = shards.depth()  # WebDataset's: starts where its earlier passes got to
-    elif shards == AUTO:
-        depth = Depth(AUTO_START_SHARDS, grows=True)
-    else:
-        depth = Depth(int(shards))
+    if shards == AUTO:  # (this stage on its own: learned for this pass; WebDataset's is kept)
+        shards = LearnedDepth()
+    depth = shards.depth() if isinstance(shards, LearnedDepth) else Depth(int(shards))
     if probe is not None:
         probe.readahead = depth
 
