@@ -414,3 +414,78 @@ def test_torch_batches_reuse_blocks_in_this_process(tmp_path):
     assert len(pointers) <= 3  # 12 batches
     # The memory of a pass is let go at its end.
     assert ds.channel.batch_memory is None
+
+
+# -- one step off: resumes, passes stopped early, views through numpy ---------------------------
+
+
+@pytest.mark.parametrize("workers,torch_batches", [(0, False), (2, False), (0, True), (2, True)])
+def test_a_resumed_loader_gives_the_rest_in_reused_memory_and_keeps_what_came_before(
+    tmp_path, workers, torch_batches
+):
+    # Batches held from before a checkpoint stay as they were while the resumed loader (in
+    # this process or its workers) stacks the rest; together they are every sample once.
+    shape, dtype, ashape, adtype = (2, 100_000), torch.float32, (40_000,), np.float64
+    urls = shards(tmp_path, 60)
+
+    def make():
+        if torch_batches:
+            ds = unbatched_dataset(urls, shape, dtype, ashape, adtype)
+            return webds.WebLoader(ds, batch_size=4, num_workers=workers)
+        ds = dataset(urls, shape, dtype, ashape, adtype, 4)
+        return webds.WebLoader(ds, batch_size=None, num_workers=workers)
+
+    first = make()
+    it = iter(first)
+    before = [next(it) for _ in range(5)]
+    state = first.state_dict()
+    del it
+    second = make()
+    second.load_state_dict(state)
+    rest = list(second)
+    for batch in before + rest:
+        check(batch, shape, dtype, ashape, adtype)
+    seen = sorted(i for b in before + rest for i in b["i"].tolist())
+    assert seen == list(range(60))
+
+
+def test_a_pass_stopped_early_lets_its_memory_go(tmp_path, monkeypatch):
+    made = []
+
+    def memory():
+        made.append(B.BatchMemory())
+        return made[-1]
+
+    monkeypatch.setattr(B, "_batch_memory", memory)
+    urls = shards(tmp_path, 40)
+    ds = dataset(urls, (2, 100_000), torch.float32, (1000,), np.float32, 4)
+    it = iter(ds)
+    kept = [next(it), next(it), next(it)]
+    it.close()  # the training loop breaks out
+    (memory,) = made
+    assert memory._released and memory._free == []
+    check_kept([("batch", b) for b in kept], (2, 100_000), torch.float32, (1000,), np.float32)
+    # A WebLoader's torch-collated pass stopped early too.
+    unbatched = unbatched_dataset(urls, (2, 100_000), torch.float32, (10,), np.float32)
+    it = iter(webds.WebLoader(unbatched, batch_size=4, num_workers=0))
+    next(it)
+    held = unbatched.channel.batch_memory
+    assert held is not None and not held._released
+    it.close()
+    assert held._released and unbatched.channel.batch_memory is None
+
+
+def test_numpy_views_of_kept_tensor_batches_are_never_overwritten(tmp_path):
+    # .numpy() and np.asarray() of a batch's tensor column, and slices of those, keep its block.
+    shape = (2, 100_000)
+    ds = dataset(shards(tmp_path, 48), shape, torch.float32, (1000,), np.float32, 4)
+    kept = []
+    for batch in ds:
+        i = int(batch["i"][1])
+        kept.append((i, batch["t"].numpy()[1]))
+        kept.append((i, np.asarray(batch["t"])[1, :, ::7]))
+        del batch
+        gc.collect()
+    for i, view in kept:
+        whole = values(i, shape, torch.float32).numpy()
+        assert np.array_equal(view, whole if view.shape == whole.shape else whole[:, ::7])

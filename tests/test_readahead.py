@@ -700,3 +700,20 @@ def test_auto_depth_learned_by_a_persistent_worker_starts_its_next_epoch(http_se
     in_flight = http_server.most_in_flight
     assert sorted([first] + [s["__key__"] for s in it]) == want
     assert in_flight > 9
+
+
+def test_auto_depth_grows_in_a_pipeline_of_the_bare_stages(http_server):
+    """tarfile_to_samples() on its own (not in a WebDataset) grows its depth within a pass
+    too; each of its passes starts at 8 (it keeps nothing), the samples the same."""
+    urls = serve_shards(http_server, [2] * 60)
+    want = keys(webds.WebDataset(urls, shardshuffle=False, readahead=False))
+    http_server.latency = 0.05
+    pipeline = webds.DataPipeline(webds.SimpleShardList(urls), webds.tarfile_to_samples())
+    for _ in range(2):
+        assert wait_for(lambda: not readahead_threads())
+        http_server.most_in_flight = 0
+        it = iter(pipeline)
+        first = next(it)["__key__"]
+        at_start = http_server.most_in_flight
+        assert [first] + [s["__key__"] for s in it] == want
+        assert at_start <= 9 < http_server.most_in_flight
