@@ -19,7 +19,7 @@ from test_access import FORMATS, random_members, tarfile_shard
 import webds
 from webds.base.handlers import ErrorPolicy, reraise_exception, warn_and_continue
 from webds.stages.probe import READING
-from webds.tar import bulk
+from webds.tar import bulk, scan
 from webds.tar.grouper import END, Grouping, ShardNotes, group_members
 from webds.tar.reader import read_members
 from webds.tar.samples import tarfile_samples
@@ -433,3 +433,126 @@ def test_small_records_over_http_that_cuts_its_bodies(flaky_http_server, monkeyp
     got = [(s["__key__"], s["bin"], s["cls"]) for s in webds.WebDataset(urls, readahead=False)]
     assert got == want and flaky_http_server.faults_left["cut"] == 0  # every cut was met
     assert len(handed) == 2 and all(offset > 0 for offset in handed)
+
+
+# -- the names of a uniform chunk: read in fewer steps, as the general rules read them ---------
+
+
+def _headers(names: List[bytes], types: List[bytes]) -> Any:
+    """A chunk's headers as the bulk path gathers them (rows of 512 bytes), each with ``name``
+    and type flag, its checksum right."""
+    np = pytest.importorskip("numpy")
+    template = bytearray(tarfile.TarInfo("x").tobuf(tarfile.USTAR_FORMAT))
+    rows = []
+    for name, typ in zip(names, types):
+        header = bytearray(template)
+        header[0:100] = name[:100].ljust(100, b"\0")
+        header[156:157] = typ
+        rows.append(_resummed(header))
+    return np.frombuffer(b"".join(rows), np.uint8).reshape(len(rows), 512).copy()
+
+
+def _random_names(rng: random.Random) -> Tuple[List[bytes], List[bytes]]:
+    """Names as a writer names a shard's members (the same key width, a dot, extensions of a
+    few kinds), a few of them then changed at a random byte to what the rules look at; pax
+    headers among them now and then."""
+    width = rng.choice([1, 3, 8, 12, 40, 95])
+    prefix = rng.choice([b"", b"", b"dir/", b"a.b/", b"\xc3\xa9/"])
+    exts = rng.sample([b"bin", b"cls", b"seg.png", b"JPG", b"t", b"json", b"\xff"], 3)
+    names, types = [], []
+    for i in range(rng.randint(1, 60)):
+        key = prefix + b"%0*d" % (width, i // rng.choice([1, 2, 3]))
+        for ext in exts[: rng.randint(1, 3)]:
+            if rng.random() < 0.15:
+                names.append(b"././@PaxHeader")
+                types.append(b"x")
+            names.append((key + b"." + ext)[:100])
+            types.append(rng.choice([b"0", b"0", b"0", b"\0", b"5"]))
+    for _ in range(rng.choice([0, 0, 1, 3])):
+        i = rng.randrange(len(names))
+        name = bytearray(names[i].ljust(rng.randint(len(names[i]), 100), b"\0"))
+        name[rng.randrange(len(name))] = rng.choice(b"\0./_\xff9A")
+        names[i] = bytes(name[:100])
+    if rng.random() < 0.1:
+        names[rng.randrange(len(names))] = b"__meta__." + exts[0]
+    return names, types
+
+
+@pytest.mark.parametrize("case", range(300))
+def test_uniform_names_are_read_as_the_general_rules_read_them(case):
+    """On random chunks of headers (mostly named alike, some changed at one byte: a dot, a
+    slash, a NUL, metadata, bytes that are not UTF-8; pax headers and other types among them):
+    where the uniform reading takes the chunk, every regular file is keyed as the general
+    reading keys it, and its members' keys, extensions and samples are the same."""
+    np = pytest.importorskip("numpy")
+    names, types = _random_names(random.Random(case))
+    heads = _headers(names, types)
+    typ = heads[:, 156]
+    regular = (typ == 48) | (typ == 0)
+    general = scan._Names(np, heads)
+    uniform = scan._UniformNames.of(np, heads, regular)
+    if uniform is None:
+        return
+    assert (uniform.keyed[regular] == general.keyed[regular]).all()
+    members = np.flatnonzero(regular & general.keyed)
+    for chosen in (members, members[: len(members) // 2]):
+        if len(chosen):  # (the bulk path asks for none: it stops first)
+            assert uniform.grouped(chosen, len(chosen)) == general.grouped(chosen, len(chosen))
+    run = slice(int(np.argmin(regular & general.keyed)) if not (regular & general.keyed).all()
+                else len(heads))  # fmt: skip
+    if run.stop:
+        assert uniform.grouped(run, run.stop) == general.grouped(run, run.stop)
+
+
+def test_uniform_names_take_most_random_chunks_and_not_the_odd_ones():
+    """Not vacuous: the uniform reading takes most chunks the test above draws, and declines
+    those where a name breaks the pattern (a dot in the key, a slash after the dot, no dot)."""
+    np = pytest.importorskip("numpy")
+    taken = 0
+    for case in range(300):
+        names, types = _random_names(random.Random(case))
+        heads = _headers(names, types)
+        typ = heads[:, 156]
+        taken += scan._UniformNames.of(np, heads, (typ == 48) | (typ == 0)) is not None
+    assert 100 < taken < 300
+    for odd in [b"0.1.bin", b"00.b/n", b"00bin", b".00bin", b"0\x001.bin"]:
+        names = [b"00.bin", b"00.cls", odd, b"01.bin"]
+        heads = _headers(names, [b"0"] * 4)
+        assert scan._UniformNames.of(np, heads, np.ones(4, bool)) is None, odd
+    # Taken, with one name that is not a key.extension file: metadata, a NUL and then more,
+    # a folder and no key after it.
+    for unkeyed in [b"__.bin", b"00.b\x00n", b"0/.bin"]:
+        names = [b"00.bin", b"00.cls", unkeyed, b"01.bin"]
+        heads = _headers(names, [b"0"] * 4)
+        uniform = scan._UniformNames.of(np, heads, np.ones(4, bool))
+        assert uniform is not None and uniform.keyed.tolist() == [True, True, False, True]
+        assert scan._Names(np, heads).keyed.tolist() == [True, True, False, True]
+
+
+def test_every_pax_record_byte_changed_reads_alike(tmp_path):
+    """The pax records before a member in mid-shard (``"NN mtime=...\\n"``, as tarfile and
+    webdataset write them), each byte and the one after them set to each value the
+    recognition looks at (a newline, a space, ``=``, digits, a letter, NUL): what the member
+    reader reads (a record the bulk path does not recognise at once is matched as the member
+    reader matches it, or handed over). So do records of other keys put in their place."""
+    data, at = _mid_shard(tmp_path, "pax-header")
+    size = int(data[at + 124 : at + 135], 8)
+    assert data[at + 512 : at + 512 + size].split(b" ")[1].startswith(b"mtime=")
+    for offset in range(size + 1):
+        for value in b"\n =09mx\0":
+            damaged = bytearray(data)
+            damaged[at + 512 + offset] = value
+            members_, bulked = both(bytes(damaged), 1 << 20)
+            assert bulked == members_, (offset, chr(value))
+    # Records of the same length that do change something (a path, a size, a link), or do not
+    # (another time, a user name), one or two of them.
+    for key, value in [("path", "p"), ("size", "0"), ("linkpath", "l"), ("atime", "1"),
+                       ("uname", "u"), ("mtime", "1\n"), ("mtime", "\n1")]:  # fmt: skip
+        for two in (False, True):
+            first = b"9 mtime=1\n" if two else b""
+            fill = size - len(first) - len(f"{size - len(first)} {key}=\n")
+            record = f"{size - len(first)} {key}={value * fill}"[: size - len(first) - 1]
+            damaged = bytearray(data)
+            damaged[at + 512 : at + 512 + size] = first + record.encode() + b"\n"
+            members_, bulked = both(bytes(damaged), 1 << 20)
+            assert bulked == members_, (key, value, two)

@@ -2,9 +2,10 @@
 
 Read member by member, a shard of 1-2 KB records costs microseconds of Python per member: parse
 the header, check its sum, split the name, start or extend a sample. Here numpy checks the
-headers of a whole chunk of the stream at once (4 MiB: a few thousand members), follows the
-chain of sizes from header to header and finds where each sample starts; Python only cuts each
-field's bytes out of the chunk and makes each sample's dict.
+headers of a whole chunk of the stream at once (4 MiB: a few thousand members;
+:mod:`webds.tar.scan`), follows the chain of sizes from header to header and finds where each
+sample starts; Python only cuts each field's bytes out of the chunk and makes each sample's
+dict.
 
 It takes only what it can check exactly as :func:`~webds.tar.reader.read_members` and
 :func:`~webds.tar.grouper.group_members` would take it: POSIX ustar headers of regular files
@@ -31,7 +32,8 @@ from ..errors import WebdsError
 from .compression import compression_of, read_failed
 from .fields import _SURROGATE
 from .grouper import Grouping, ShardNotes, group_members
-from .reader import _harmless_pax, _member_limit, read_members
+from .reader import _member_limit, read_members
+from .scan import Gathered, parse
 
 __all__ = ["bulk_groups", "takes_rules"]
 
@@ -41,7 +43,6 @@ _FIRST = 64 << 10
 #: Members larger than this on average (with their headers) are read one by one: for them,
 #: checking a buffer at a time costs more than it saves.
 _SMALL = 8 << 10
-_MAGIC = b"ustar\x0000"  # POSIX ustar: magic and version
 #: The fewest samples alike made a run (webds.base.runs): a shorter one costs more than it saves.
 _RUN = 8
 
@@ -129,9 +130,12 @@ def _bulk(shard: _Shard, readinto: Any, start: int, runs: bool) -> Iterator[Tupl
     base, at = start, 0  # ``at``: where in the buffer the member reader takes over
     size = _read_into(readinto, view, 0, url)
     limit = _member_limit(shard.max_member_size, None)
+    gathered = Gathered(np)
     compressed = compression_of(bytes(view[:16])) is not None  # read member by member
     while size > 0 and not compressed:
-        hoffs, starts, ends, keys, exts, firsts, more = _parse(np, store, array, size, limit)
+        hoffs, starts, ends, keys, exts, firsts, more = parse(
+            np, store, array, size, limit, gathered
+        )
         samples = len(firsts) - 1  # (firsts ends with the number of members)
         if not samples or (more and len(starts) * _SMALL < size):
             break  # not one plain member whole in the buffer; or large members
@@ -316,219 +320,3 @@ class _Prefixed:
 def _field_name(ext: bytes, lcase: bool) -> str:
     name = ext.decode("utf-8", _SURROGATE)
     return name.lower() if lcase else name
-
-
-_Parsed = Tuple[List[int], List[int], List[int], List[str], List[bytes], List[int], bool]
-
-
-def _parse(np: Any, buf: bytearray, array: Any, size_of_buf: int, limit: int) -> _Parsed:
-    """The whole members at the start of ``buf[:size_of_buf]`` (``array``: the same bytes, in
-    numpy; they start with a header) that the member reader would read as plain
-    ``key.extension`` files, each maybe after a pax header whose records change nothing (as
-    tarfile and webdataset write them), up to the first that is anything else or does not lie
-    whole in ``buf``: ``(where each member starts (its pax header's offset, where it has one),
-    where its data starts, where it ends, each sample's key, each member's extension bytes, the
-    index of each sample's first member, more)``, the indexes ending with the number of
-    members; ``more`` is false where something other than the end of ``buf`` stopped it."""
-    nblocks = size_of_buf // 512
-    if nblocks == 0:
-        return [], [], [], [], [], [0], True
-    blocks = array[: nblocks * 512].reshape(nblocks, 512)
-    # Candidates: blocks with the ustar magic. The chain of sizes from the first header decides
-    # which are headers; a block of member data that looks like one breaks the chain.
-    cand = np.flatnonzero(_field(np, array, nblocks, 257, "<u8") == _MAGIC_WORD)
-    if len(cand) == 0 or cand[0] != 0:
-        return [], [], [], [], [], [0], False
-    heads = blocks[cand]
-    size, whole = _sizes_and_sums(np, heads, limit)
-    data_end = cand * 512 + 512 + size
-    whole &= data_end <= size_of_buf
-    names = _Names(np, heads)
-    typ = heads[:, 156]
-    member = whole & ((typ == 48) | (typ == 0)) & names.keyed  # a regular key.extension file
-    # A pax header of one block whose records change nothing, before a member (not another).
-    pax = whole & (typ == 120) & (size > 0) & (size <= 512) & (cand + 1 < nblocks)
-    headers = np.flatnonzero(pax)
-    if len(headers):
-        pax[headers] = _harmless(np, buf, blocks[cand[headers] + 1], cand[headers], size[headers])
-    pax[:-1] &= typ[1:] != 120
-    following = cand + 1 + ((size + 511) >> 9)
-    # Entries 0..m-1: each whole and taken, each the one its predecessor's size points to.
-    chained = member | pax
-    chained[1:] &= following[:-1] == cand[1:]
-    m = int(np.argmin(chained)) if not chained.all() else len(cand)
-    if m and pax[m - 1]:
-        m -= 1  # a pax header goes with its member
-    nxt = int(following[m - 1]) if m else 0  # the block of the first entry not taken
-    # More of the stream may continue the run: where the next header (or the member after a
-    # pax header) is not whole in buf, or its data is not. (One that is, not taken, is
-    # something else.)
-    more = (nxt + 1) * 512 > size_of_buf or (
-        m < len(cand) and int(cand[m]) == nxt and bool(data_end[m] > size_of_buf)
-    )
-    if not more and m < len(cand) and int(cand[m]) == nxt and pax[m]:
-        after = int(following[m])
-        more = (after + 1) * 512 > size_of_buf or (
-            m + 1 < len(cand) and int(cand[m + 1]) == after and bool(data_end[m + 1] > size_of_buf)
-        )
-    members: Any = np.flatnonzero(member[:m])
-    count = len(members)
-    if count == 0:
-        return [], [], [], [], [], [0], more
-    if members[-1] == count - 1:
-        members = slice(count)  # all the entries (no pax header): views, not copies
-    begins = cand * 512
-    begins[1:] = np.where(pax[:-1], begins[:-1], begins[1:])  # a member after a pax header
-    starts = cand[members] * 512 + 512
-    keys, exts, firsts = names.grouped(members, count)
-    return (
-        begins[members].tolist(),
-        starts.tolist(),
-        (starts + size[members]).tolist(),
-        keys,
-        exts,
-        firsts,
-        more,
-    )
-
-
-# Header fields as little-endian words, read across every header at once (a word's first byte
-# is its lowest): the numbers' digits checked and summed eight bytes at a time.
-_MAGIC_WORD = int.from_bytes(_MAGIC, "little")
-_OCTAL8 = 0xF8F8F8F8F8F8F8F8  # of each byte, the bits that are 0x30 for "0".."7"
-_ZEROS8 = 0x3030303030303030
-_BYTES = 0x00FF00FF00FF00FF
-
-
-def _field(np: Any, array: Any, rows: int, offset: int, dtype: str) -> Any:
-    """The ``dtype`` number at byte ``offset`` of each of the ``rows`` 512-byte blocks at the
-    start of ``array`` (a view: no copy)."""
-    return np.ndarray((rows,), dtype, array, offset, (512,))
-
-
-def _octal(np: Any, word: Any, digits: int) -> Any:
-    """The value of the first ``digits`` (at most 8) octal digits of each word (checked to be
-    "0".."7" by the caller), the first the highest."""
-    d = (word - np.uint64(_ZEROS8)) << np.uint64(64 - 8 * digits)  # (the digits at the top)
-    d = ((d & np.uint64(_BYTES)) << np.uint64(3)) | ((d >> np.uint64(8)) & np.uint64(_BYTES))
-    d = ((d & np.uint64(0x0000FFFF0000FFFF)) << np.uint64(6)) | (
-        (d >> np.uint64(16)) & np.uint64(0x0000FFFF0000FFFF)
-    )
-    return (((d & np.uint64(0xFFFFFFFF)) << np.uint64(12)) | (d >> np.uint64(32))).astype(np.int64)
-
-
-def _byte_sums(np: Any, words: Any) -> Any:
-    """The sum of the bytes of each row of ``words`` (uint64; rows of at most 128 words), as
-    int64: the bytes added two by two in 16-bit lanes, then the lanes."""
-    mask = np.uint64(_BYTES)
-    s = (words & mask).sum(axis=-1) + ((words >> np.uint64(8)) & mask).sum(axis=-1)
-    s = (s & np.uint64(0x0000FFFF0000FFFF)) + ((s >> np.uint64(16)) & np.uint64(0x0000FFFF0000FFFF))
-    return ((s & np.uint64(0xFFFFFFFF)) + (s >> np.uint64(32))).astype(np.int64)
-
-
-def _sizes_and_sums(np: Any, heads: Any, limit: int) -> Tuple[Any, Any]:
-    """Each header's member size, and whether the header is one the member reader would read
-    the same way in its plain loop: sizes and sums in the layout writers use (``%011o`` then NUL
-    or space, ``%06o`` then NUL and space), the sum right, no prefix field, a size within
-    ``limit``."""
-    n = len(heads)
-    high = _field(np, heads, n, 124, "<u8")  # the size's first 8 digits
-    low = _field(np, heads, n, 132, "<u4").astype(np.uint64)  # its last 3, then NUL or space
-    chk = _field(np, heads, n, 148, "<u8")  # 6 digits, NUL, space
-    octal = np.uint64(_OCTAL8)
-    whole = (
-        ((high & octal) == np.uint64(_ZEROS8))
-        & ((low & np.uint64(0xDFF8F8F8)) == np.uint64(0x303030))
-        & ((chk & np.uint64(0xFFFFF8F8F8F8F8F8)) == np.uint64(0x2000303030303030))
-        & (heads[:, 345] == 0)  # no prefix field
-    )
-    size = (_octal(np, high, 8) << 9) + _octal(np, low, 3)
-    # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
-    unsigned = _byte_sums(np, heads.view(np.uint64)) - _byte_sums(np, chk[:, None]) + 256
-    whole &= (unsigned == _octal(np, chk, 6)) & (size <= limit)
-    return size, whole
-
-
-class _Names:
-    """The name fields of a chunk's headers read as the plain grouping rules read them, a byte
-    position at a time: the names' bytes transposed (a row per position, a column per header),
-    so that each step is one numpy operation along rows as long as the chunk's header count."""
-
-    def __init__(self, np: Any, heads: Any) -> None:
-        # The widest name: the rest of every name field is NUL (at least 2: "__" is looked at).
-        used = np.bitwise_or.reduce(heads.view(np.uint64)[:, :13], axis=0).view(np.uint8)[:100]
-        width = max(int(np.flatnonzero(used)[-1]) + 1 if used.any() else 1, 2)
-        self.np, self.width = np, width
-        self.bytes = name = np.ascontiguousarray(heads[:, :width].T)
-        self.rows = at = np.arange(width)[:, None]
-        named = name != 0
-        self.length = named.sum(axis=0)
-        slash = name == 47
-        last_slash = np.where(slash, at, -1).max(axis=0) if slash.any() else -1
-        dots = (name == 46) & (at > last_slash)
-        self.key_length = np.argmax(dots, axis=0)
-        self.keyed = (
-            # A name is its bytes up to the first NUL: no byte after a NUL.
-            ~(named[1:] & ~named[:-1]).any(axis=0)
-            & dots.any(axis=0)
-            & (self.key_length > last_slash + 1)  # a file name with a key and an extension
-            & ~((name[0] == 95) & (name[1] == 95))  # maybe metadata ("__meta__")
-        )
-
-    def grouped(self, members: Any, count: int) -> Tuple[List[str], List[bytes], List[int]]:
-        """For the ``count`` headers ``members`` (an index array or slice; keyed names, in
-        order): each sample's key, each member's extension bytes, and the index of each
-        sample's first member, then the number of members."""
-        np, width = self.np, self.width
-        name, key_len, name_len = (
-            self.bytes[:, members],
-            self.key_length[members],
-            self.length[members],
-        )
-        in_key = self.rows < key_len
-        new = np.ones(count, bool)
-        new[1:] = (key_len[1:] != key_len[:-1]) | (
-            (name[:, 1:] != name[:, :-1]) & in_key[:, 1:]
-        ).any(axis=0)
-        firsts = np.flatnonzero(new)
-        nul = np.uint8(0)
-        keys = np.ascontiguousarray(np.where(in_key[:, firsts], name[:, firsts], nul).T)
-        # (One decode for all: a NUL is in no key, nor in what an undecodable byte becomes.)
-        joined = b"\0".join(keys.view(f"S{width}").ravel().tolist())
-        ext_width = max(int((name_len - key_len).max()) - 1, 1)
-        at = key_len + 1 + np.arange(ext_width)[:, None]
-        ext = np.take_along_axis(name, np.minimum(at, width - 1), axis=0)
-        ext = np.ascontiguousarray(np.where(at < name_len, ext, nul).T)
-        return (
-            joined.decode("utf-8", _SURROGATE).split("\0"),
-            ext.view(f"S{ext_width}").ravel().tolist(),
-            firsts.tolist() + [count],
-        )
-
-
-_MTIME = b"mtime="
-
-
-def _harmless(np: Any, buf: bytearray, data: Any, where: Any, size: Any) -> Any:
-    """Whether each pax header's records (``data``: its data block, ``size`` bytes of records;
-    ``where``: its header's block) change nothing the member reader reads, as its
-    ``_harmless_pax`` says. The one record tarfile and webdataset write, ``"30 mtime=...\\n"``,
-    is recognised at once; other records are matched one header at a time."""
-    rows = np.arange(len(size))
-    width = min(int(size.max()), 99)  # (records of up to 99 bytes are recognised at once)
-    ends = np.minimum(size - 1, width - 1)
-    newline = data[:, :width] == 10
-    one_mtime = (
-        (size >= 10)
-        & (size <= 99)
-        & (data[:, 0] >= 48) & (data[:, 0] <= 57) & (data[:, 1] >= 48) & (data[:, 1] <= 57)
-        & ((data[:, 0].astype(np.int64) - 48) * 10 + data[:, 1] - 48 == size)  # one record
-        & (data[:, 2] == 32)
-        & (data[:, 3:9] == np.frombuffer(_MTIME, np.uint8)).all(axis=1)
-        & newline[rows, ends]
-        & ((newline & (np.arange(width) < size[:, None])).sum(axis=1) == 1)  # at its end only
-    )  # fmt: skip
-    for i in np.flatnonzero(~one_mtime).tolist():
-        start = int(where[i]) * 512 + 512
-        one_mtime[i] = _harmless_pax(buf, start, start + int(size[i])) is not None
-    return one_mtime
