@@ -124,8 +124,10 @@ class WorkerChannel:
                 if first is not PAD:
                     self._note(pending)
                     yield first
-            for item in it:
-                self._note(pending)
+            note = pending.append
+            for item in it:  # (_note, inline: this runs once per sample)
+                current = self.current_pass
+                note(current.ledger.current if current is not None else None)
                 yield item
         finally:
             memory.release()
