@@ -5,6 +5,8 @@ start fresh buffers, and ``batch_buffers=False`` restores torch's own transfer."
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from conftest import sample_members, write_tar
@@ -284,3 +286,108 @@ def test_two_live_iterators_of_one_loader(spec):
             check(batch)
             seen.append(batch[2])
     assert len(seen) == 12
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def _random_tree(rng, depth=0):
+    """A batch as collation functions make them: tuples, lists and dicts of tensors (of several
+    dtypes, empty and 0-dim ones too, the same tensor twice), lists of keys, bytes and numbers,
+    a namedtuple, a tensor subclass, None."""
+    kinds = ["tensor"] * 4 + ["keys", "bytes", "number", "none", "pair"]
+    if depth < 3:
+        kinds += ["tuple", "list", "dict"] * (4 if depth == 0 else 2)
+    kind = "tagged" if rng.random() < 0.02 else rng.choice(kinds)
+    if kind == "tensor":
+        dtype = rng.choice([torch.float32, torch.int64, torch.uint8, torch.bool, torch.float16])
+        shape = rng.choice([(), (0,), (3,), (2, 5), (4, 0, 2)])
+        return (torch.rand(shape) * 100).to(dtype)
+    if kind == "keys":
+        return [f"{rng.randrange(10**6):08d}" for _ in range(rng.randint(0, 6))]
+    if kind == "bytes":
+        return [rng.randbytes(rng.randint(0, 40)) for _ in range(rng.randint(0, 6))]
+    if kind == "number":
+        return rng.choice([1, 2.5, True])
+    if kind == "none":
+        return None
+    if kind == "pair":
+        return Pair(torch.arange(3), "x")
+    if kind == "tagged":
+        return Tagged(torch.ones(2), tag=rng.randrange(9))
+    items = [_random_tree(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    if rng.random() < 0.2 and items and isinstance(items[0], torch.Tensor):
+        items.append(items[0])  # the same tensor twice
+    if kind == "dict":
+        return {f"k{i}": x for i, x in enumerate(items)}
+    return tuple(items) if kind == "tuple" else items
+
+
+def _same(a, b):
+    """Equal as batches: the same types all the way down, tensors equal in dtype, shape and
+    values (a tensor subclass keeps its type and tag)."""
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        assert getattr(a, "tag", None) == getattr(b, "tag", None)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("case", range(200))
+def test_random_batches_come_back_as_they_were_packed(case):
+    """Packed in a worker's slot and rebuilt in the main process (as the DataLoader's queue
+    carries them: pickled), a random batch is the batch it was: every container of the same
+    type with the same items, every tensor with its dtype, shape and values, a tensor sent
+    twice one tensor; a batch with a tensor subclass or nothing to pack is sent as it is."""
+    import pickle
+    import random
+
+    from webds.stages.batchbuffers import Packed, SlotPool, Unpacker
+
+    rng = random.Random(case)
+    batch = _random_tree(rng)
+    pool, unpacker = SlotPool(), Unpacker()
+    for _ in range(2):  # the second time in a slot the main process holds already
+        packed = pool.pack(batch)
+        assert isinstance(packed, Packed) == _packs(batch)
+        if not isinstance(packed, Packed):
+            assert packed is batch
+            return
+        got = unpacker.unpack(0, pickle.loads(pickle.dumps(packed)))
+        _same(batch, got)
+
+
+def _packs(batch):
+    """Whether a batch is packed: it holds a plain tensor in plain tuples, lists and dicts, and
+    no tensor subclass there."""
+    found = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            found.append(type(x) is torch.Tensor)
+        elif type(x) in (tuple, list):
+            for y in x:
+                walk(y)
+        elif type(x) is dict:
+            for y in x.values():
+                walk(y)
+
+    walk(batch)
+    return bool(found) and all(found)
+
+
+def test_random_batches_are_mostly_packed():
+    """Not vacuous: most of the random batches above are packed."""
+    import random
+
+    packed = sum(_packs(_random_tree(random.Random(case))) for case in range(200))
+    assert 60 < packed < 200

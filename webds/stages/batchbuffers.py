@@ -64,19 +64,43 @@ def _tensors(tree: Any, out: List[torch.Tensor]) -> bool:
         out.append(tree)
         return True
     if type(tree) in (tuple, list):
-        return all(_tensors(x, out) for x in tree)
+        return _plain(tree) or all(_tensors(x, out) for x in tree)
     if type(tree) is dict:
-        return all(_tensors(x, out) for x in tree.values())
+        return _plain(tree.values()) or all(_tensors(x, out) for x in tree.values())
     return True
+
+
+class _Branch(NamedTuple):
+    """A container of a packed batch with a packed tensor somewhere below it: its type and its
+    items (a dict's as (key, value) pairs). Any other container travels as it is, and is not
+    looked into again where the batch is rebuilt (a batch's lists of keys or of bytes: a walk
+    over each item had cost more than the tensors)."""
+
+    kind: type
+    items: Tuple[Any, ...]
+
+
+def _plain(items: Any) -> bool:
+    """Whether none of ``items`` is a tensor or a container to look into, told by their types
+    at once."""
+    kinds = set(map(type, items))
+    return kinds.isdisjoint(_LOOKED_INTO) and not any(issubclass(k, torch.Tensor) for k in kinds)
+
+
+_LOOKED_INTO = frozenset({tuple, list, dict})
 
 
 def _replace(tree: Any, refs: Dict[int, _Ref]) -> Any:
     if isinstance(tree, torch.Tensor):
         return refs[id(tree)]
     if type(tree) in (tuple, list):
-        return type(tree)(_replace(x, refs) for x in tree)
+        if _plain(tree):
+            return tree
+        return _Branch(type(tree), tuple(_replace(x, refs) for x in tree))
     if type(tree) is dict:
-        return {k: _replace(v, refs) for k, v in tree.items()}
+        if _plain(tree.values()):
+            return tree
+        return _Branch(dict, tuple((k, _replace(v, refs)) for k, v in tree.items()))
     return tree
 
 
@@ -206,10 +230,10 @@ def _rebuild(tree: Any, region: Any) -> Any:
         # busy: torch.save, pickle and deepcopy of one cost its own bytes, not the batch's.
         part = torch.frombuffer(region, dtype=torch.uint8, count=n, offset=tree.offset)
         return part.view(tree.dtype).view(tree.shape)
-    if type(tree) in (tuple, list):
-        return type(tree)(_rebuild(x, region) for x in tree)
-    if type(tree) is dict:
-        return {k: _rebuild(v, region) for k, v in tree.items()}
+    if type(tree) is _Branch:
+        if tree.kind is dict:
+            return {k: _rebuild(v, region) for k, v in tree.items}
+        return tree.kind(_rebuild(x, region) for x in tree.items)
     return tree
 
 
