@@ -290,3 +290,46 @@ def test_columns_of_numbers_are_told_by_type_as_by_the_number_class():
         elif not all(isinstance(v, (np.ndarray, torch.Tensor)) for v in values):  # (stacked)
             assert isinstance(got, list) and len(got) == len(values)
             assert all(a is b for a, b in zip(got, values))
+
+
+def _odd(sample, first):
+    """Whether ``sample`` cannot be batched with ``first``, the batch's first sample."""
+    import collections.abc
+
+    if isinstance(first, collections.abc.Mapping):
+        return not isinstance(sample, collections.abc.Mapping) or sample.keys() != first.keys()
+    if isinstance(first, (tuple, list)):
+        return not isinstance(sample, (tuple, list)) or len(sample) != len(first)
+    return False  # (a batch of other things is one column)
+
+
+def test_random_batches_with_an_odd_sample_are_refused_at_that_sample():
+    """Batches of tuples, lists, namedtuples and mappings of every kind (dicts, mapping proxies,
+    UserDicts), now and then one sample of another kind, length or set of fields: collated
+    when all alike, else refused naming the first odd sample, as sample by sample."""
+    import collections
+    import random
+    import types
+
+    Pair = collections.namedtuple("Pair", "a b")
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 9)
+        if rng.random() < 0.5:
+            make = rng.choice([tuple, list, lambda xs: Pair(*xs)])
+            batch = [make([i, f"s{i}"]) for i in range(n)]
+        else:
+            make = rng.choice([dict, types.MappingProxyType, collections.UserDict])
+            batch = [make({"x": i, "y": f"s{i}"}) for i in range(n)]
+        odd = None
+        if rng.random() < 0.6:
+            odd = rng.randrange(n)
+            batch[odd] = rng.choice([(1,), [1, 2, 3], {"x": 1}, {"x": 1, "z": 2}, 5, "ab",
+                                     (1, "a"), {"x": 1, "y": "a"}])  # fmt: skip
+        want = next((i for i, s in enumerate(batch) if _odd(s, batch[0])), None)
+        if want is None:
+            B.default_collation_fn(batch)
+            continue
+        with pytest.raises(SampleError) as info:
+            B.default_collation_fn(batch)
+        assert f"#{want}" in str(info.value) or f"sample #{want}" in str(info.value), (batch, want)

@@ -161,7 +161,7 @@ def _collate_dicts(
     keys = list(dicts[0].keys())
     keyset = set(keys)
     for i, d in enumerate(dicts):
-        if set(d.keys()) != keyset:
+        if d.keys() != keyset and set(d.keys()) != keyset:  # (the first: no new set)
             extra = sorted(_strs(set(d.keys()) - keyset))
             lacking = sorted(_strs(keyset - set(d.keys())))
             raise SampleError(
@@ -209,21 +209,30 @@ def _collate(samples: Sequence[Any], how: _Collation) -> Any:
     if not samples:
         raise ArgumentError("default_collation_fn needs at least one sample")
     first = samples[0]
+    # (Each sample's kind told by its type, once per type: asking each sample costs more than a
+    # small record's batching.)
+    kinds = set(map(type, samples))
     if isinstance(first, Mapping):
-        for i, s in enumerate(samples):
-            if not isinstance(s, Mapping):
-                raise SampleError(
-                    f"cannot batch a dict sample with a {type(s).__name__} (sample #{i})"
-                )
+        if not all(issubclass(k, Mapping) for k in kinds):
+            for i, s in enumerate(samples):
+                if not isinstance(s, Mapping):
+                    raise SampleError(
+                        f"cannot batch a dict sample with a {type(s).__name__} (sample #{i})"
+                    )
         return _collate_dicts(samples, samples, how, prefix="")
     if isinstance(first, (tuple, list)):
-        for i, s in enumerate(samples):
-            if not isinstance(s, (tuple, list)) or len(s) != len(first):
-                what = f"{len(s)} elements" if isinstance(s, (tuple, list)) else type(s).__name__
-                raise SampleError(
-                    f"cannot batch tuples of different lengths: sample #0 has {len(first)} "
-                    f"elements, sample #{i} has {what}"
-                )
+        if not (
+            all(issubclass(k, (tuple, list)) for k in kinds) and len(set(map(len, samples))) == 1
+        ):
+            for i, s in enumerate(samples):
+                if not isinstance(s, (tuple, list)) or len(s) != len(first):
+                    what = (
+                        f"{len(s)} elements" if isinstance(s, (tuple, list)) else type(s).__name__
+                    )
+                    raise SampleError(
+                        f"cannot batch tuples of different lengths: sample #0 has {len(first)} "
+                        f"elements, sample #{i} has {what}"
+                    )
         columns = [
             _collate_column(list(col), f"#{j}", samples, how) for j, col in enumerate(zip(*samples))
         ]
