@@ -323,25 +323,6 @@ def _random_tree(rng, depth=0):
     return tuple(items) if kind == "tuple" else items
 
 
-def _same(a, b):
-    """Equal as batches: the same types all the way down, tensors equal in dtype, shape and
-    values (a tensor subclass keeps its type and tag)."""
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        assert getattr(a, "tag", None) == getattr(b, "tag", None)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (tuple, list)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
-
-
 @pytest.mark.parametrize("case", range(200))
 def test_random_batches_come_back_as_they_were_packed(case):
     """Packed in a worker's slot and rebuilt in the main process (as the DataLoader's queue
@@ -350,6 +331,8 @@ def test_random_batches_come_back_as_they_were_packed(case):
     twice one tensor; a batch with a tensor subclass or nothing to pack is sent as it is."""
     import pickle
     import random
+
+    from test_batchmemory import same
 
     from webds.stages.batchbuffers import Packed, SlotPool, Unpacker
 
@@ -363,7 +346,7 @@ def test_random_batches_come_back_as_they_were_packed(case):
             assert packed is batch
             return
         got = unpacker.unpack(0, pickle.loads(pickle.dumps(packed)))
-        _same(batch, got)
+        same(batch, got)
 
 
 def _packs(batch):
