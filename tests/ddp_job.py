@@ -9,12 +9,10 @@ fresh loader loaded from a mid-epoch state_dict yields exactly the rest of that 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
-import torch
 import torch.distributed as dist
-from torch import nn
+from gloo_rank import TinyModel, join
 
 import webds
 
@@ -41,27 +39,15 @@ def main() -> None:
     for name in ("rank", "world", "port", "workers", "seed", "resume_at"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
     args = parser.parse_args()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args.port}",
-        rank=args.rank,
-        world_size=args.world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Linear(1, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    join(args.rank, args.world, args.port)
+    model = TinyModel()
     loader = make_loader(args)
     epochs = []
     for epoch in range(2):
         loader.set_epoch(epoch)
         batches = []
         for keys, labels in loader:
-            x = torch.as_tensor([float(c) for c in labels]).unsqueeze(1)
-            loss = ((model(x) - x) ** 2).mean()
-            optimizer.zero_grad()
-            loss.backward()  # an all-reduce: every rank must take part
-            optimizer.step()
+            model.step(labels)
             batches.append(list(keys))
         epochs.append(batches)
     # Interrupt epoch 1 after resume_at batches, then resume in a fresh loader.

@@ -11,12 +11,10 @@ the sample keys it read.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 
-import torch
 import torch.distributed as dist
-from torch import nn
+from gloo_rank import TinyModel, join
 
 import webds
 
@@ -28,16 +26,8 @@ def main() -> None:
     for name in ("rank", "world", "port", "workers", "k"):
         parser.add_argument(f"--{name}", type=int)
     args = parser.parse_args()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args.port}",
-        rank=args.rank,
-        world_size=args.world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Linear(1, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    join(args.rank, args.world, args.port)
+    model = TinyModel()
     dataset = (
         webds.WebDataset(args.index, shardshuffle=True, seed=7, balance="pad")
         .shuffle(10)
@@ -46,20 +36,13 @@ def main() -> None:
     )
     loader = webds.WebLoader(dataset, batch_size=None, num_workers=args.workers)
 
-    def step(labels: list) -> None:
-        x = torch.as_tensor([float(c) for c in labels]).unsqueeze(1)
-        loss = ((model(x) - x) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()  # an all-reduce: every rank must take part
-        optimizer.step()
-
     out: dict = {}
     if args.phase == "save":
         it = iter(loader)
         read = []
         for _ in range(args.k):
             keys, labels = next(it)
-            step(labels)
+            model.step(labels)
             read += list(keys)
         states = loader.state_dict(all_ranks=True)
         if args.rank == 0:
@@ -74,7 +57,7 @@ def main() -> None:
         for _ in range(2):  # the rest of the resumed epoch, then a whole one
             read, batches = [], 0
             for keys, labels in loader:
-                step(labels)
+                model.step(labels)
                 read += list(keys)
                 batches += 1
             epochs.append({"read": read, "batches": batches})

@@ -11,14 +11,12 @@ state and records the rest of that epoch and the epochs after.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import signal
 
-import torch
 import torch.distributed as dist
-from torch import nn
+from gloo_rank import TinyModel, join
 
 import webds
 
@@ -34,16 +32,12 @@ def make_loader(args: argparse.Namespace) -> webds.WebLoader:
     return loader.with_epoch(args.epoch_len)
 
 
-def train(loader, model, optimizer, epoch, stop=None):
+def train(loader, model, epoch, stop=None):
     """One epoch's batches (their keys); ``stop(i)`` is called after batch ``i``."""
     loader.set_epoch(epoch)
     batches = []
     for keys, labels in loader:
-        x = torch.as_tensor([float(c) for c in labels]).unsqueeze(1)
-        loss = ((model(x) - x) ** 2).mean()
-        optimizer.zero_grad()
-        loss.backward()  # an all-reduce: every rank takes part
-        optimizer.step()
+        model.step(labels)
         batches.append(list(keys))
         if stop is not None:
             stop(len(batches))
@@ -57,16 +51,8 @@ def main() -> None:
     for name in ("rank", "world", "port", "epochs", "epoch_len", "stop_epoch", "stop_batch"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int)
     args = parser.parse_args()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{args.port}",
-        rank=args.rank,
-        world_size=args.world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(nn.Linear(1, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    join(args.rank, args.world, args.port)
+    model = TinyModel()
     loader = make_loader(args)
     state_file = f"{args.state}.rank{args.rank}"
     epochs = []
@@ -85,7 +71,7 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, as a preempted job
 
     for epoch in range(first, args.epochs):
-        epochs.append(train(loader, model, optimizer, epoch, stop))
+        epochs.append(train(loader, model, epoch, stop))
     dist.barrier()
     with open(args.out, "w") as f:
         json.dump({"epochs": epochs}, f)
