@@ -193,9 +193,14 @@ class _UniformNames:
         first = heads[0 if rows is None else rows[0], :100].tobytes()
         length = first.find(0)
         dot = first.find(46, 0, 100 if length < 0 else length)
+        # A look at the middle and last names first: keys of other lengths (``s9.bin``,
+        # ``s10.bin``) are told at once, before the work below.
+        few = [len(heads) // 2, -1] if rows is None else [rows[len(rows) // 2], rows[-1]]
+        if dot <= 0 or (heads[few, dot] != 46).any():
+            return None
         width = _width(np, heads, rows, 100 if length < 0 else length)
-        if dot <= 0 or dot + 1 >= width:
-            return None  # a dot first, or no extension: read by _Names
+        if dot + 1 >= width:
+            return None  # no extension: read by _Names
         name = np.ascontiguousarray(heads[:, :width].T)
         key, tail = name[:dot], name[dot + 1 :]
         odd = ((key == 46) | (key == 0)).any(axis=0) | (name[dot] != 46)
