@@ -10,6 +10,7 @@ import collections
 import pytest
 import torch
 from conftest import sample_members, write_tar
+from test_batchmemory import same
 
 import webds
 from webds.stages.batchbuffers import MAX_SLOTS
@@ -332,8 +333,6 @@ def test_random_batches_come_back_as_they_were_packed(case):
     import pickle
     import random
 
-    from test_batchmemory import same
-
     from webds.stages.batchbuffers import Packed, SlotPool, Unpacker
 
     rng = random.Random(case)
@@ -374,3 +373,28 @@ def test_random_batches_are_mostly_packed():
 
     packed = sum(_packs(_random_tree(random.Random(case))) for case in range(200))
     assert 60 < packed < 200
+
+
+def test_plain_containers_beside_tensors_arrive_from_workers_as_sent(spec):
+    """One step off the random trees (in one process): through 2 DataLoader workers, batches
+    whose containers without tensors (keys, bytes, a dict of metadata lists, a tuple of
+    labels) travel as they are beside packed tensors arrive as with batch_buffers=False, and
+    the tensors still in one buffer."""
+
+    def rich(samples):
+        x = torch.stack([torch.full((3,), float(int(s["cls"]))) for s in samples])
+        meta = {"keys": [s["__key__"] for s in samples], "raw": [s["cls"] for s in samples]}
+        return (x, meta, tuple(int(s["cls"]) for s in samples), {"y": x.sum(1), "m": meta})
+
+    def load(**kw):
+        ds = webds.WebDataset(spec, shardshuffle=False).batched(8, collation_fn=rich)
+        return webds.WebLoader(ds, batch_size=None, num_workers=2, **kw)
+
+    unpacked = list(load(batch_buffers=False))
+    count = 0
+    for a, b in zip(load(), unpacked):  # (each batch let go: its buffer is free again)
+        same(a, b)
+        x, y = a[0], a[3]["y"]
+        assert y.untyped_storage().data_ptr() == x.data_ptr() + -(-x.nbytes // 64) * 64
+        count += 1
+    assert count == len(unpacked) == 20

@@ -556,3 +556,20 @@ def test_every_pax_record_byte_changed_reads_alike(tmp_path):
             damaged[at + 512 : at + 512 + size] = first + record.encode() + b"\n"
             members_, bulked = both(bytes(damaged), 1 << 20)
             assert bulked == members_, (key, value, two)
+
+
+@pytest.mark.parametrize("writer", ["ustar", "pax"])
+def test_keys_that_grow_a_digit_mid_shard_read_alike(tmp_path, buffers, writer):
+    """One step off the uniform chunks: unpadded keys (``s9`` then ``s10``, ``s99`` then
+    ``s100``), so that a chunk (of every buffer size, the small ones many) is named alike on
+    one side of the change of length and not across it; webds's writer and tarfile's pax
+    headers before every member: what the member reader reads."""
+    members = [(f"s{i}.{ext}", bytes([i % 256]) * (i * 7 % 300)) for i in range(150)
+               for ext in ("bin", "cls")]  # fmt: skip
+    path = tmp_path / "g.tar"
+    if writer == "ustar":
+        write_tar(path, members)
+    else:
+        tarfile_shard(path, members, tarfile.PAX_FORMAT, random.Random(0))
+    members_, bulked = both(path.read_bytes(), 1 << 20)
+    assert bulked == members_ and len(bulked[0]) == 151
