@@ -277,9 +277,8 @@ def test_workers_stack_in_plain_memory_only_when_the_loader_copies_batches(tmp_p
         assert torch.equal(a, b)
 
 
-def test_a_pass_keeps_no_free_block_after_it_ends(tmp_path, monkeypatch):
-    # A persistent worker idles between epochs: the pass's free blocks are let go at its end,
-    # and a block given back later (the last batch, still held) is not kept.
+def recorded_memories(monkeypatch):
+    """The BatchMemory of each batching pass, in the order the passes made them."""
     made = []
 
     def memory():
@@ -287,6 +286,13 @@ def test_a_pass_keeps_no_free_block_after_it_ends(tmp_path, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(B, "_batch_memory", memory)
+    return made
+
+
+def test_a_pass_keeps_no_free_block_after_it_ends(tmp_path, monkeypatch):
+    # A persistent worker idles between epochs: the pass's free blocks are let go at its end,
+    # and a block given back later (the last batch, still held) is not kept.
+    made = recorded_memories(monkeypatch)
     ds = dataset(shards(tmp_path, 40), (2, 100_000), torch.float32, (1000,), np.float32, 8)
     last = None
     for batch in ds:
@@ -450,13 +456,7 @@ def test_a_resumed_loader_gives_the_rest_in_reused_memory_and_keeps_what_came_be
 
 
 def test_a_pass_stopped_early_lets_its_memory_go(tmp_path, monkeypatch):
-    made = []
-
-    def memory():
-        made.append(B.BatchMemory())
-        return made[-1]
-
-    monkeypatch.setattr(B, "_batch_memory", memory)
+    made = recorded_memories(monkeypatch)
     urls = shards(tmp_path, 40)
     ds = dataset(urls, (2, 100_000), torch.float32, (1000,), np.float32, 4)
     it = iter(ds)

@@ -664,6 +664,16 @@ def test_a_growing_depth_stays_within_the_budget(monkeypatch):
     assert wait_for(lambda: not readahead_threads())
 
 
+def read_counting_the_start(http_server, samples):
+    """The keys of ``samples`` read through, and the most shards in flight on the server up
+    to the first one."""
+    http_server.most_in_flight = 0
+    it = iter(samples)
+    first = next(it)["__key__"]
+    at_start = http_server.most_in_flight
+    return [first] + [s["__key__"] for s in it], at_start
+
+
 def test_auto_depth_learned_in_one_pass_starts_the_next(http_server):
     """A WebDataset's later passes start at the depth its first grew to, so only the first
     ramps up: right after a later pass's first sample, more than 9 shards are in flight, and
@@ -674,11 +684,8 @@ def test_auto_depth_learned_in_one_pass_starts_the_next(http_server):
     copy = pickle.loads(pickle.dumps(ds))
     for dataset, deep in ((fresh, False), (ds, True), (copy, True)):
         assert wait_for(lambda: not readahead_threads())
-        http_server.most_in_flight = 0
-        it = iter(dataset)
-        first = next(it)["__key__"]
-        in_flight = http_server.most_in_flight
-        assert [first] + [s["__key__"] for s in it] == want
+        got, in_flight = read_counting_the_start(http_server, dataset)
+        assert got == want
         assert (in_flight > 9) if deep else (in_flight <= 9), (deep, in_flight)
     assert ds.stats().readahead_shards["main"] >= grown
 
@@ -694,11 +701,8 @@ def test_auto_depth_learned_by_a_persistent_worker_starts_its_next_epoch(http_se
     assert sorted(s["__key__"] for s in loader) == want
     assert http_server.most_in_flight > 9
     assert wait_for(lambda: http_server.in_flight == 0)
-    http_server.most_in_flight = 0
-    it = iter(loader)
-    first = next(it)["__key__"]
-    in_flight = http_server.most_in_flight
-    assert sorted([first] + [s["__key__"] for s in it]) == want
+    got, in_flight = read_counting_the_start(http_server, loader)
+    assert sorted(got) == want
     assert in_flight > 9
 
 
@@ -711,9 +715,6 @@ def test_auto_depth_grows_in_a_pipeline_of_the_bare_stages(http_server):
     pipeline = webds.DataPipeline(webds.SimpleShardList(urls), webds.tarfile_to_samples())
     for _ in range(2):
         assert wait_for(lambda: not readahead_threads())
-        http_server.most_in_flight = 0
-        it = iter(pipeline)
-        first = next(it)["__key__"]
-        at_start = http_server.most_in_flight
-        assert [first] + [s["__key__"] for s in it] == want
+        got, at_start = read_counting_the_start(http_server, pipeline)
+        assert got == want
         assert at_start <= 9 < http_server.most_in_flight
