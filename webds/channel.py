@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -122,10 +123,9 @@ class WorkerChannel:
                 yield Restored([x for x, _ in held], [j for _, j in held])
                 yield from [PAD] * (start.restore - 1 + start.pad)
                 if first is not PAD:
-                    self._note(pending)
-                    yield first
+                    it = itertools.chain([first], it)
             note = pending.append
-            for item in it:  # (_note, inline: this runs once per sample)
+            for item in it:  # (each id noted inline: this runs once per sample)
                 current = self.current_pass
                 note(current.ledger.current if current is not None else None)
                 yield item
@@ -133,10 +133,6 @@ class WorkerChannel:
             memory.release()
             if self.batch_memory is memory:
                 self.batch_memory = None
-
-    def _note(self, pending: List[Any]) -> None:
-        current = self.current_pass
-        pending.append(current.ledger.current if current is not None else None)
 
     def __getstate__(self) -> dict:
         # A worker reads its own pass, with its own memory.
