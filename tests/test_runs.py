@@ -473,3 +473,33 @@ def test_a_server_that_cuts_its_bodies_reads_alike_with_runs(flaky_http_server):
         without_runs(m)
         want = list(webds.WebDataset(local).decode().to_tuple("__key__", "cls"))
     assert got == want and len(got) == 600
+
+
+def test_samples_of_a_run_are_the_dicts_zip_would_make_in_the_same_field_order():
+    """A run's samples as dicts (a dict display written out for the field count) are the dicts
+    ``dict(zip(names, row))`` makes, their fields in the same order, for every field count (past
+    the written-out ones too) and for names that would break code if they were part of it."""
+    rng = random.Random(7)
+    odd = ["'", '"', "}", "{k0: v0}", "\n", "rows", "k0", "v1", "__key__", "é.jpg", "a b", ""]
+    for _ in range(300):
+        n = rng.randint(1, 20)
+        names = rng.sample(odd + [f"f{i}" for i in range(20)], n)
+        count = rng.randint(0, 5)
+        columns = {name: [rng.random() for _ in range(count)] for name in names}
+        got = runs_module._dicts(columns)
+        want = [dict(zip(names, row)) for row in zip(*columns.values())]
+        assert got == want
+        assert [list(d) for d in got] == [names] * count
+
+
+def test_run_samples_keep_the_shards_field_order(tmp_path, monkeypatch):
+    """Through the pipeline, a sample read in a run has its fields in the order the member
+    reader gives them (the shard's order, after the reader's own)."""
+    members = [
+        (f"{i:05d}.{ext}", str(i).encode()) for i in range(300) for ext in ("txt", "cls", "bin")
+    ]
+    url = str(write_tar(tmp_path / "s.tar", members))
+    with_runs = [list(s) for s in webds.WebDataset(url).decode()]
+    without_runs(monkeypatch)
+    assert with_runs == [list(s) for s in webds.WebDataset(url).decode()]
+    assert with_runs[0][-3:] == ["txt", "cls", "bin"]

@@ -22,6 +22,7 @@ makes a field None), so ``to_tuple`` needs no check for it.
 
 from __future__ import annotations
 
+import functools
 from typing import (
     Any,
     Callable,
@@ -81,8 +82,7 @@ class Run:
         taken, as the tar stage records a sample it yields."""
         rows = self.rows
         if rows is None:
-            names = list(self.columns)  # type: ignore[arg-type]
-            rows = [dict(zip(names, values)) for values in zip(*self.columns.values())]  # type: ignore[union-attr]
+            rows = _dicts(self.columns)  # type: ignore[arg-type]
         ledger, first = self.ledger, self.first
         reading, j = ledger.reading, first & LEAF
         for i, item in enumerate(rows):
@@ -93,6 +93,34 @@ class Run:
     def __repr__(self) -> str:
         shape = f"columns {list(self.columns)}" if self.columns is not None else "rows"
         return f"Run({self.count} samples, {shape})"
+
+
+def _dicts(columns: Dict[str, List[Any]]) -> List[Dict[str, Any]]:
+    """One dict per row of ``columns``, its fields in the columns' order."""
+    rows = zip(*columns.values())
+    if not 0 < len(columns) <= _WRITTEN_OUT:
+        names = list(columns)
+        return [dict(zip(names, values)) for values in rows]
+    return _rows_of(len(columns))(*columns, rows)
+
+
+#: The most fields a sample of a run is built for by a dict display written out for its count.
+_WRITTEN_OUT = 16
+
+
+@functools.cache
+def _rows_of(n: int) -> Callable[..., List[Dict[str, Any]]]:
+    """``f(name_0, ..., name_n-1, rows)``: a dict per row, built by a dict display written out
+    for ``n`` fields (``{k0: v0, k1: v1, ...}``), 2.5x faster than ``dict(zip(names, row))``
+    for the 4-6 fields of a small sample (the reader's ``__key__`` and ``__url__`` among them).
+    The code depends on ``n`` alone: the names are arguments, never part of it."""
+    ks = "".join(f"k{i}, " for i in range(n))
+    vs = "".join(f"v{i}, " for i in range(n))
+    pairs = ", ".join(f"k{i}: v{i}" for i in range(n))
+    code = f"def rows_of({ks}rows):\n    return [{{{pairs}}} for {vs}in rows]\n"
+    made: Dict[str, Any] = {}
+    exec(code, made)  # (no name is part of the code: see above)
+    return made["rows_of"]  # type: ignore[no-any-return]
 
 
 def mapped(run: Run, fn: Callable[[Any], Any]) -> Optional[Run]:
