@@ -177,11 +177,12 @@ class _UniformNames:
     """The name fields of a chunk's headers where every regular file's name has its first dot at
     the same place and no slash after it, as writers name a shard's members (``000123.jpg``):
     each key is the bytes before that dot, read as :class:`_Names` reads them, in fewer numpy
-    operations (the names of other headers, pax headers' among them, are not looked at: they
-    are never members). Transposed as :class:`_Names` has them."""
+    operations. The names of other headers, pax headers' among them, are not looked at (they
+    are never members): the names are transposed as :class:`_Names` has them, a column per
+    regular file (``rows``: which header each is, None where all are)."""
 
-    def __init__(self, np: Any, name: Any, dot: int, keyed: Any) -> None:
-        self.np, self.bytes, self.dot, self.keyed = np, name, dot, keyed
+    def __init__(self, np: Any, name: Any, dot: int, keyed: Any, rows: Any) -> None:
+        self.np, self.bytes, self.dot, self.keyed, self.rows = np, name, dot, keyed, rows
 
     @staticmethod
     def of(np: Any, heads: Any, regular: Any) -> Optional["_UniformNames"]:
@@ -198,14 +199,17 @@ class _UniformNames:
         few = [len(heads) // 2, -1] if rows is None else [rows[len(rows) // 2], rows[-1]]
         if dot <= 0 or (heads[few, dot] != 46).any():
             return None
-        width = _width(np, heads, rows, 100 if length < 0 else length)
+        # Only the regular files' names: where other headers are among them (a pax header
+        # before each member, as webdataset writes), half the bytes to look at.
+        files = heads if rows is None else heads[rows, :100]
+        width = _width(np, files, None, 100 if length < 0 else length)
         if dot + 1 >= width:
             return None  # no extension: read by _Names
-        name = np.ascontiguousarray(heads[:, :width].T)
+        name = np.ascontiguousarray(files[:, :width].T)
         key, tail = name[:dot], name[dot + 1 :]
         odd = ((key == 46) | (key == 0)).any(axis=0) | (name[dot] != 46)
         odd |= (tail == 47).any(axis=0)
-        if (odd & regular).any():
+        if odd.any():
             return None
         named = tail != 0
         keyed = (
@@ -213,11 +217,17 @@ class _UniformNames:
             & (name[dot - 1] != 47)  # a key after the last slash
             & ~((name[0] == 95) & (name[1] == 95))  # maybe metadata ("__meta__")
         )
-        return _UniformNames(np, name, dot, keyed)
+        if rows is not None:  # (the other headers are not keyed files)
+            files_keyed, keyed = keyed, np.zeros(len(heads), bool)
+            keyed[rows] = files_keyed
+        return _UniformNames(np, name, dot, keyed, rows)
 
     def grouped(self, members: Any, count: int) -> Tuple[List[str], List[bytes], List[int]]:
         """As :meth:`_Names.grouped`."""
         np, dot = self.np, self.dot
+        if self.rows is not None:  # the columns are the regular files': where are members?
+            at = np.searchsorted(self.rows, np.arange(len(self.keyed))[members])
+            members = slice(count) if at[-1] == count - 1 else at  # (the first ``count``)
         name = self.bytes[:, members]
         new = np.ones(count, bool)
         new[1:] = (name[:dot, 1:] != name[:dot, :-1]).any(axis=0)
