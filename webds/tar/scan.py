@@ -114,10 +114,11 @@ def _field(np: Any, array: Any, rows: int, offset: int, dtype: str) -> Any:
     return np.ndarray((rows,), dtype, array, offset, (stride,))
 
 
-def _octal(np: Any, word: Any, digits: int) -> Any:
-    """The value of the first ``digits`` (at most 8) octal digits of each word (checked to be
-    "0".."7" by the caller), the first the highest."""
-    d = (word - np.uint64(_ZEROS8)) << np.uint64(64 - 8 * digits)  # (the digits at the top)
+def _octal(np: Any, words: Any, digits: Any) -> Any:
+    """The value of the first ``digits`` (at most 8) octal digits of each of ``words`` (checked
+    to be "0".."7" by the caller), the first the highest (``digits``: a column, a count for
+    each row of ``words``)."""
+    d = (words - np.uint64(_ZEROS8)) << (np.uint64(64) - np.uint64(8) * digits)  # (to the top)
     d = ((d & np.uint64(_BYTES)) << np.uint64(3)) | ((d >> np.uint64(8)) & np.uint64(_BYTES))
     d = ((d & np.uint64(0x0000FFFF0000FFFF)) << np.uint64(6)) | (
         (d >> np.uint64(16)) & np.uint64(0x0000FFFF0000FFFF)
@@ -134,27 +135,34 @@ def _byte_sums(np: Any, words: Any) -> Any:
     return ((s & np.uint64(0xFFFFFFFF)) + (s >> np.uint64(32))).astype(np.int64)
 
 
+#: Of the words at bytes 124, 132 and 148 of a header (the rows of ``words`` below): the bits
+#: that tell its layout, their values there, and how many octal digits it holds.
+_LAYOUT = (
+    [[_OCTAL8], [0xDFF8F8F8], [0xFFFFF8F8F8F8F8F8]],
+    [[_ZEROS8], [0x303030], [0x2000303030303030]],
+    [[8], [3], [6]],
+)
+
+
 def _sizes_and_sums(np: Any, heads: Any, limit: int) -> Tuple[Any, Any]:
     """Each header's member size, and whether the header is one the member reader would read
     the same way in its plain loop: sizes and sums in the layout writers use (``%011o`` then NUL
     or space, ``%06o`` then NUL and space), the sum right, no prefix field, a size within
     ``limit``."""
     n = len(heads)
-    high = _field(np, heads, n, 124, "<u8")  # the size's first 8 digits
-    low = _field(np, heads, n, 132, "<u4").astype(np.uint64)  # its last 3, then NUL or space
-    chk = _field(np, heads, n, 148, "<u8")  # 6 digits, NUL, space
-    octal = np.uint64(_OCTAL8)
-    whole = (
-        ((high & octal) == np.uint64(_ZEROS8))
-        & ((low & np.uint64(0xDFF8F8F8)) == np.uint64(0x303030))
-        & ((chk & np.uint64(0xFFFFF8F8F8F8F8F8)) == np.uint64(0x2000303030303030))
-        & (heads[:, 345] == 0)  # no prefix field
-    )
-    size = (_octal(np, high, 8) << 9) + _octal(np, low, 3)
+    # The three numbers' words as rows of one array: each step below is one numpy operation.
+    words = np.empty((3, n), np.uint64)
+    words[0] = _field(np, heads, n, 124, "<u8")  # the size's first 8 digits
+    words[1] = _field(np, heads, n, 132, "<u4")  # its last 3, then NUL or space
+    words[2] = chk = _field(np, heads, n, 148, "<u8")  # the sum: 6 digits, NUL, space
+    bits, values, digits = np.array(_LAYOUT, np.uint64)
+    whole = ((words & bits) == values).all(axis=0) & (heads[:, 345] == 0)  # no prefix field
+    high, low, stored = _octal(np, words, digits)
+    size = (high << 9) + low
     # The sum of the header's bytes, its checksum field counted as spaces (at most 512 * 255).
     halves = np.add.reduce(heads.reshape(n, 2, 256), axis=2, dtype=np.uint16)  # (<= 65280)
     unsigned = halves[:, 0].astype(np.int64) + halves[:, 1] - _byte_sums(np, chk[:, None]) + 256
-    whole &= (unsigned == _octal(np, chk, 6)) & (size <= limit)
+    whole &= (unsigned == stored) & (size <= limit)
     return size, whole
 
 
