@@ -233,9 +233,10 @@ class _UniformNames:
     def grouped(self, members: Any, count: int) -> Tuple[List[str], List[bytes], List[int]]:
         """As :meth:`_Names.grouped`."""
         np, dot = self.np, self.dot
-        if self.rows is not None:  # the columns are the regular files': where are members?
-            at = np.searchsorted(self.rows, np.arange(len(self.keyed))[members])
-            members = slice(count) if at[-1] == count - 1 else at  # (the first ``count``)
+        if self.rows is not None and not isinstance(members, slice):
+            # The columns are the regular files': which are the members? Mostly the first.
+            first = np.array_equal(self.rows[:count], members)
+            members = slice(count) if first else np.searchsorted(self.rows, members)
         name = self.bytes[:, members]
         new = np.ones(count, bool)
         new[1:] = (name[:dot, 1:] != name[:dot, :-1]).any(axis=0)
@@ -326,19 +327,16 @@ def _harmless(np: Any, buf: bytearray, data: Any, where: Any, size: Any) -> Any:
     ``_harmless_pax`` says. The one record tarfile and webdataset write, ``"30 mtime=...\\n"``,
     is recognised at once; other records are matched one header at a time."""
     data = np.ascontiguousarray(data[:, :99])  # (rows of 99 bytes: a word at byte 1 of each)
-    rows = np.arange(len(size))
     width = min(int(size.max()), 99)  # (records of up to 99 bytes are recognised at once)
-    ends = np.minimum(size - 1, width - 1)
-    newline = data[:, :width] == 10
+    length = (size // 10 + 48) | ((size % 10 + 48) << 8)  # its two digits, as the record starts
     one_mtime = (
         (size >= 10)
         & (size <= 99)
-        & (data[:, 0] >= 48) & (data[:, 0] <= 57) & (data[:, 1] >= 48) & (data[:, 1] <= 57)
-        & ((data[:, 0].astype(np.int64) - 48) * 10 + data[:, 1] - 48 == size)  # one record
+        & (_field(np, data, len(data), 0, "<u2") == length)  # one record, the whole block
         & (_field(np, data, len(data), 1, "<u8") & np.uint64(0xFFFFFFFFFFFFFF00) == _SPACE_MTIME)
-        & newline[rows, ends]
-        & (newline.argmax(axis=1) == ends)  # at its end only
-    )  # fmt: skip
+        # Its first newline at its end (none: argmax is 0, and the end is past 9).
+        & ((data[:, :width] == 10).argmax(axis=1) == size - 1)
+    )
     for i in np.flatnonzero(~one_mtime).tolist():
         start = int(where[i]) * 512 + 512
         one_mtime[i] = _harmless_pax(buf, start, start + int(size[i])) is not None
