@@ -168,3 +168,30 @@ def test_a_dropped_loader_stops_its_workers_when_collected(
     took = time.perf_counter() - start
     assert collected() is None and not any(w.is_alive() for w in procs)
     assert took < 4, f"the workers took {took:.1f} s to stop (the 5-second poll)"
+
+
+def test_a_loader_with_live_persistent_workers_pickles_without_them(shards):
+    """Pickled (or deep-copied) while its persistent workers are alive, mid-epoch or between
+    epochs, a WebLoader's copy leaves them behind and starts its own when read: it reads what
+    the original reads; the original keeps its workers and its epoch in flight."""
+    import copy
+    import pickle
+
+    def loader():
+        ds = WebDataset(shards, shardshuffle=True, seed=3).to_tuple("__key__", "cls")
+        return WebLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+
+    original = loader()
+    first_epoch = loader_keys(original)
+    workers = [w.pid for w in original.loader._iterator._workers]
+    it = iter(original)
+    head = next(it)[0]
+    for clone in (pickle.loads(pickle.dumps(original)), copy.deepcopy(original)):
+        assert clone.loader._iterator is None
+        assert sorted(loader_keys(clone)) == ALL_KEYS
+        clone.close()
+    rest = [k for batch in it for k in batch[0]]
+    assert sorted(list(head) + rest) == ALL_KEYS
+    assert [w.pid for w in original.loader._iterator._workers] == workers
+    assert sorted(first_epoch) == ALL_KEYS
+    original.close()

@@ -16,6 +16,7 @@ or threads (:func:`choose_workers`, a pure function of what was measured).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import weakref
@@ -233,6 +234,11 @@ class LoaderSource(StreamKeeper):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_reading"] = state["_stopper"] = None  # a running iterator stays here
+        if getattr(self.loader, "_iterator", None) is not None:
+            # Persistent workers stay here too (torch cannot pickle them): the copy starts its
+            # own when it is read, as a loader does before its first epoch.
+            state["loader"] = copy.copy(self.loader)
+            state["loader"]._iterator = None
         return state
 
     def __repr__(self) -> str:
