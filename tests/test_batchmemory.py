@@ -233,6 +233,32 @@ def test_batch_memory_keeps_a_few_free_blocks():
     del again
 
 
+def test_a_process_forked_while_another_thread_holds_the_lock_does_not_wait_for_it():
+    """A DataLoader worker forked while a thread of the loader's process (its pin thread, the
+    training loop) gives a batch back inherits the lock held: in the child, taking and giving
+    back go on (a child that waited would be ended by its alarm, not exit with 0)."""
+    import os
+    import signal
+
+    memory = B.BatchMemory(keep=2)
+    held = memory.take(2 * MIB)
+    with memory._lock:  # as another thread would hold it at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: its only thread never took the lock
+            signal.alarm(10)
+            try:
+                again = memory.take(2 * MIB)
+                del again
+                gc.collect()
+                memory.release()
+                os._exit(0)
+            except BaseException:
+                os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    del held
+
+
 def test_small_odd_and_gradient_stacks_are_stacked_as_torch_does():
     memory = B.BatchMemory()
     big = [torch.ones(300_000) for _ in range(2)]

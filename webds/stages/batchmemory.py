@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import os
 import threading
 import weakref
 from typing import Any, Callable, List, Optional
@@ -50,10 +51,18 @@ class BatchMemory:
         self._released = False
         # A batch may be freed on another thread (a loader's pin thread, the training loop's).
         self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _locked(self) -> threading.Lock:
+        """The lock, this process's: a forked process (a DataLoader worker) inherits the lock
+        as it was, held where another thread held it at the fork, and would wait for ever."""
+        if self._pid != os.getpid():
+            self._lock, self._pid = threading.Lock(), os.getpid()
+        return self._lock
 
     def take(self, nbytes: int) -> Any:
         """A ``uint8`` array of ``nbytes`` that no live batch uses, starting on a huge page."""
-        with self._lock:
+        with self._locked():
             fits = [i for i, b in enumerate(self._free) if b.size >= nbytes]
             best = min(fits, key=lambda i: self._free[i].size) if fits else None
             block = self._free.pop(best) if best is not None else None
@@ -67,13 +76,13 @@ class BatchMemory:
         return np.frombuffer(memoryview(lease), np.uint8)
 
     def _give_back(self, block: Any) -> None:
-        with self._lock:
+        with self._locked():
             if not self._released and len(self._free) < self.keep:
                 self._free.append(block)
 
     def release(self) -> None:
         """Free the blocks kept, and keep none given back from now on."""
-        with self._lock:
+        with self._locked():
             self._released = True
             self._free.clear()
 

@@ -210,7 +210,7 @@ class _UniformNames:
         # Only the regular files' names: where other headers are among them (a pax header
         # before each member, as webdataset writes), half the bytes to look at.
         files = heads if rows is None else heads[rows, :100]
-        width = _width(np, files, None, 100 if length < 0 else length)
+        width = _width(np, files, 100 if length < 0 else length)
         if dot + 1 >= width:
             return None  # no extension: read by _Names
         name = np.ascontiguousarray(files[:, :width].T)
@@ -250,10 +250,10 @@ class _UniformNames:
         )
 
 
-def _width(np: Any, heads: Any, rows: Any, least: int) -> int:
-    """The length of the longest name of ``heads[rows]`` (``rows`` None: all), at least
-    ``least`` (the rest of every name field is NUL)."""
-    rest = heads[:, least:100] if rows is None else heads[rows, least:100]
+def _width(np: Any, heads: Any, least: int) -> int:
+    """The length of the longest name of ``heads``, at least ``least`` (the rest of every name
+    field is NUL)."""
+    rest = heads[:, least:100]
     if not rest.any():
         return least
     return least + int(np.flatnonzero(np.bitwise_or.reduce(rest, axis=0))[-1]) + 1
@@ -332,7 +332,7 @@ def _harmless(np: Any, buf: bytearray, data: Any, where: Any, size: Any) -> Any:
     one_mtime = (
         (size >= 10)
         & (size <= 99)
-        & (_field(np, data, len(data), 0, "<u2") == length)  # one record, the whole block
+        & (_field(np, data, len(data), 0, "<u2") == length)  # one record: all of the data
         & (_field(np, data, len(data), 1, "<u8") & np.uint64(0xFFFFFFFFFFFFFF00) == _SPACE_MTIME)
         # Its first newline at its end (none: argmax is 0, and the end is past 9).
         & ((data[:, :width] == 10).argmax(axis=1) == size - 1)
