@@ -303,6 +303,51 @@ def test_workers_stack_in_plain_memory_only_when_the_loader_copies_batches(tmp_p
         assert torch.equal(a, b)
 
 
+def test_torch_batches_in_a_worker_go_to_reused_memory_only_when_the_loader_copies_them(
+    tmp_path, monkeypatch
+):
+    """The same rule for a WebLoader's ``batch_size=`` (torch's default_collate): in a worker,
+    big stacks go into the pass's reused plain memory only where the batch is then copied into
+    the loader's shared buffers; without the buffers torch's own stacking puts them straight
+    into shared memory; in this process, always into reused memory. The same batches."""
+    import os
+
+    from webds import channel as channel_module
+
+    log = tmp_path / "into.log"
+    real = channel_module.default_collate_into
+
+    def recording(memory):
+        collate = real(memory)
+
+        def into(batch):
+            with open(log, "a") as f:  # (workers are forked: the patch goes with them)
+                f.write(f"{os.getpid()}\n")
+            return collate(batch)
+
+        return into
+
+    monkeypatch.setattr(channel_module, "default_collate_into", recording)
+    make = functools.partial(
+        fields, shape=(2, 100_000), dtype=torch.float32, ashape=(1000,), adtype=np.float32
+    )
+    ds = webds.WebDataset(shards(tmp_path, 24), shardshuffle=False).map(make)
+    got = {}
+    for name, kw in (
+        ("packed", dict(num_workers=1)),
+        ("unpacked", dict(num_workers=1, batch_buffers=False)),
+        ("here", dict(num_workers=0)),
+    ):
+        log.write_text("")
+        got[name] = [b["t"].clone() for b in webds.WebLoader(ds, batch_size=8, **kw)]
+        got[name + " pids"] = log.read_text().split()
+    assert len(got["packed pids"]) == 3 and str(os.getpid()) not in got["packed pids"]
+    assert got["unpacked pids"] == []
+    assert got["here pids"] == [str(os.getpid())] * 3
+    for a, b, c in zip(got["packed"], got["unpacked"], got["here"]):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def recorded_memories(monkeypatch):
     """The BatchMemory of each batching pass, in the order the passes made them."""
     made = []

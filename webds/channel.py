@@ -93,8 +93,9 @@ class WorkerChannel:
         self.pending: List[Any] = []  # the ids of the items yielded, not yet collated
         self.sent = 0  # items in the batches collated so far this epoch
         self.restored: List[Tuple[Any, Any]] = []  # what the main process held: (item, ids)
-        # The WebLoader copies the batches into reused shared buffers (see EnvelopeCollate): a
-        # batching stage may stack them in plain memory (webds.stages.batching._batch_memory).
+        # A worker copies its batches into reused shared buffers (EnvelopeCollate): big stacks
+        # may go into reused plain memory first (EnvelopeCollate._collate_for, and a batching
+        # stage's webds.stages.batching._batch_memory). Set by the WebLoader.
         self.packs = False
         # This pass's reused memory for the batches EnvelopeCollate makes with torch's
         # default_collate (a WebLoader's batch_size=): made and let go by tracked().
@@ -143,13 +144,13 @@ class EnvelopeCollate:
     """The DataLoader's ``collate_fn`` for a webds dataset: collates as usual, then wraps the
     batch in an :class:`~webds.base.ledger.Envelope` with what the dataset's channel noted
     (it runs where the dataset does: in a worker, or in this process). ``single``: the
-    DataLoader does not batch; ``pack``: send tensors in reused shared buffers."""
+    DataLoader does not batch. Whether a worker sends the tensors in reused shared buffers is
+    the dataset's channel's ``packs``."""
 
-    def __init__(self, collate: Any, dataset: Any, single: bool, pack: bool = False) -> None:
+    def __init__(self, collate: Any, dataset: Any, single: bool) -> None:
         self.collate = collate
         self.dataset = dataset
         self.single = single
-        self.pack = pack
         self.pool: Optional[SlotPool] = None  # made in the worker, by its first batch
         self._into: Tuple[Any, Any] = (None, None)  # (a pass's BatchMemory, its collate)
 
@@ -161,7 +162,8 @@ class EnvelopeCollate:
         into the pass's reused memory, in this process or where the batch is copied into the
         reused buffers anyway (as ``batched()`` does: webds.stages.batchmemory)."""
         memory = channel.batch_memory
-        if memory is None or self.collate is not default_collate or (in_worker and not self.pack):
+        plain = in_worker and not channel.packs  # (its batches go to shared memory as they are)
+        if memory is None or self.collate is not default_collate or plain:
             return self.collate
         if self._into[0] is not memory:
             self._into = (memory, default_collate_into(memory) or self.collate)
@@ -206,7 +208,7 @@ class EnvelopeCollate:
             ids = ids[0] if ids else None
         ledger = current.ledger
         delta = ledger.take_delta()
-        if self.pack and info is not None:
+        if channel.packs and info is not None:
             if self.pool is None:
                 self.pool = SlotPool()
             batch = self.pool.pack(batch)

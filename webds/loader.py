@@ -217,7 +217,7 @@ class LoaderSource(StreamKeeper):
             # pins only where there is an accelerator: pin_memory=True on a CPU does nothing).
             pack = batch_buffers and loader.num_workers > 0 and not _pins(loader)
             dataset.channel.packs = pack
-            loader.collate_fn = EnvelopeCollate(loader.collate_fn, dataset, single, pack)
+            loader.collate_fn = EnvelopeCollate(loader.collate_fn, dataset, single)
         # This process's copy of each worker's stream, kept from the batches' envelopes.
         self.mirrors = WorkerMirrors(loader.num_workers, loader.batch_size)
         self._loaded: Optional[PipelineState] = None  # a state's workers, for the next pass
