@@ -195,3 +195,128 @@ def test_a_loader_with_live_persistent_workers_pickles_without_them(shards):
     assert [w.pid for w in original.loader._iterator._workers] == workers
     assert sorted(first_epoch) == ALL_KEYS
     original.close()
+
+
+class _Point(collections.namedtuple("_Point", "x y")):
+    pass
+
+
+class _Items(list):
+    pass
+
+
+def _random_item(rng, depth=0):
+    """A random item of the kinds a loader carries: plain values, numpy values and arrays
+    (numbers, strings, objects), tensors, and containers of them (lists, tuples, namedtuples,
+    dicts, OrderedDicts, a list subclass, mapping proxies), nested."""
+    import types
+
+    import numpy as np
+    import torch
+
+    leaves = [
+        lambda: rng.randbytes(rng.randint(0, 3)),
+        lambda: "s" * rng.randint(0, 2),
+        lambda: rng.randint(-5, 5),
+        lambda: rng.random(),
+        lambda: rng.random() < 0.5,
+        lambda: None,
+        lambda: complex(1, 2),
+        lambda: np.int64(rng.randint(0, 9)),
+        lambda: np.float32(0.5),
+        lambda: np.str_("x"),
+        lambda: np.arange(rng.randint(0, 3)),
+        lambda: np.array(["a", "b"]),
+        lambda: np.array([b"a"], dtype=object),
+        lambda: torch.arange(rng.randint(0, 3)),
+    ]
+    if depth >= 3 or rng.random() < 0.4:
+        return rng.choice(leaves)()
+    n = rng.randint(0, 4)
+    kind = rng.randrange(7)
+    if rng.random() < 0.5:  # all plain values (a batch's keys or bytes)
+        parts = [rng.choice(leaves[:7])() for _ in range(n)]
+    else:
+        parts = [_random_item(rng, depth + 1) for _ in range(n)]
+    if kind == 0:
+        return parts
+    if kind == 1:
+        return tuple(parts)
+    if kind == 2:
+        return _Point(parts[0] if parts else 1, _random_item(rng, depth + 1))
+    if kind == 3:
+        return {f"k{i}": v for i, v in enumerate(parts)}
+    if kind == 4:
+        return collections.OrderedDict((f"k{i}", v) for i, v in enumerate(parts))
+    if kind == 5:
+        return _Items(parts)
+    return types.MappingProxyType({f"k{i}": v for i, v in enumerate(parts)})
+
+
+def _alike(a, b):
+    """The same types all the way down, equal values (tensors: equal dtype and elements)."""
+    import numpy as np
+    import torch
+
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
+    elif isinstance(a, collections.abc.Mapping):
+        assert list(a) == list(b)
+        for k in a:
+            _alike(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _alike(x, y)
+    else:
+        assert a == b or (a != a and b != b)
+
+
+def test_items_are_converted_as_torch_converts_them():
+    """A ``batch_size=None`` loader's conversion of each item (webds.channel.converted) gives
+    what torch's ``default_convert`` gives, type for type, on random nested items; a list it
+    gives is a new one, as torch's is."""
+    import random
+
+    from torch.utils.data import default_convert
+
+    from webds.channel import converted
+
+    rng = random.Random(11)
+    fast = 0
+    for _ in range(2000):
+        item = _random_item(rng)
+        got, want = converted(item), default_convert(item)
+        _alike(got, want)
+        if type(item) in (list, tuple) and {type(x) for x in item} <= {bytes, str, int}:
+            fast += 1
+        if type(item) is list:
+            assert got is not item
+    assert fast > 100  # the shortcut was taken
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_that_batches_reads_alike_with_torch_own_conversion(shards, workers, monkeypatch):
+    """``WebLoader(dataset.batched(n), batch_size=None)`` (webdataset's pattern) gives the
+    batches torch's own ``default_convert`` gives, through workers or not (and converts them
+    with webds's: not a comparison of torch with itself)."""
+    from torch.utils.data import default_convert
+
+    from webds import channel
+
+    calls = []
+    real = channel.converted
+    monkeypatch.setattr(channel, "converted", lambda x: calls.append(1) or real(x))
+
+    def batches(**kw):
+        ds = WebDataset(shards, shardshuffle=False).to_tuple("__key__", "cls").batched(7)
+        return list(WebLoader(ds, batch_size=None, num_workers=workers, **kw))
+
+    ours, torchs = batches(), batches(collate_fn=lambda x: default_convert(x))
+    assert len(ours) == len(torchs) > 1
+    assert len(calls) >= (len(ours) if workers == 0 else 0)  # (a worker's stay there)
+    for a, b in zip(ours, torchs):
+        _alike(a, b)
