@@ -6,6 +6,7 @@ blocks are really reused when batches are dropped."""
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import gc
 import pickle
@@ -434,11 +435,15 @@ class Items(torch.utils.data.IterableDataset):
 
 
 def same(a, b):
+    """The same types all the way down, equal values (tensors and arrays: equal dtypes, shapes
+    and elements; mappings: the same keys in the same order)."""
     assert type(a) is type(b), (type(a), type(b))
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist()
+    elif isinstance(a, collections.abc.Mapping):
+        assert list(a) == list(b)
         for k in a:
             same(a[k], b[k])
     elif isinstance(a, (list, tuple)):

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import sample_members, write_tar
+from test_batchmemory import same
 
 from webds.errors import ShardReadError
 from webds.fluent import WebDataset
@@ -253,28 +254,6 @@ def _random_item(rng, depth=0):
     return types.MappingProxyType({f"k{i}": v for i, v in enumerate(parts)})
 
 
-def _alike(a, b):
-    """The same types all the way down, equal values (tensors: equal dtype and elements)."""
-    import numpy as np
-    import torch
-
-    assert type(a) is type(b), (a, b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.tolist() == b.tolist()
-    elif isinstance(a, collections.abc.Mapping):
-        assert list(a) == list(b)
-        for k in a:
-            _alike(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _alike(x, y)
-    else:
-        assert a == b or (a != a and b != b)
-
-
 def test_items_are_converted_as_torch_converts_them():
     """A ``batch_size=None`` loader's conversion of each item (webds.channel.converted) gives
     what torch's ``default_convert`` gives, type for type, on random nested items; a list it
@@ -290,7 +269,7 @@ def test_items_are_converted_as_torch_converts_them():
     for _ in range(2000):
         item = _random_item(rng)
         got, want = converted(item), default_convert(item)
-        _alike(got, want)
+        same(got, want)
         if type(item) in (list, tuple) and {type(x) for x in item} <= {bytes, str, int}:
             fast += 1
         if type(item) is list:
@@ -319,4 +298,4 @@ def test_a_dataset_that_batches_reads_alike_with_torch_own_conversion(shards, wo
     assert len(ours) == len(torchs) > 1
     assert len(calls) >= (len(ours) if workers == 0 else 0)  # (a worker's stay there)
     for a, b in zip(ours, torchs):
-        _alike(a, b)
+        same(a, b)
