@@ -299,3 +299,45 @@ def test_a_dataset_that_batches_reads_alike_with_torch_own_conversion(shards, wo
     assert len(calls) >= (len(ours) if workers == 0 else 0)  # (a worker's stay there)
     for a, b in zip(ours, torchs):
         same(a, b)
+
+
+@pytest.mark.parametrize("buffers", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dict_samples_one_by_one_read_alike_with_torch_own_conversion(shards, workers, buffers):
+    """One step off the above: samples one by one (``batch_size=None``, no batching in the
+    dataset) as dicts holding bytes, str, ints, a numpy array and a list of values, with or
+    without the batch buffers, through workers or not: what torch's ``default_convert`` gives."""
+    import numpy as np
+    from torch.utils.data import default_convert
+
+    def fields(sample):
+        i = int(sample["__key__"][-6:])
+        return {**sample, "n": i, "a": np.arange(i % 5), "l": [i, str(i), b"x"]}
+
+    def items(**kw):
+        ds = WebDataset(shards, shardshuffle=False).map(fields)
+        loader = WebLoader(ds, batch_size=None, num_workers=workers, batch_buffers=buffers, **kw)
+        return sorted(loader, key=lambda s: s["__key__"])
+
+    ours, torchs = items(), items(collate_fn=lambda x: default_convert(x))
+    assert len(ours) == len(ALL_KEYS) == len(torchs)
+    for a, b in zip(ours, torchs):
+        same(a, b)
+
+
+def test_a_loader_with_workers_of_an_epoch_in_flight_pickles_without_them(shards):
+    """One step off the persistent case: workers that live for one epoch only, pickled while
+    it is read: the copy reads an epoch of its own, the original the rest of its epoch."""
+    import pickle
+
+    ds = WebDataset(shards, shardshuffle=True, seed=3).to_tuple("__key__", "cls")
+    original = WebLoader(ds, batch_size=4, num_workers=2)
+    it = iter(original)
+    head = next(it)[0]
+    clone = pickle.loads(pickle.dumps(original))
+    assert clone.loader._iterator is None
+    assert sorted(loader_keys(clone)) == ALL_KEYS
+    clone.close()
+    rest = [k for batch in it for k in batch[0]]
+    assert sorted(list(head) + rest) == ALL_KEYS
+    original.close()

@@ -503,3 +503,27 @@ def test_run_samples_keep_the_shards_field_order(tmp_path, monkeypatch):
     without_runs(monkeypatch)
     assert with_runs == [list(s) for s in webds.WebDataset(url).decode()]
     assert with_runs[0][-3:] == ["txt", "cls", "bin"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("fields", [3, 20])
+def test_run_samples_keep_the_field_order_through_workers_and_past_the_written_out(
+    tmp_path, monkeypatch, workers, fields
+):
+    """One step off the above: samples with more fields than the written-out dict displays
+    take (20 + the reader's), and samples that cross DataLoader workers, keep the order too."""
+    exts = [f"f{j:02d}" for j in reversed(range(fields))]
+    urls = []
+    for k in range(2):  # (two shards: one for each worker)
+        members = [(f"{i:05d}.{e}", b"%d" % i) for i in range(k, 300, 2) for e in exts]
+        urls.append(str(write_tar(tmp_path / f"s{k}.tar", members)))
+
+    def read() -> List[Any]:
+        ds = webds.WebDataset(urls, shardshuffle=False)
+        loader = webds.WebLoader(ds, batch_size=None, num_workers=workers)
+        return sorted(([s["__key__"]] + list(s) for s in loader), key=lambda x: x[0])
+
+    with_runs = read()
+    without_runs(monkeypatch)
+    assert with_runs == read()
+    assert len(with_runs) == 300 and with_runs[0][-fields:] == exts
