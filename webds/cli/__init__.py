@@ -30,6 +30,7 @@ COMMAND_MODULES: List[str] = [
     "proc",
     "index",
     "convert",
+    "clips",
     "bench",
 ]
 

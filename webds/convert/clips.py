@@ -393,7 +393,7 @@ def _clips_of(
             "field otherwise (info_field=, webds clips --info-field)"
         )
     url = sample.get("__url__")
-    member = f"{key}.{name}"
+    member = f"{key}.{name}" if url is not None else None  # a video file is named by its path
     ext = name.lower().rsplit(".", 1)[-1]
     others = {k: v for k, v in sample.items() if not k.startswith("__") and k != name}
     source = url if url is not None else sample.get("__local_path__")
