@@ -100,6 +100,8 @@ _EXPORTS: List[Tuple[str, str]] = [
     ("convert.packing", "pack"),
     ("convert.folders", "pack_folder"),
     ("convert.imagenet", "convert_imagenet"),
+    ("convert.clips", "split_video clip_samples"),
+    ("convert.clipshards", "pack_clips"),
 ]
 
 

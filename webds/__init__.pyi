@@ -27,6 +27,9 @@ from .compat.legacy import repeatedly as repeatedly
 from .compat.legacy import with_epoch as with_epoch
 from .compat.legacy import with_length as with_length
 from .compat.shardsources import DirectoryShardList as DirectoryShardList
+from .convert.clips import clip_samples as clip_samples
+from .convert.clips import split_video as split_video
+from .convert.clipshards import pack_clips as pack_clips
 from .convert.folders import pack_folder as pack_folder
 from .convert.imagenet import convert_imagenet as convert_imagenet
 from .convert.packing import pack as pack
