@@ -81,6 +81,8 @@ _EXPORTS: List[Tuple[str, str]] = [
     ),
     ("stages.xdecode", "xdecode"),
     ("stages.crop", "RandomResizedCropDecoder CenterCropDecoder"),
+    ("stages.video", "VideoClipDecoder"),
+    ("stages.audio", "AudioClipDecoder"),
     ("stages.tenbin", "tenbin=."),
     # faces
     ("fluent", "FluentMixin FluidInterface FluidWrapper WebDataset"),

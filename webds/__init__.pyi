@@ -80,6 +80,7 @@ from .shards.specs import MultiShardSample as MultiShardSample
 from .shards.specs import shardspec as shardspec
 from .stages import mix as mix
 from .stages import tenbin as tenbin
+from .stages.audio import AudioClipDecoder as AudioClipDecoder
 from .stages.batching import batched as batched
 from .stages.batching import default_collation_fn as default_collation_fn
 from .stages.batching import listed as listed
@@ -120,6 +121,7 @@ from .stages.mix import RandomMix as RandomMix
 from .stages.mix import RoundRobin as RoundRobin
 from .stages.replay import Cached as Cached
 from .stages.replay import LMDBCached as LMDBCached
+from .stages.video import VideoClipDecoder as VideoClipDecoder
 from .stages.xdecode import xdecode as xdecode
 from .tar.samples import base_plus_ext as base_plus_ext
 from .tar.samples import group_by_keys as group_by_keys

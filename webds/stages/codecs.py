@@ -13,15 +13,15 @@ from __future__ import annotations
 import functools
 import io
 import json
-import os
 import pickle
-import tempfile
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from ..errors import ArgumentError, DecodeError
 from ..io.security import WEBDATASET_PICKLE, WEBDATASET_TORCH, refuse
 from . import fastjpeg
+from .audio import AUDIO_EXTENSIONS, load_audio
 from .limits import MAX_PIXELS, check_max, open_image
+from .video import VIDEO_EXTENSIONS, read_video
 
 __all__ = [
     "BasicHandlers",
@@ -52,8 +52,6 @@ IMAGE_EXTENSIONS: List[str] = (
     "img image"
 ).split()
 
-VIDEO_EXTENSIONS: List[str] = "mp4 ogv mjpeg avi mov h264 mpg webm wmv".split()
-AUDIO_EXTENSIONS: List[str] = "flac mp3 sox wav m4a ogg wma".split()
 
 #: spec -> (array type, element type, PIL mode), as in webdataset.
 imagespecs: Dict[str, tuple] = {
@@ -357,47 +355,24 @@ class BasicHandlers:
 basichandlers = BasicHandlers()
 
 
-def _media_via_tempfile(key: str, data: bytes, load: Callable[[str], Any]) -> Any:
-    # The video/audio readers want a file name, and the extension tells them the container.
-    with tempfile.TemporaryDirectory() as dirname:
-        fname = os.path.join(dirname, f"file.{_last_ext(key)}")
-        with open(fname, "wb") as stream:
-            stream.write(data)
-        return load(fname)
-
-
 def torch_video(key: str, data: bytes) -> Any:
-    """Decode video fields (``mp4 avi webm ...``) with ``torchvision.io.read_video``."""
+    """Decode video fields (``mp4 ogv mjpeg avi mov h264 mpg webm wmv``) as
+    ``torchvision.io.read_video(path, pts_unit="sec")`` did: ``(video uint8 T x H x W x 3,
+    audio float32 channels x samples, {"video_fps": ..., "audio_fps": ...})``, from the bytes in
+    memory with PyAV (``pip install 'webds[av]'``); see :func:`webds.stages.video.read_video`.
+    Bounded by the default limits of :mod:`webds.stages.avio`."""
     if _last_ext(key) not in VIDEO_EXTENSIONS:
         return None
-    try:
-        import torchvision.io
-    except Exception as exn:  # a torchvision built for another torch fails with RuntimeError
-        raise DecodeError(
-            f"decoding video needs a working torchvision with video support ({exn}); "
-            "pip install torchvision av (matching your torch version)"
-        ) from None
-    read_video = getattr(torchvision.io, "read_video", None)
-    if read_video is None:
-        raise DecodeError(
-            "this torchvision has no io.read_video; install a torchvision with video support, "
-            "or decode videos with your own handler"
-        )
-    return _media_via_tempfile(key, data, lambda fname: read_video(fname, pts_unit="sec"))
+    return read_video(data)
 
 
 def torch_audio(key: str, data: bytes) -> Any:
-    """Decode audio fields (``flac mp3 wav ...``) with ``torchaudio.load``."""
+    """Decode audio fields (``flac mp3 sox wav m4a ogg wma opus``) as ``torchaudio.load`` did:
+    ``(waveform float32 channels x samples, sample_rate)``, from the bytes in memory with PyAV
+    (``pip install 'webds[av]'``); see :func:`webds.stages.audio.load_audio`."""
     if _last_ext(key) not in AUDIO_EXTENSIONS:
         return None
-    try:
-        import torchaudio
-    except Exception as exn:
-        raise DecodeError(
-            f"decoding audio needs torchaudio ({exn}); pip install torchaudio "
-            "(matching your torch version)"
-        ) from None
-    return _media_via_tempfile(key, data, torchaudio.load)
+    return load_audio(data)
 
 
 _PURE = frozenset((*BasicHandlers._table.values(), _decoded_image))

@@ -1,0 +1,424 @@
+"""The media backend: open a field's bytes with PyAV (FFmpeg), check it against the limits, and
+hand out video frames and audio samples. The clip decoders (:mod:`webds.stages.video`,
+:mod:`webds.stages.audio`) and ``torch_video`` / ``torch_audio`` reach FFmpeg only through here,
+so another backend (TorchCodec, once its FFmpeg loads) is one more module of this shape.
+
+What opening a field does, in order, so that no bad field costs more than the limits:
+
+- the demuxers allowed are a fixed list of file formats (:data:`DEMUXERS`): a field that is an
+  HLS or concat playlist would make FFmpeg open other files or URLs, or itself again forever;
+- the stream-info probe reads at most :data:`PROBE_BYTES` and one second of packets, and every
+  decoder FFmpeg opens (the probe's too) gets ``max_pixels``: a 91 KB H.264 stream whose SPS
+  declares 15872x15872 would otherwise allocate 1.2-1.6 GB for its first frame, whatever the
+  container's header says;
+- the size the decoder reports, the declared duration and the frames a request would decode are
+  checked against :class:`Limits` before any frame is decoded, and again frame by frame while
+  decoding (a header may lie; a stream of tiny frames may never end);
+- a video's packets are read once without decoding (:class:`VideoTrack`): their timestamps give
+  the exact frame times and the keyframe before each frame, so a clip is decoded from that
+  keyframe up to its last frame and no further.
+
+Every failure is a :class:`~webds.errors.DecodeError` saying what was wrong; the decode stage
+adds the shard and member.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+from ..errors import ArgumentError, DecodeError
+from .limits import MAX_PIXELS
+
+__all__ = [
+    "DEMUXERS",
+    "Limits",
+    "MAX_FRAME_PIXELS",
+    "MAX_SAMPLES",
+    "MAX_SECONDS",
+    "MAX_VIDEO_PIXELS",
+    "AudioTrack",
+    "Media",
+    "VideoTrack",
+    "import_av",
+    "open_media",
+]
+
+#: Default of ``max_pixels`` for video: width x height x frames decoded from one field. The
+#: number of :data:`webds.stages.limits.MAX_PIXELS`: what it decodes is at most 256 MiB as RGB.
+MAX_VIDEO_PIXELS = MAX_PIXELS
+
+#: Default of ``max_frame_pixels``: the largest frame decoded (4096x4096, DCI 4K fits; 8K does
+#: not). An H.264 decoder holds up to 16 reference frames of 1.5 bytes a pixel, so this keeps a
+#: decoder under about 400 MB; FFmpeg refuses a larger frame before allocating it.
+MAX_FRAME_PIXELS = 4096 * 4096
+
+#: Default of ``max_seconds``: the longest stream a field may declare (one hour).
+MAX_SECONDS = 3600.0
+
+#: Default of ``max_samples``: channels x samples decoded from one audio field (2**26: 256 MiB
+#: as float32, an hour of 16 kHz mono; an hour of 48 kHz stereo needs ``max_samples=None``).
+MAX_SAMPLES = 1 << 26
+
+#: The FFmpeg demuxers a field may be read with: file formats only. Playlists (hls, concat,
+#: dash), image sequences and devices, which open other files or URLs, are refused.
+DEMUXERS = (
+    "mov,mp4,m4a,3gp,3g2,mj2 matroska,webm avi mpeg mpegts h264 hevc m4v mjpeg ogg flac mp3 "
+    "wav aac asf ivf flv obu"
+).split()
+
+#: How many bytes the stream-info probe may read (FFmpeg's default is 5 MB).
+PROBE_BYTES = 1 << 20
+_PROBE_MICROSECONDS = 1_000_000
+
+
+class Limits(NamedTuple):
+    """The bounds a field is decoded under (None: no bound); see the ``MAX_*`` defaults."""
+
+    max_pixels: Optional[int] = MAX_VIDEO_PIXELS
+    max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS
+    max_seconds: Optional[float] = MAX_SECONDS
+    max_samples: Optional[int] = MAX_SAMPLES
+
+    @classmethod
+    def checked(
+        cls,
+        max_pixels: Optional[int] = MAX_VIDEO_PIXELS,
+        max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS,
+        max_seconds: Optional[float] = MAX_SECONDS,
+        max_samples: Optional[int] = MAX_SAMPLES,
+    ) -> "Limits":
+        """The limits, each a positive number or None; otherwise an ArgumentError."""
+        values = (max_pixels, max_frame_pixels, max_seconds, max_samples)
+        for name, value in zip(cls._fields, values):
+            if value is not None and (isinstance(value, bool) or not value > 0):
+                raise ArgumentError(f"{name} must be a positive number or None, got {value!r}")
+        return cls(*values)
+
+
+_av: Any = None
+
+
+def import_av() -> Any:
+    """The ``av`` module (PyAV), or a DecodeError saying how to install it."""
+    global _av
+    if _av is None:
+        try:
+            import av
+        except ImportError as exn:
+            raise DecodeError(
+                f"decoding video and audio needs PyAV ({exn}): pip install 'webds[av]'"
+            ) from None
+        _av = av
+    return _av
+
+
+def _over(what: str, value: float, name: str, limit: Any) -> DecodeError:
+    return DecodeError(
+        f"{what} ({value:,.0f}) is over {name}={limit:,}; refused before decoding. If such "
+        f"media are genuine, raise the limit: pass {name}=N (None: no limit) to the decoder"
+    )
+
+
+def _failed(exn: BaseException, doing: str) -> DecodeError:
+    if isinstance(exn, DecodeError):
+        return exn
+    return DecodeError(f"{doing} failed: {type(exn).__name__}: {exn}")
+
+
+class Media:
+    """One field's bytes opened by FFmpeg (through PyAV), with :class:`Limits`; close it (or use
+    it as a context manager) when done. Made by :func:`open_media`."""
+
+    def __init__(self, data: bytes, limits: Limits = Limits()) -> None:
+        av = import_av()
+        if not data:
+            raise DecodeError("the field is empty (0 bytes): no media to decode")
+        self.limits = limits
+        options = {"probesize": str(PROBE_BYTES), "analyzeduration": str(_PROBE_MICROSECONDS)}
+        if limits.max_frame_pixels is not None:
+            # for every decoder FFmpeg opens, the stream-info probe's included
+            options["max_pixels"] = str(limits.max_frame_pixels)
+        try:
+            self.container = av.open(
+                io.BytesIO(data),
+                options=options,
+                container_options={"format_whitelist": ",".join(DEMUXERS)},
+            )
+        except Exception as exn:
+            raise _failed(exn, "opening the media (is it a complete video or audio file?)") from exn
+        self._check_duration()
+
+    def _check_duration(self) -> None:
+        limit = self.limits.max_seconds
+        duration = self.container.duration  # microseconds, or None
+        if limit is not None and duration is not None and duration / 1e6 > limit:
+            self.close()
+            raise _over("its declared duration in seconds", duration / 1e6, "max_seconds", limit)
+
+    def video(self) -> "VideoTrack":
+        """The first video stream, indexed; a DecodeError if there is none."""
+        streams = self.container.streams.video
+        if not streams:
+            kinds = ", ".join(s.type for s in self.container.streams) or "none"
+            raise DecodeError(f"the media has no video stream (its streams: {kinds})")
+        return VideoTrack(self, streams[0])
+
+    def audio(self, required: bool = True) -> Optional["AudioTrack"]:
+        """The first audio stream (None, or a DecodeError if ``required``, when there is none)."""
+        streams = self.container.streams.audio
+        if not streams:
+            if not required:
+                return None
+            kinds = ", ".join(s.type for s in self.container.streams) or "none"
+            raise DecodeError(f"the media has no audio stream (its streams: {kinds})")
+        return AudioTrack(self, streams[0])
+
+    def close(self) -> None:
+        self.container.close()
+
+    def __enter__(self) -> "Media":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_media(data: bytes, limits: Limits = Limits()) -> Media:
+    """Open a field's bytes; ``with open_media(data) as m: track = m.video()``."""
+    return Media(data, limits)
+
+
+def _decoder(stream: Any, limits: Limits) -> Any:
+    ctx = stream.codec_context
+    if ctx is None:
+        raise DecodeError(
+            f"this FFmpeg build has no decoder for the {stream.type} codec "
+            f"{getattr(stream.codec_context, 'name', None) or stream.codec_tag!r}"
+        )
+    if limits.max_frame_pixels is not None:
+        ctx.options = {"max_pixels": str(limits.max_frame_pixels)}
+    # One thread: a loader's workers already use the cores, and frame threads multiply the
+    # frames a decoder holds (its memory) by their number.
+    ctx.thread_count = 1
+    return ctx
+
+
+class VideoTrack:
+    """A video stream with its packets indexed (read once, not decoded).
+
+    ``pts``: every frame's presentation timestamp in ``time_base`` units, ascending;
+    ``fps``; ``width`` x ``height`` (as the decoder reports them, checked against
+    ``max_frame_pixels``); ``decoded``: the frames decoded so far (what a clip cost).
+    """
+
+    def __init__(self, media: Media, stream: Any) -> None:
+        self.media, self.stream, self.limits = media, stream, media.limits
+        self.ctx = _decoder(stream, self.limits)
+        self.width, self.height = int(self.ctx.width), int(self.ctx.height)
+        if self.width <= 0 or self.height <= 0:
+            raise DecodeError("the video stream declares no frame size (a damaged header?)")
+        self._check_frame(self.width, self.height)
+        self.time_base = stream.time_base
+        self.decoded = 0
+        self._index()
+
+    def _check_frame(self, width: int, height: int) -> None:
+        limit = self.limits.max_frame_pixels
+        if limit is not None and width * height > limit:
+            raise _over(f"a {width}x{height} frame's pixels", width * height, "max_frame_pixels", limit)
+
+    def _index(self) -> None:
+        """Read the packets (no decoding): frame times, and the keyframe each frame needs."""
+        order: List[int] = []  # pts in decode order
+        keys: List[int] = []  # index into order of the keyframe before each packet
+        key = -1
+        try:
+            for packet in self.media.container.demux(self.stream):
+                if packet.pts is None or packet.size == 0:
+                    continue  # the demuxer's flush packet; frames without a time can't be asked for
+                if packet.is_keyframe:
+                    key = len(order)
+                order.append(packet.pts)
+                keys.append(max(key, 0))
+        except Exception as exn:
+            raise _failed(exn, "reading the video's packets (a truncated or damaged field?)") from exn
+        if not order:
+            raise DecodeError("the video stream holds no frames (an empty or truncated field?)")
+        declared = self.stream.frames
+        if declared and len(order) < declared:
+            raise DecodeError(
+                f"the video is truncated: its header declares {declared} frames, the field "
+                f"holds {len(order)}"
+            )
+        self.order, self.keys = order, keys
+        self.pts = sorted(order)
+        self._ordinal = {p: i for i, p in enumerate(order)}  # decode position of each pts
+        rate = self.stream.average_rate or self.stream.guessed_rate
+        if rate:
+            self.fps = float(rate)
+        elif len(self.pts) > 1:
+            self.fps = (len(self.pts) - 1) / float((self.pts[-1] - self.pts[0]) * self.time_base)
+        else:
+            self.fps = 1.0
+        limit = self.limits.max_seconds
+        if limit is not None and self.seconds(self.pts[-1] - self.pts[0]) > limit:
+            raise _over("its duration in seconds", self.seconds(self.pts[-1]), "max_seconds", limit)
+
+    def seconds(self, pts: int) -> float:
+        return float(pts * self.time_base)
+
+    def __len__(self) -> int:
+        return len(self.pts)
+
+    def runs(self, targets: Sequence[int]) -> List[Tuple[int, int]]:
+        """The decode-order spans ``(first, last)`` that give the ``targets`` (pts, ascending):
+        each from the keyframe its first frame needs; one span where the next would start at
+        or before where this one ends (decoding on is no dearer than seeking)."""
+        spans: List[Tuple[int, int]] = []
+        for p in targets:
+            at = self._ordinal[p]
+            first = self.keys[at]
+            if spans and first <= spans[-1][1] + 1:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], at))
+            else:
+                spans.append((first, at))
+        return spans
+
+    def check_budget(self, targets: Sequence[int]) -> None:
+        """Refuse, before decoding, a request whose frames to decode would pass ``max_pixels``."""
+        limit = self.limits.max_pixels
+        if limit is None:
+            return
+        delay = int(self.ctx.has_b_frames or 0)  # frames the decoder holds back for reordering
+        frames = sum(last - first + 1 + delay for first, last in self.runs(targets))
+        if frames * self.width * self.height > limit:
+            raise _over(
+                f"{frames} frames of {self.width}x{self.height} to decode, in pixels",
+                frames * self.width * self.height,
+                "max_pixels",
+                limit,
+            )
+
+    def frames(self, targets: Sequence[int]) -> Iterator[Tuple[int, Any]]:
+        """``(pts, av.VideoFrame)`` for each of ``targets`` (pts of this track, ascending,
+        unique), decoding from the keyframe before each run of them up to its last frame."""
+        self.check_budget(targets)
+        wanted = set(targets)
+        spans = self.runs(targets)
+        ends = [self.order[last] for _, last in spans]
+        done = 0
+        for (first, last), end in zip(spans, ends):
+            start = self.order[first]
+            got = self._decode_span(start, end, wanted)
+            for pts, frame in got:
+                done += 1
+                yield pts, frame
+        if done != len(wanted):
+            raise DecodeError(
+                f"the video's frames did not decode as indexed ({done} of {len(wanted)} found): "
+                "a damaged stream?"
+            )
+
+    def _decode_span(self, start: int, end: int, wanted: set) -> List[Tuple[int, Any]]:
+        """Seek to the keyframe at ``start`` and decode until the frames up to ``end`` are out."""
+        container, limit = self.media.container, self.limits.max_pixels
+        out: List[Tuple[int, Any]] = []
+        last_needed = max(p for p in wanted if self._ordinal[p] <= self._ordinal[end])
+        try:
+            container.seek(start, stream=self.stream, backward=True, any_frame=False)
+            for frame in container.decode(self.stream):
+                self.decoded += 1
+                self._check_frame(frame.width, frame.height)
+                if limit is not None and self.decoded * frame.width * frame.height > limit:
+                    raise _over("the pixels decoded", self.decoded * frame.width * frame.height,
+                                "max_pixels", limit)
+                if frame.pts in wanted:
+                    out.append((frame.pts, frame))
+                if frame.pts is not None and frame.pts >= last_needed:
+                    break
+        except DecodeError:
+            raise
+        except Exception as exn:
+            raise _failed(exn, "decoding the video (a truncated or damaged field?)") from exn
+        return out
+
+
+class AudioTrack:
+    """An audio stream: ``rate`` (samples a second), ``channels``, ``seconds`` (its declared
+    duration, or None), and :meth:`samples` of any stretch as float32."""
+
+    def __init__(self, media: Media, stream: Any) -> None:
+        self.media, self.stream, self.limits = media, stream, media.limits
+        self.ctx = _decoder(stream, self.limits)
+        self.rate = int(self.ctx.sample_rate or stream.rate or 0)
+        if self.rate <= 0:
+            raise DecodeError("the audio stream declares no sample rate (a damaged header?)")
+        self.channels = int(self.ctx.channels or 1)
+        duration = None
+        if stream.duration is not None:
+            duration = float(stream.duration * stream.time_base)
+        elif media.container.duration is not None:
+            duration = media.container.duration / 1e6
+        self.seconds = duration
+
+    def samples(
+        self, start: float = 0.0, end: Optional[float] = None, margin: float = 0.0
+    ) -> Tuple[Any, float]:
+        """(float32 array channels x N, the time of its first sample) holding at least
+        ``[start - margin, end + margin)`` where the stream has it (``end=None``: to the end),
+        decoded from the packet before ``start``. Bounded by ``max_samples``."""
+        import numpy as np
+
+        limit = self.limits.max_samples
+        if limit is not None and end is not None and (end - start) * self.rate * self.channels > limit:
+            raise _over("the samples to decode", (end - start) * self.rate * self.channels,
+                        "max_samples", limit)
+        lo = start - margin
+        chunks: List[Any] = []
+        first: Optional[float] = None
+        total = 0
+        container, stream = self.media.container, self.stream
+        to_float = import_av().AudioResampler(format="fltp")  # float, planar; rate kept
+        try:
+            # Always seek: the container may stand past ``lo`` (an earlier clip, the video).
+            container.seek(max(int(lo / stream.time_base), 0), stream=stream, backward=True)
+            for frame in container.decode(stream):
+                t = frame.time if frame.pts is not None else None
+                for out in to_float.resample(frame):
+                    a = out.to_ndarray()
+                    if first is None:
+                        first = t if t is not None else 0.0
+                    chunks.append(a)
+                    total += a.shape[0] * a.shape[1]
+                if limit is not None and total > limit:
+                    raise _over("the samples decoded", total, "max_samples", limit)
+                if end is not None and t is not None and t > end + margin:
+                    break
+        except DecodeError:
+            raise
+        except Exception as exn:
+            raise _failed(exn, "decoding the audio (a truncated or damaged field?)") from exn
+        if not chunks:
+            return np.zeros((self.channels, 0), np.float32), start
+        return np.concatenate(chunks, axis=1), float(first or 0.0)
+
+
+def resample(samples: Any, rate: int, to_rate: int, mono: bool) -> Any:
+    """``samples`` (float32 channels x N at ``rate``) through FFmpeg's resampler to ``to_rate``
+    (and one channel when ``mono``); float32 channels x M."""
+    import numpy as np
+
+    av = import_av()
+    channels = samples.shape[0]
+    if (to_rate == rate and not (mono and channels > 1)) or samples.shape[1] == 0:
+        return samples
+    layout = {1: "mono", 2: "stereo"}.get(channels, f"{channels}c")
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp", layout=layout)
+    frame.sample_rate = rate
+    resampler = av.AudioResampler(
+        format="fltp", layout="mono" if mono else layout, rate=to_rate
+    )
+    outs = [f.to_ndarray() for f in resampler.resample(frame)]
+    outs += [f.to_ndarray() for f in resampler.resample(None)]
+    return np.concatenate(outs, axis=1) if outs else np.zeros((1 if mono else channels, 0), np.float32)
