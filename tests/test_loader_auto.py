@@ -392,3 +392,93 @@ def test_threads_it_chose_give_what_those_threads_by_hand_give(tmp_path, monkeyp
     hand = webds.WebLoader(made(), batch_size=None, num_workers=0, threads=4)
     got = keys(auto)
     assert got == keys(hand) and 0 < len(got) < 48
+
+
+# What reading a throwaway copy would do to the world: refused, wherever it sits, before
+# anything is read (the epoch then reads what num_workers=0 reads).
+
+
+def refused(dataset, why):
+    with pytest.raises(ArgumentError, match=f"num_workers='auto'.*{why}.*Give num_workers"):
+        webds.WebLoader(dataset, batch_size=None, num_workers="auto")
+
+
+def test_stdin_is_refused_and_left_unread(tmp_path, monkeypatch):
+    write_tar(tmp_path / "a.tar", sample_members(50))
+    with open(tmp_path / "a.tar") as stdin:
+        monkeypatch.setattr("sys.stdin", stdin)
+        refused(webds.WebDataset("-"), "'-' is standard input")
+        assert stdin.buffer.tell() == 0
+        loader = webds.WebLoader(webds.WebDataset("-"), batch_size=None, num_workers=0)
+        assert len(list(loader)) == 50
+
+
+def test_a_pipe_command_is_refused_and_never_run(tmp_path):
+    for i in range(2):
+        write_tar(tmp_path / f"{i}.tar", sample_members(5, prefix=f"{i}-"))
+    runs = tmp_path / "runs"
+    spec = f"pipe:echo run >> {runs}; cat {tmp_path}/{{0..1}}.tar"
+    refused(webds.WebDataset(spec), "is a command, which would run once more")
+    assert not runs.exists()
+    loader = webds.WebLoader(webds.WebDataset(spec), batch_size=None, num_workers=0)
+    assert len(list(loader)) == 10
+    assert runs.read_text().count("run") == 2  # once per shard per epoch
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("mode", ["unlink", "keep"])
+def test_a_claiming_source_is_refused_at_any_depth(tmp_path, depth, mode):
+    (tmp_path / "q").mkdir()
+    for i in range(3):
+        write_tar(tmp_path / "q" / f"{i}.tar", sample_members(20, prefix=f"{i}-"))
+    source = DirectoryShardList(str(tmp_path / "q"), poll=None, mode=mode)
+    for _ in range(depth):
+        source = webds.DataPipeline(source)
+    dataset = webds.DataPipeline(source, webds.tarfile_to_samples())
+    refused(dataset, "DirectoryShardList claims \\(or deletes\\) the files")
+    assert sorted(p.name for p in (tmp_path / "q").iterdir()) == ["0.tar", "1.tar", "2.tar"]
+    assert len(list(webds.WebLoader(dataset, batch_size=None, num_workers=0))) == 60
+
+
+def test_a_claiming_source_inside_a_mix_is_refused(tmp_path, spec):
+    (tmp_path / "q").mkdir()
+    write_tar(tmp_path / "q" / "a.tar", sample_members(3))
+    claimed = webds.DataPipeline(
+        DirectoryShardList(str(tmp_path / "q"), poll=None), webds.tarfile_to_samples()
+    )
+    mix = webds.RoundRobin([webds.WebDataset(spec), claimed])
+    refused(webds.DataPipeline(mix), "claims")
+    assert (tmp_path / "q" / "a.tar").exists()
+
+
+def test_a_generator_or_function_source_of_yours_is_refused_and_not_advanced(tmp_path):
+    write_tar(tmp_path / "a.tar", sample_members(4))
+    made = []
+
+    def urls():
+        made.append(1)
+        yield {"url": str(tmp_path / "a.tar")}
+
+    generator = urls()
+    refused(webds.DataPipeline(generator, webds.tarfile_to_samples()), "not a webds shard list")
+    refused(webds.DataPipeline(urls, webds.tarfile_to_samples()), "not a webds shard list")
+    assert made == []
+    assert len(list(webds.DataPipeline(generator, webds.tarfile_to_samples()))) == 4
+
+
+def test_a_fifo_is_refused(tmp_path):
+    os = pytest.importorskip("os")
+    os.mkfifo(tmp_path / "a.tar")
+    refused(webds.WebDataset(str(tmp_path / "a.tar")), "not a regular file")
+
+
+def test_stored_shards_at_any_depth_and_in_a_mix_are_measured(spec):
+    nested = webds.DataPipeline(webds.DataPipeline(webds.SimpleShardList(spec)))
+    mixed = webds.RoundRobin([webds.WebDataset(spec), webds.WebDataset(spec)])
+    for dataset in (
+        webds.DataPipeline(nested, webds.tarfile_to_samples()),
+        webds.DataPipeline(mixed),
+    ):
+        loader = webds.WebLoader(dataset, batch_size=None, num_workers="auto")
+        assert loader.choice is not None
+        loader.close()

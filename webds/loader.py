@@ -36,7 +36,14 @@ from .errors import ArgumentError, LengthError
 from .fluent import FluentMixin, LoaderShape
 from .pipeline import DataPipeline
 from .shards.datasets import SimpleShardList
-from .stages.autotune import LoaderChoice, Measured, choose_workers, measure_dataset, threadable
+from .stages.autotune import (
+    LoaderChoice,
+    Measured,
+    choose_workers,
+    measure_dataset,
+    rereading_effect,
+    threadable,
+)
 from .stages.probe import PipelineStats, Probe, merged
 from .stages.threads import check_threads
 
@@ -148,11 +155,12 @@ def _auto(args: tuple, kwargs: Dict[str, Any], measure_threads: bool) -> LoaderC
             f"{type(dataset).__name__} is not one: give num_workers yourself"
         )
     source = dataset.pipeline[0] if dataset.pipeline else None
-    if getattr(source, "claims_files", False):
+    effect = rereading_effect(dataset)
+    if effect is not None:
         raise ArgumentError(
-            "WebLoader(num_workers='auto') reads the dataset's first samples to measure it, "
-            f"and {type(source).__name__} claims (or deletes) the files it reads: give "
-            "num_workers yourself"
+            "WebLoader(num_workers='auto') measures by reading a copy of the dataset's first "
+            f"samples, and reading this dataset twice would act on the world: {effect}. Give "
+            "num_workers yourself (0, or a number of worker processes; threads=N for threads)"
         )
     batch = kwargs.get("batch_size", 1) if len(args) < 2 else args[1]
     # Workers share the shards of a plain list (one with an index shares samples; resampled

@@ -52,6 +52,7 @@ __all__ = [
     "url_identity",
     "url_scheme",
     "opens_at_offset",
+    "registered_opener",
     "check_secure",
     "rewrite_url",
     "make_parent_folder",
@@ -187,7 +188,7 @@ def opens_at_offset(url: PathOrURL) -> bool:
     name = os.fspath(url)
     if not isinstance(name, str) or name in ("", "-") or name.startswith("pipe:"):
         return False
-    return local_path(name) is not None or _registered_opener(name) is None
+    return local_path(name) is not None or registered_opener(name) is None
 
 
 def open_url(
@@ -219,7 +220,7 @@ def open_url(
     if url == "-":
         std = sys.stdin if mode == "rb" else sys.stdout
         return _Unclosable(std.buffer)  # type: ignore[return-value]
-    registered = _registered_opener(url)
+    registered = registered_opener(url)
     if registered is not None:
         return _open_registered(registered, url, mode, bufsize, storage_options)
     check_secure(url)
@@ -270,7 +271,7 @@ def check_secure(url: PathOrURL) -> None:
     if not secure():
         return
     name = os.fspath(url)
-    if not isinstance(name, str) or name == "-" or _registered_opener(name) is not None:
+    if not isinstance(name, str) or name == "-" or registered_opener(name) is not None:
         return
     if url_scheme(name) == "pipe":
         refuse("pipe: URLs (they run a shell command)", name, WEBDATASET_PIPE)
@@ -308,7 +309,7 @@ def deferred_open(
         or name in ("", "-")
         or name.startswith("pipe:")
         or local_path(name) is not None
-        or _registered_opener(name) is not None
+        or registered_opener(name) is not None
     ):
         return plain
     try:
@@ -319,7 +320,9 @@ def deferred_open(
         return plain
 
 
-def _registered_opener(url: str) -> Optional[SchemeOpener]:
+def registered_opener(url: str) -> Optional[SchemeOpener]:
+    """The opener registered in :data:`SCHEMES` that :func:`open_url` would use for ``url``,
+    or None."""
     scheme = url_scheme(url)
     if scheme is None:
         return None

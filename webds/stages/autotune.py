@@ -6,17 +6,27 @@ changes the data or its order (workers and threads both keep it)."""
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 import time
 from copy import deepcopy
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from ..base.stage import Stage
 from ..errors import ArgumentError
+from ..io.urls import local_path, registered_opener
 
-__all__ = ["LoaderChoice", "Measured", "choose_workers", "measure_dataset", "threadable"]
+__all__ = [
+    "LoaderChoice",
+    "Measured",
+    "choose_workers",
+    "measure_dataset",
+    "rereading_effect",
+    "threadable",
+]
 
 #: About what one DataLoader item costs to cross from a worker to the main process (pickling
 #: its envelope, the queues, the shared-memory batch, both sides): 0.5 ms of the main process's
@@ -140,6 +150,74 @@ def choose_workers(
         f", at most one per shard ({shards})" if shards is not None else ""
     )
     return choice(n, reason=why)
+
+
+def rereading_effect(dataset: Any) -> Optional[str]:
+    """Why reading a copy of ``dataset`` would act on the world, or None when it would not.
+
+    Decided by allow-list, at every depth (a pipeline inside a pipeline, the datasets of a
+    mix): a copy may read again only webds's shard lists over stored files (local regular
+    files, remote objects) and lists of such shards. Refused: ``-`` (standard input, eaten by
+    the first read), ``pipe:`` commands (run again), local files that are not regular files (a
+    FIFO, ``/dev/stdin``), schemes with an opener you registered, sources that claim or delete
+    the files they read, and any other source (a generator, a dataset or callable of yours):
+    webds can't tell what reading them twice does."""
+    return _effect(dataset, 0)
+
+
+def _effect(obj: Any, depth: int) -> Optional[str]:
+    if depth > 16:
+        return f"{type(obj).__name__} nests sources deeper than webds looks"
+    name = type(obj).__name__
+    if getattr(obj, "claims_files", False):
+        return f"{name} claims (or deletes) the files it reads"
+    pipeline = getattr(obj, "pipeline", None)
+    if isinstance(pipeline, list) and hasattr(obj, "iterator"):  # a DataPipeline
+        for part in pipeline:
+            if getattr(part, "claims_files", False):
+                return f"{type(part).__name__} claims (or deletes) the files it reads"
+        return _effect(pipeline[0], depth + 1) if pipeline else None
+    if isinstance(getattr(obj, "datasets", None), list) and hasattr(obj, "set_epoch"):
+        return _first(_effect(d, depth + 1) for d in obj.datasets)  # a mix of datasets
+    if name in _SHARD_LISTS and type(obj).__module__.startswith("webds."):
+        urls = getattr(obj, "urls", None)
+        if urls is None:  # MultiShardSample: the urls of each of its sources
+            urls = [u for source in getattr(obj, "sources", ()) for u in source.urls]
+        return _first(_url_effect(u) for u in urls)
+    return (
+        f"the source {name} is not a webds shard list, and webds can't tell what reading it "
+        "twice does (a generator is used up, a command runs again)"
+    )
+
+
+# webds's own shard sources, which only yield their shards' URLs.
+_SHARD_LISTS = frozenset(("SimpleShardList", "ResampledShards", "PlannedShards", "MultiShardSample"))
+
+
+def _url_effect(url: Any) -> Optional[str]:
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str):
+        return f"the source yields {type(url).__name__} items, not shard URLs"
+    if url == "-":
+        return "its shard '-' is standard input, which the first read uses up"
+    if url.startswith("pipe:"):
+        return f"its shard {url!r} is a command, which would run once more"
+    if registered_opener(url) is not None:
+        return f"its shard {url!r} is opened by an opener you registered"
+    path = local_path(url)
+    if path is not None:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return None  # missing: the epoch's own read says so
+        if not stat.S_ISREG(mode):
+            return f"its shard {url!r} is not a regular file (a pipe or device reads once)"
+    return None
+
+
+def _first(effects: Iterable[Optional[str]]) -> Optional[str]:
+    return next((e for e in effects if e is not None), None)
 
 
 def measure_dataset(
