@@ -160,3 +160,90 @@ def make_audio(
         for packet in stream.encode():
             out.mux(packet)
     return buf.getvalue()
+
+
+# -- a stream whose SPS claims a huge frame ------------------------------------------------------
+
+
+class _Bits:
+    """Read an H.264 RBSP bit by bit, with exp-Golomb codes."""
+
+    def __init__(self, data: bytes) -> None:
+        self.bits = "".join(f"{b:08b}" for b in data)
+        self.at = 0
+
+    def u(self, n: int) -> int:
+        value = int(self.bits[self.at : self.at + n] or "0", 2)
+        self.at += n
+        return value
+
+    def ue(self) -> int:
+        zeros = 0
+        while self.bits[self.at] == "0":
+            zeros += 1
+            self.at += 1
+        return self.u(zeros + 1) - 1
+
+
+def _ue(value: int) -> str:
+    code = f"{value + 1:b}"
+    return "0" * (len(code) - 1) + code
+
+
+def _unescape(nal: bytes) -> bytes:
+    return nal.replace(b"\x00\x00\x03", b"\x00\x00")
+
+
+def _escape(rbsp: bytes) -> bytes:
+    out = bytearray()
+    zeros = 0
+    for b in rbsp:
+        if zeros >= 2 and b <= 3:
+            out.append(3)
+            zeros = 0
+        out.append(b)
+        zeros = zeros + 1 if b == 0 else 0
+    return bytes(out)
+
+
+def _rewrite_sps(nal: bytes, width_mbs: int, height_mbs: int) -> bytes:
+    """The SPS NAL unit ``nal`` (header byte included) with its frame size set in macroblocks."""
+    r = _Bits(_unescape(nal[1:]))
+    profile = r.u(8)
+    r.u(16)  # constraint flags, level
+    r.ue()  # seq_parameter_set_id
+    if profile in (100, 110, 122, 244, 44, 83, 86, 118, 128, 138, 139, 134, 135):
+        if r.ue() == 3:  # chroma_format_idc
+            r.u(1)
+        r.ue(), r.ue(), r.u(1)  # bit depths, transform bypass
+        assert r.u(1) == 0, "scaling matrices are not handled"
+    r.ue()  # log2_max_frame_num_minus4
+    poc = r.ue()
+    assert poc in (0, 2), "pic_order_cnt_type 1 is not handled"
+    if poc == 0:
+        r.ue()
+    r.ue(), r.u(1)  # max_num_ref_frames, gaps_in_frame_num_allowed
+    head = r.bits[: r.at]
+    r.ue(), r.ue()  # the size being replaced
+    bits = head + _ue(width_mbs - 1) + _ue(height_mbs - 1) + r.bits[r.at :]
+    bits = bits.rstrip("0")  # the old trailing bits, then aligned again
+    bits = bits[:-1] if bits.endswith("1") else bits
+    bits += "1"
+    bits += "0" * (-len(bits) % 8)
+    rbsp = int(bits, 2).to_bytes(len(bits) // 8, "big")
+    return nal[:1] + _escape(rbsp)
+
+
+def h264_claiming(width: int = 15872, height: int = 15872, seconds: float = 1.0) -> bytes:
+    """A raw H.264 (Annex B) stream of a few KB whose SPS declares ``width`` x ``height``
+    (multiples of 16): its slices code a 64x48 picture, but a decoder trusting the SPS allocates
+    every frame at the declared size (1.2-1.6 GB a frame at 15872x15872)."""
+    data = make_video(seconds=seconds, fps=30, container="h264")
+    parts = data.split(b"\x00\x00\x01")
+    out = [parts[0]]
+    for nal in parts[1:]:
+        if nal and nal[0] & 0x1F == 7:
+            trail = len(nal) - len(nal.rstrip(b"\x00"))  # the next start code's leading zero
+            nal = _rewrite_sps(nal[: len(nal) - trail], width // 16, height // 16) + b"\x00" * trail
+        out.append(nal)
+    return b"\x00\x00\x01".join(out)

@@ -70,6 +70,9 @@ DEMUXERS = (
 #: How many bytes the stream-info probe may read (FFmpeg's default is 5 MB).
 PROBE_BYTES = 1 << 20
 _PROBE_MICROSECONDS = 1_000_000
+# How far short of its declared duration a stream may end (container durations include every
+# stream's padding: an AAC track outlasts its video by a frame or two).
+_TRUNCATED_SECONDS = 0.1
 
 
 class Limits(NamedTuple):
@@ -116,7 +119,9 @@ def import_av() -> Any:
 def _over(what: str, value: float, name: str, limit: Any) -> DecodeError:
     return DecodeError(
         f"{what} ({value:,.0f}) is over {name}={limit:,}; refused before decoding. If such "
-        f"media are genuine, raise the limit: pass {name}=N (None: no limit) to the decoder"
+        f"media are genuine, raise the limit: VideoClipDecoder(..., {name}=N) or "
+        f"AudioClipDecoder (None: no limit); for torch_video / torch_audio, a handler calling "
+        f"webds.stages.video.read_video(data, Limits({name}=N)) or audio.load_audio"
     )
 
 
@@ -187,6 +192,21 @@ class Media:
 def open_media(data: bytes, limits: Limits = Limits()) -> Media:
     """Open a field's bytes; ``with open_media(data) as m: track = m.video()``."""
     return Media(data, limits)
+
+
+def _check_whole(media: Media, end: float, what: str) -> None:
+    """A DecodeError if the field's {what} stop before the end its header declares (by more
+    than two frames' worth): a truncated field decodes quietly to its cut otherwise."""
+    container = media.container
+    if container.duration is None:
+        return
+    start = (container.start_time or 0) / 1e6
+    declared = start + container.duration / 1e6
+    if end < declared - _TRUNCATED_SECONDS:
+        raise DecodeError(
+            f"the field is truncated: its header declares {declared:.3f} s, its {what} end "
+            f"at {end:.3f} s"
+        )
 
 
 def _decoder(stream: Any, limits: Limits) -> Any:
@@ -261,6 +281,7 @@ class VideoTrack:
             self.fps = (len(self.pts) - 1) / float((self.pts[-1] - self.pts[0]) * self.time_base)
         else:
             self.fps = 1.0
+        _check_whole(self.media, self.seconds(self.pts[-1]) + 1.0 / self.fps, "video frames")
         limit = self.limits.max_seconds
         if limit is not None and self.seconds(self.pts[-1] - self.pts[0]) > limit:
             raise _over("its duration in seconds", self.seconds(self.pts[-1]), "max_seconds", limit)
@@ -400,7 +421,9 @@ class AudioTrack:
         except Exception as exn:
             raise _failed(exn, "decoding the audio (a truncated or damaged field?)") from exn
         if not chunks:
-            return np.zeros((self.channels, 0), np.float32), start
+            raise DecodeError("the audio stream holds no samples (an empty or truncated field?)")
+        if end is None:
+            _check_whole(self.media, float(first or 0.0) + total / self.channels / self.rate, "samples")
         return np.concatenate(chunks, axis=1), float(first or 0.0)
 
 

@@ -35,8 +35,8 @@ from .clips import SAMPLINGS, SeededHandler, clip_starts, crop_origin, pair, pos
 
 __all__ = ["LAYOUTS", "VIDEO_EXTENSIONS", "VideoClipDecoder", "read_video"]
 
-#: The extensions webdataset's ``torch_video`` decodes.
-VIDEO_EXTENSIONS: List[str] = "mp4 ogv mjpeg avi mov h264 mpg webm wmv".split()
+#: The extensions webdataset's ``torch_video`` decodes, and ``mkv``.
+VIDEO_EXTENSIONS: List[str] = "mp4 ogv mjpeg avi mov h264 mpg webm wmv mkv".split()
 
 #: Clip layouts: frames x channels x height x width (torchvision's v2 transforms, TorchCodec),
 #: or frames x height x width x channels (``read_video``'s).
@@ -52,20 +52,19 @@ def read_video(data: bytes, limits: Limits = Limits()) -> Tuple[Any, Any, Dict[s
         video, audio, info = read_video(mp4_bytes)
     """
     import numpy as np
-    import torch
 
     with open_media(data, limits) as media:
         track = media.video()
         frames = [f.to_ndarray(format="rgb24") for _, f in track.frames(track.pts)]
         info: Dict[str, Any] = {"video_fps": track.fps}
         sound = media.audio(required=False)
-        if sound is None:
-            audio = torch.empty((1, 0), dtype=torch.float32)
-        else:
+        samples = np.zeros((1, 0), np.float32)
+        if sound is not None:
             samples, _ = sound.samples(0.0, None)
-            audio = torch.from_numpy(samples)
             info["audio_fps"] = sound.rate
-    return torch.from_numpy(np.stack(frames)), audio, info
+    import torch  # (after decoding: a refused field costs no torch import)
+
+    return torch.from_numpy(np.stack(frames)), torch.from_numpy(samples), info
 
 
 def _output_size(width: int, height: int, size: Any) -> Tuple[int, int]:
