@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -50,8 +49,7 @@ def packets(data: bytes, kind: str = "video") -> List[Tuple[bytes, float]]:
 def sources(tmp_path_factory) -> Dict[str, bytes]:
     """Three H.264 mp4 videos by key; 'b' has an AAC track."""
     return {
-        key: make_video(seconds=s, fps=FPS, gop=GOP, audio=key == "b")
-        for key, s in LENGTHS.items()
+        key: make_video(seconds=s, fps=FPS, gop=GOP, audio=key == "b") for key, s in LENGTHS.items()
     }
 
 
@@ -105,7 +103,7 @@ def check_clips(source: bytes, clips: List[Dict[str, Any]], key: str, seconds: f
             assert info["start"] == clips[i - 1]["info"]["end"]
         mine = decoded(clip["mp4"])
         assert len(mine) == info["frames"] > 0
-        for t, pixels in mine:  # the clip's own time + its start = the source's time
+        for t, _ in mine:  # the clip's own time + its start = the source's time
             assert info["start"] <= info["start"] + t < info["end"]
         got += [(info["start"] + t, pixels) for t, pixels in mine]
     assert [c["info"]["start"] for c in clips] == [float(i) for i in range(len(clips))]
@@ -139,8 +137,14 @@ def test_shards_of_videos_carry_fields_and_two_processes_match_one(tmp_path, sha
     for workers in (0, 2):
         out = tmp_path / f"w{workers}"
         # maxsize does not group shard inputs: one output per input shard.
-        webds.pack_clips([str(shard), str(shard)], f"{out}/c-%06d.tar", 1, workers=workers,
-                         progress=False, maxsize=1)
+        webds.pack_clips(
+            [str(shard), str(shard)],
+            f"{out}/c-%06d.tar",
+            1,
+            workers=workers,
+            progress=False,
+            maxsize=1,
+        )
         outs.append(sorted(out.iterdir()))
     assert [p.name for p in outs[0]] == ["c-000000.tar", "c-000001.tar"]
     assert [p.read_bytes() for p in outs[0]] == [p.read_bytes() for p in outs[1]]
@@ -190,8 +194,22 @@ def test_audio_is_cut_with_the_video():
 
 def test_min_seconds_and_the_command(tmp_path, folder, sources, capsys):
     out = tmp_path / "cli"
-    status = main(["clips", str(folder), "-o", f"{out}/c-%06d.tar", "--seconds", "1",
-                   "--min-seconds", "0.6", "-w", "0", "--maxsize", "1"])
+    status = main(
+        [
+            "clips",
+            str(folder),
+            "-o",
+            f"{out}/c-%06d.tar",
+            "--seconds",
+            "1",
+            "--min-seconds",
+            "0.6",
+            "-w",
+            "0",
+            "--maxsize",
+            "1",
+        ]
+    )
     assert status == 0
     assert "3 videos cut into 10 clips" in capsys.readouterr().err
     grouped = by_source(read_clips(out))
@@ -236,16 +254,16 @@ def test_bad_videos_fail_their_shard_or_are_skipped(tmp_path, sources, capsys):
         webds.pack_clips(path, f"{out}/c-%06d.tar", 1, workers=0, progress=False)
     assert len(info.value.failed) == 1
     assert not out.exists() or not list(out.iterdir())  # no partial shard
-    results = webds.pack_clips(path, f"{out}/c-%06d.tar", 1, workers=0, progress=False,
-                               skip_bad=True)
+    results = webds.pack_clips(
+        path, f"{out}/c-%06d.tar", 1, workers=0, progress=False, skip_bad=True
+    )
     assert results[0].samples_in == 8 and len(results[0].bad) == 7
     for name, line in zip(bad, results[0].bad):
         assert f"member '{name}'" in line and f"shard '{path}'" in line
     assert "no video field" in results[0].bad[6]
     assert {json.loads(c["json"])["key"] for c in read_clips(f"{out}/c-000000.tar")} == {"good"}
     # The command: each bad video named on stderr, counted, exit status 1.
-    status = main(["clips", str(path), "-o", f"{tmp_path}/cli/c-%06d.tar", "--skip-bad", "-w",
-                   "0"])
+    status = main(["clips", str(path), "-o", f"{tmp_path}/cli/c-%06d.tar", "--skip-bad", "-w", "0"])
     err = capsys.readouterr().err
     assert status == 1 and "7 bad videos skipped" in err and "sound.mp4" in err
 
@@ -256,5 +274,6 @@ def test_arguments_refused(tmp_path, folder, shard):
     with pytest.raises(webds.ArgumentError, match="%-field"):
         webds.pack_clips(folder, str(tmp_path / "c.tar"), 1, maxsize=1)
     with pytest.raises(MapShardsError, match="already has a 'cls' field"):
-        webds.pack_clips(shard, str(tmp_path / "c-%06d.tar"), 1, info_field="cls", workers=0,
-                         progress=False)
+        webds.pack_clips(
+            shard, str(tmp_path / "c-%06d.tar"), 1, info_field="cls", workers=0, progress=False
+        )

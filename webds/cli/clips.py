@@ -86,7 +86,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--video-only", action="store_true", help="leave the audio tracks out")
     p.add_argument(
-        "--field", metavar="EXT", help="the video field of shard samples (default: found by extension)"
+        "--field",
+        metavar="EXT",
+        help="the video field of shard samples (default: found by extension)",
     )
     p.add_argument(
         "--info-field",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+import logging
 import os
 from dataclasses import dataclass
 from fractions import Fraction
@@ -44,6 +45,8 @@ VIDEO_EXTENSIONS: Dict[str, str] = {
     "wmv": "matroska",
     "3gp": "mp4",
 }
+
+log = logging.getLogger("webds")
 
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]"]
 Sample = Dict[str, Any]
@@ -151,7 +154,9 @@ def _survey(container: Any, video: Any, where: Dict[str, Any]) -> _Survey:
                 keyframes.append(t)
             video_end = end if video_end is None else max(video_end, end)
     except (_av().FFmpegError, OSError) as exn:
-        raise _bad(f"reading its packets failed ({_reason(exn)}); the file is damaged", where)
+        raise _bad(
+            f"reading its packets failed ({_reason(exn)}); the file is damaged", where
+        ) from None
     if not keyframes or video_end is None:
         raise _bad("its video stream has no keyframe (no clip can start)", where)
     if container.duration is not None:
@@ -166,7 +171,9 @@ def _survey(container: Any, video: Any, where: Dict[str, Any]) -> _Survey:
     return _Survey(keyframes, video_end, streams_end)
 
 
-def _cuts(survey: _Survey, time_base: Fraction, seconds: Fraction, min_seconds: Fraction) -> List[int]:
+def _cuts(
+    survey: _Survey, time_base: Fraction, seconds: Fraction, min_seconds: Fraction
+) -> List[int]:
     """Clip boundaries in video pts: clip i runs from ``bounds[i]`` to ``bounds[i + 1]``.
 
     A clip starts at the first keyframe; the next starts at the first keyframe at least
@@ -239,7 +246,7 @@ def _remux(
     base = _stream_info(video, audio)
     writers: Dict[int, _ClipWriter] = {}
     reached = {s.index: -1 for s in kept}  # the last clip each stream's packets went to
-    current, emitted = -1, 0
+    current, emitted, late = -1, 0, 0
 
     def finish(i: int) -> Tuple[int, bytes, Dict[str, Any]]:
         writer = writers.pop(i)
@@ -260,6 +267,7 @@ def _remux(
                 i = bisect.bisect_right(times, t * packet.time_base) - 1
                 i = max(i, 0)  # audio before the first keyframe (an encoder's priming)
             reached[packet.stream.index] = max(reached[packet.stream.index], i)
+            late += 0 <= i < emitted
             if emitted <= i < nclips:
                 if i not in writers:
                     writers[i] = _ClipWriter(av, muxer, kept, times[i])
@@ -273,6 +281,13 @@ def _remux(
                 emitted += 1
     except (av.FFmpegError, OSError) as exn:
         raise _bad(f"reading or remuxing its packets failed ({_reason(exn)})", where) from None
+    if late:
+        log.warning(
+            "webds: %s: %d packets came more than a clip after their time in the file and were "
+            "left out of their clip",
+            where.get("member") or where.get("name"),
+            late,
+        )
     while emitted < nclips:
         if emitted in writers:
             yield finish(emitted)
@@ -398,8 +413,13 @@ def _clips_of(
     others = {k: v for k, v in sample.items() if not k.startswith("__") and k != name}
     source = url if url is not None else sample.get("__local_path__")
     for clip in split_video(
-        sample[name], seconds, min_seconds=min_seconds, video_only=video_only, ext=ext,
-        url=url, member=member,
+        sample[name],
+        seconds,
+        min_seconds=min_seconds,
+        video_only=video_only,
+        ext=ext,
+        url=url,
+        member=member,
     ):
         out_name = name if clip.ext == ext else name[: len(name) - len(ext)] + clip.ext
         info = {"source": source, "member": member, "key": key, **clip.info}

@@ -90,7 +90,9 @@ def video_files(folder: Union[str, "os.PathLike[str]"]) -> List[Tuple[str, str]]
             path = os.path.join(dirpath, name)
             rel = os.path.relpath(os.path.join(dirpath, stem), root).replace(os.sep, "/")
             folder_part, _, last = rel.rpartition("/")
-            found.append(((folder_part + "/" if folder_part else "") + last.replace(".", "_"), path))
+            found.append(
+                ((folder_part + "/" if folder_part else "") + last.replace(".", "_"), path)
+            )
     return sorted(found)
 
 
@@ -246,7 +248,9 @@ def _run_tasks(
                 if exn is None:
                     results[i] = done.result()
                 else:
-                    results[i] = ClipShardResult(tasks[i].input, tasks[i].output, error=_describe(exn))
+                    results[i] = ClipShardResult(
+                        tasks[i].input, tasks[i].output, error=_describe(exn)
+                    )
                 bar.update(1)
     finally:
         bar.close()
