@@ -148,6 +148,9 @@ def test_shards_of_videos_carry_fields_and_two_processes_match_one(tmp_path, sha
         outs.append(sorted(out.iterdir()))
     assert [p.name for p in outs[0]] == ["c-000000.tar", "c-000001.tar"]
     assert [p.read_bytes() for p in outs[0]] == [p.read_bytes() for p in outs[1]]
+    # A folder of shards (no video files in it), one output per input shard, threads.
+    webds.pack_clips(shard.parent, f"{tmp_path}/f/", 1, executor="threads", progress=False)
+    assert (tmp_path / "f" / shard.name).read_bytes() == outs[0][0].read_bytes()
     grouped = by_source(read_clips(str(outs[0][0])))
     for i, (key, data) in enumerate(sources.items()):
         clips = grouped[key.replace("/", "_")]

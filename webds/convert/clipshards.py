@@ -120,10 +120,18 @@ def _sources(inputs: Inputs) -> Tuple[List[Tuple[str, str]], List[str]]:
         paths = [local_path(os.fspath(s)) or os.fspath(s) for s in specs]
         keys = [os.path.splitext(os.path.basename(p))[0].replace(".", "_") for p in paths]
         return list(zip(keys, paths)), []
-    shards = expand_urls([os.fspath(s) for s in specs])
+    shards = expand_urls([_folder_spec(os.fspath(s)) for s in specs])
     if not shards:
         raise ArgumentError(f"pack_clips: no video files and no shards in {inputs!r}")
     return [], shards
+
+
+def _folder_spec(spec: str) -> str:
+    """A local folder of shards as the shard spec that lists it (``dir/``)."""
+    path = local_path(spec)
+    if path is not None and os.path.isdir(path) and not spec.endswith("/"):
+        return spec + "/"
+    return spec
 
 
 def _groups(videos: List[Tuple[str, str]], maxsize: float) -> List[List[Tuple[str, str]]]:
