@@ -212,10 +212,7 @@ def _check_whole(media: Media, end: float, what: str) -> None:
 def _decoder(stream: Any, limits: Limits) -> Any:
     ctx = stream.codec_context
     if ctx is None:
-        raise DecodeError(
-            f"this FFmpeg build has no decoder for the {stream.type} codec "
-            f"{getattr(stream.codec_context, 'name', None) or stream.codec_tag!r}"
-        )
+        raise DecodeError(f"this FFmpeg build has no decoder for the field's {stream.type} codec")
     if limits.max_frame_pixels is not None:
         ctx.options = {"max_pixels": str(limits.max_frame_pixels)}
     # One thread: a loader's workers already use the cores, and frame threads multiply the
@@ -253,13 +250,18 @@ class VideoTrack:
         order: List[int] = []  # pts in decode order
         keys: List[int] = []  # index into order of the keyframe before each packet
         key = -1
+        # A raw elementary stream (.h264) has no timestamps: its frames are numbered in decode
+        # order (their display order too, without B-frames) and decoded from the start.
+        self.untimed = False
         try:
             for packet in self.media.container.demux(self.stream):
-                if packet.pts is None or packet.size == 0:
-                    continue  # the demuxer's flush packet; frames without a time can't be asked for
-                if packet.is_keyframe:
+                if packet.size == 0:
+                    continue  # the demuxer's flush packet
+                if packet.pts is None:
+                    self.untimed = True
+                if packet.is_keyframe and not self.untimed:
                     key = len(order)
-                order.append(packet.pts)
+                order.append(len(order) if self.untimed else packet.pts)
                 keys.append(max(key, 0))
         except Exception as exn:
             raise _failed(exn, "reading the video's packets (a truncated or damaged field?)") from exn
@@ -271,6 +273,10 @@ class VideoTrack:
                 f"the video is truncated: its header declares {declared} frames, the field "
                 f"holds {len(order)}"
             )
+        if self.untimed:
+            rate = self.stream.average_rate or self.stream.guessed_rate or 25
+            self.time_base = 1 / rate
+            order, keys = list(range(len(order))), [0] * len(order)
         self.order, self.keys = order, keys
         self.pts = sorted(order)
         self._ordinal = {p: i for i, p in enumerate(order)}  # decode position of each pts
@@ -347,9 +353,14 @@ class VideoTrack:
         out: List[Tuple[int, Any]] = []
         last_needed = max(p for p in wanted if self._ordinal[p] <= self._ordinal[end])
         try:
-            container.seek(start, stream=self.stream, backward=True, any_frame=False)
-            for frame in container.decode(self.stream):
+            if self.untimed:
+                container.seek(0)
+            else:
+                container.seek(start, stream=self.stream, backward=True, any_frame=False)
+            for number, frame in enumerate(container.decode(self.stream)):
                 self.decoded += 1
+                if self.untimed:
+                    frame.pts = number
                 self._check_frame(frame.width, frame.height)
                 if limit is not None and self.decoded * frame.width * frame.height > limit:
                     raise _over("the pixels decoded", self.decoded * frame.width * frame.height,
