@@ -1,0 +1,134 @@
+"""Audio fields on the PyAV backend: torch_audio as torchaudio.load was (AAC, MP3, FLAC, Opus,
+WAV), the audio clip decoder against the whole decode, its resampling, its draws through
+workers and resume, and bad input as DecodeErrors naming shard and member."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import webds
+from webds.errors import DecodeError
+from webds.stages.codecs import torch_audio
+
+sys.path.insert(0, str(Path(__file__).parent))
+pytest.importorskip("av")
+from media import make_audio, make_video, tone  # noqa: E402
+
+FORMATS = {  # extension: (codec, container, rate)
+    "flac": ("flac", "flac", 16000),
+    "wav": ("pcm_s16le", "wav", 16000),
+    "mp3": ("libmp3lame", "mp3", 16000),
+    "m4a": ("aac", "mp4", 16000),
+    "opus": ("libopus", "ogg", 48000),
+}
+
+
+def audio_of(ext: str, seconds: float = 2.0, channels: int = 1) -> bytes:
+    codec, container, rate = FORMATS[ext]
+    return make_audio(seconds=seconds, rate=rate, channels=channels, codec=codec, container=container)
+
+
+@pytest.mark.parametrize("ext", list(FORMATS))
+def test_torch_audio_returns_what_torchaudio_load_returned(ext):
+    rate = FORMATS[ext][2]
+    waveform, got_rate = torch_audio("." + ext, audio_of(ext, channels=2))
+    assert got_rate == rate and waveform.dtype == torch.float32 and waveform.shape[0] == 2
+    assert abs(waveform.shape[1] - 2 * rate) <= 0.05 * rate  # codec padding at most
+    want = tone(2.0, rate, 2)
+    if ext in ("flac", "wav"):  # lossless: the tone, quantised to 16 bits
+        assert waveform.shape[1] == 2 * rate
+        assert np.abs(waveform.numpy() - want).max() < 2 / 32767
+    else:
+        assert 0.4 < float(waveform.abs().max()) < 0.6
+
+
+def test_a_clip_is_the_same_stretch_of_the_whole_decode():
+    data = audio_of("flac", seconds=3)
+    whole, rate = torch_audio(".flac", data)
+    out = webds.AudioClipDecoder(0.5, clips=3, rate=None, seed=2).bind_pass(None, 0)(
+        ".flac", data, {"__key__": "k", "__url__": "u"}
+    )
+    assert out["audio"].shape == (3, 1, 8000) and out["audio_fps"] == 16000
+    for c in range(3):
+        at = int(round(float(out["audio_timestamps"][c, 0]) * rate))
+        assert torch.equal(out["audio"][c, 0], whole[0, at : at + 8000]), c
+    assert torch.allclose(out["audio_timestamps"][:, 1] - out["audio_timestamps"][:, 0], torch.tensor(0.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("ext", ["mp3", "m4a", "opus"])
+def test_resampled_clips_keep_the_tone(ext):
+    out = webds.AudioClipDecoder(1.0, clips=2, rate=8000, sampling="uniform", mono=False)(
+        "." + ext, audio_of(ext, seconds=3, channels=2)
+    )
+    assert out["audio"].shape == (2, 2, 8000) and out["audio_fps"] == 8000
+    for c in range(2):
+        for ch, freq in ((0, 440), (1, 880)):
+            spectrum = np.abs(np.fft.rfft(out["audio"][c, ch].numpy()))
+            assert abs(int(np.argmax(spectrum)) - freq) <= 2, (ext, c, ch)  # 1 Hz bins
+    mono = webds.AudioClipDecoder(1.0, rate=8000, sampling="center")("." + ext, audio_of(ext, 3, 2))
+    assert mono["audio"].shape == (1, 1, 8000)
+    assert float(out["audio_timestamps"][0, 0]) == pytest.approx(0.0, abs=0.1)  # mp3: 69 ms
+    assert float(out["audio_timestamps"][1, 1]) == pytest.approx(3.0, abs=0.1)
+
+
+def test_a_file_shorter_than_a_clip_is_padded_with_silence():
+    out = webds.AudioClipDecoder(2.0)(".wav", audio_of("wav", seconds=0.5))
+    a = out["audio"][0, 0]
+    assert a.shape == (32000,) and float(a[:7000].abs().max()) > 0.4
+    assert float(a[8100:].abs().max()) == 0.0
+
+
+def test_draws_repeat_through_workers_and_resume(tmp_path):
+    data = audio_of("flac", seconds=2)
+    url = str(tmp_path / "a.tar")
+    with webds.TarWriter(url) as w:
+        for i in range(6):
+            w.write({"__key__": f"{i:03d}", "flac": data})
+
+    def make():
+        ds = webds.WebDataset(url, shardshuffle=False, seed=9)
+        return ds.decode(webds.AudioClipDecoder(0.25, clips=2)).to_tuple("__key__", "flac")
+
+    def drawn(it):
+        return [(k, tuple(v["audio_timestamps"][:, 0].tolist())) for k, v in it]
+
+    plain = drawn(make())
+    assert len(set(s for _, s in plain)) == 6
+    assert drawn(webds.WebLoader(make(), batch_size=None, num_workers=2)) == plain
+    a = make()
+    it = iter(a)
+    first = [next(it) for _ in range(2)]
+    state = a.state_dict()
+    assert drawn(first) + drawn(it) == plain
+    b = make()
+    b.load_state_dict(state)
+    assert drawn(b) == plain[2:]
+
+
+def failure(data: bytes, handler, ext: str = "flac") -> DecodeError:
+    with pytest.raises(DecodeError) as info:
+        webds.Decoder([handler]).decode({"__key__": "0003", "__url__": "s.tar", ext: data})
+    assert info.value.url == "s.tar" and info.value.member == f"0003.{ext}"
+    return info.value
+
+
+@pytest.mark.parametrize("handler", [torch_audio, webds.AudioClipDecoder(0.5)])
+def test_bad_audio_fields(handler):
+    data = audio_of("flac", seconds=2)
+    assert "empty (0 bytes)" in str(failure(b"", handler))
+    for cut in (10, len(data) // 3, 2 * len(data) // 3):
+        failure(data[:cut], handler)
+    video = make_video(seconds=1)
+    assert "no audio stream (its streams: video)" in str(failure(video, handler, "m4a"))
+    assert "opening the media" in str(failure(bytes(range(256)) * 10, handler, "mp3"))
+
+
+def test_sample_and_duration_limits():
+    data = audio_of("wav", seconds=2)
+    err = failure(data, webds.AudioClipDecoder(1.0, max_samples=8000), "wav")
+    assert "over max_samples=8,000" in str(err)
+    err = failure(data, webds.AudioClipDecoder(1.0, max_seconds=1.0), "wav")
+    assert "over max_seconds=1" in str(err)
