@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Type
 
-from ..errors import ArgumentError, OpenError, SampleError, WebdsError
-from ..io.urls import local_path, open_url
+from ..errors import ArgumentError, OpenError, SampleError, SecureModeError, WebdsError
+from ..io.urls import check_secure, local_path, open_url
 from ..tar.samples import base_plus_ext
 from ..tarwriter import check_key
 from .common import add_quiet, byte_size, positive_int, progress, say
@@ -168,6 +168,8 @@ def parse_plan(plan: str) -> List[Entry]:
         try:
             with open_url(plan, "rb") as stream:
                 data = stream.read()
+        except SecureModeError:
+            raise
         except WebdsError as exn:
             raise OpenError(f"cannot read the plan {plan!r}: {exn.message}") from None
     try:
@@ -243,6 +245,7 @@ def plan_from_dir(
     files without an extension are skipped with one warning; ``skip`` (a path) is left out.
     A link to a file outside ``directory`` is an :class:`ArgumentError` unless ``follow_links``
     (its content would be packed: a file the folder's owner may not mean to publish)."""
+    check_secure(directory)  # secure mode: before anything is listed or told about the folder
     if not os.path.isdir(directory):
         raise OpenError(f"--from-dir {directory!r} is not a folder")
     entries: List[Entry] = []
@@ -351,7 +354,11 @@ def _read_source(entry: Entry) -> bytes:
     if entry.source.startswith("text:") and not entry.local:
         return entry.source[5:].encode("utf-8")
     try:
+        if entry.local:
+            check_secure(entry.source)
         stream = open(entry.source, "rb") if entry.local else open_url(entry.source, "rb")
+    except SecureModeError:
+        raise  # as it is: the refusal names the setting to change
     except WebdsError as exn:
         raise OpenError(f"{entry.where} ({entry.name}): {exn.message}") from None
     except OSError as exn:

@@ -20,6 +20,7 @@ from torch.utils.data import IterableDataset
 from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError
 from ..io.cache import pid_alive
+from ..io.security import WEBDATASET_LOCAL, refuse
 from ..shards.specs import MultiShardSample, shardspec
 
 __all__ = [
@@ -43,6 +44,15 @@ def glob_with_braces(pattern: str) -> List[str]:
 def fnmatch_with_braces(filename: str, pattern: str) -> bool:
     """``fnmatch.fnmatch`` after brace expansion of ``pattern``."""
     return any(fnmatch.fnmatch(filename, pat) for pat in braceexpand.braceexpand(pattern))
+
+
+def _refuse_in_secure_mode(path: str) -> None:
+    refuse(
+        "a local folder as a work queue (DirectoryShardList lists, renames and deletes local "
+        "files)",
+        path,
+        WEBDATASET_LOCAL,
+    )
 
 
 _CLAIMED = re.compile(r"^(.*)\._(\d+)_$")
@@ -83,6 +93,7 @@ class DirectoryShardList(IterableDataset):
     ) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        _refuse_in_secure_mode(self.path)
         if not os.path.isdir(self.path):
             raise ArgumentError(f"DirectoryShardList: {self.path!r} is not a directory")
         if mode not in _MODES:
@@ -162,6 +173,7 @@ class DirectoryShardList(IterableDataset):
         return rng.choice(candidates)
 
     def __iter__(self) -> Iterator[Dict[str, str]]:
+        _refuse_in_secure_mode(self.path)  # the switch may have been turned on since
         rng = self._rng()
         pid = os.getpid()
         waiting_since = time.monotonic()

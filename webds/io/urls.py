@@ -36,8 +36,8 @@ from .security import (
     WEBDATASET_LOCAL,
     WEBDATASET_PIPE,
     WEBDATASET_REWRITE,
+    check_fsspec_url,
     refuse,
-    refuse_local_fsspec,
     secure,
     url_to_fs,
 )
@@ -220,10 +220,10 @@ def open_url(
     if url == "-":
         std = sys.stdin if mode == "rb" else sys.stdout
         return _Unclosable(std.buffer)  # type: ignore[return-value]
+    check_secure(url)  # before a registered opener: "__default__" may not take every scheme
     registered = registered_opener(url)
     if registered is not None:
         return _open_registered(registered, url, mode, bufsize, storage_options)
-    check_secure(url)
     if url.startswith("pipe:"):
         # A command's output is a link too: ``read_timeout`` bounds its silences (the rest of
         # storage_options is for fsspec, and a list may mix pipe: and remote URLs).
@@ -266,18 +266,34 @@ def rewrite_url(url: str) -> str:
 def check_secure(url: PathOrURL) -> None:
     """Raise :class:`~webds.errors.SecureModeError` if secure mode (:mod:`webds.io.security`)
     refuses ``url``: a ``pipe:`` command (``PIPE:`` and `` pipe:`` too, which would otherwise
-    open files of those names) or a local file in any spelling fsspec takes. ``-`` and schemes
-    with a registered opener are the caller's own choice, and pass."""
+    open files of those names), a local file in any spelling, and every fsspec URL not on
+    secure mode's allow-list (:data:`~webds.io.security.ALLOWED_PROTOCOLS`). ``-`` and schemes
+    with an opener registered by name are the caller's own choice, and pass; so does the
+    ``"__default__"`` opener, for schemes fsspec does not know."""
     if not secure():
         return
     name = os.fspath(url)
-    if not isinstance(name, str) or name == "-" or registered_opener(name) is not None:
+    if not isinstance(name, str) or name == "-" or _left_to_user(name):
         return
     if url_scheme(name) == "pipe":
         refuse("pipe: URLs (they run a shell command)", name, WEBDATASET_PIPE)
     elif local_path(name) is not None:
         refuse("local files (only remote URLs are opened)", name, WEBDATASET_LOCAL)
-    refuse_local_fsspec(name)
+    check_fsspec_url(name)
+
+
+def _left_to_user(url: str) -> bool:
+    """Whether secure mode leaves ``url`` to an opener the user registered: one registered for
+    its scheme by name, or ``"__default__"`` for a scheme fsspec does not know (the user's own;
+    ``local://`` or ``reference://`` are checked as fsspec would open them)."""
+    scheme = url_scheme(url)
+    if scheme is None or scheme in SCHEMES:
+        return scheme is not None
+    if scheme in ("file", "pipe") or "__default__" not in SCHEMES:
+        return False
+    import fsspec
+
+    return scheme not in fsspec.available_protocols()
 
 
 def _check_offset(url: str, mode: str, offset: Any) -> None:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 from urllib.parse import urlparse
 
-from ..errors import ArgumentError, OpenError, ShardReadError, WebdsError
+from ..errors import ArgumentError, OpenError, SecureModeError, ShardReadError, WebdsError
 from ..io.streams import discard_stream
-from ..io.urls import local_path, open_url, url_scheme
+from ..io.urls import check_secure, local_path, open_url, url_scheme
 from ..tar.compression import compression_of
 from ..tar.samples import tarfile_samples
 from .shardlists import expand_urls
@@ -142,12 +142,15 @@ class ShardIndex:
         """Read an index file (a local path or any fsspec URL); shard URLs come back resolved."""
         url = os.fspath(url)
         hint = _CREATE_HINT.format(name=posixpath.basename(url) or "index.json")
+        check_secure(url)  # before a local path's existence is told
         path = local_path(url)
         if path is not None and not os.path.exists(path):
             raise OpenError(f"no shard index at {path!r}; {hint}")
         try:
             with open_url(url, "rb", **dict(storage_options or {})) as stream:
                 data = stream.read()
+        except SecureModeError:
+            raise
         except WebdsError as exn:
             raise OpenError(f"cannot read shard index {url!r}: {exn.message}; {hint}") from None
         except OSError as exn:

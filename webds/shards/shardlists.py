@@ -38,8 +38,8 @@ from ..base.stage import stage, stateless
 from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError, OpenError, SecureModeError, WebdsError
 from ..io.remote import filesystem_options
-from ..io.security import url_to_fs
-from ..io.urls import local_path, url_scheme
+from ..io.security import refuse, secure, url_to_fs
+from ..io.urls import check_secure, local_path, url_scheme
 
 __all__ = [
     "expand_urls",
@@ -133,17 +133,27 @@ _ENV_VAR = re.compile(r"\$\{(\w+)\}")
 def expand_env(spec: str) -> str:
     """``${NAME}`` in a URL spec replaced by the environment's ``WDS_NAME`` (webdataset's rule),
     else ``NAME``, repeatedly (a value may hold another ``${...}``, up to 10 rounds); a name in
-    neither is an :class:`ArgumentError` naming both.
+    neither is an :class:`ArgumentError` naming both. In secure mode only ``WDS_NAME`` is read,
+    as in webdataset: a spec from someone else must not send ``${AWS_SECRET_ACCESS_KEY}`` to
+    their server; without ``WDS_NAME`` it is a :class:`SecureModeError`.
 
     With ``WDS_BUCKET=s3://b/train``: ``expand_env("${BUCKET}/a-{0..9}.tar")`` ->
     ``"s3://b/train/a-{0..9}.tar"``.
     """
+    only_wds = secure()
 
     def lookup(m: "re.Match[str]") -> str:
         name = m.group(1)
-        for key in (f"WDS_{name}", name):
-            if key in os.environ:
-                return os.environ[key]
+        if f"WDS_{name}" in os.environ:
+            return os.environ[f"WDS_{name}"]
+        if only_wds:
+            # Whether NAME is set is not told either: the error must not be an oracle.
+            refuse(
+                f"reading ${{{name}}} of the URL spec {spec!r} from the environment variable "
+                f"{name} (secure mode reads only WDS_-prefixed variables: set WDS_{name})"
+            )
+        if name in os.environ:
+            return os.environ[name]
         raise ArgumentError(
             f"the URL spec {spec!r} uses ${{{name}}}, but neither WDS_{name} nor {name} is set "
             "in the environment"
@@ -169,6 +179,7 @@ def _listing_kind(url: str) -> Optional[str]:
 
 
 def _list_shards(url: str, kind: str, storage_options: Dict[str, Any]) -> List[str]:
+    check_secure(url)  # before listing: which files a folder holds is already local data
     path = local_path(url)
     if path is not None:
         found = _list_local(url, path, kind)
