@@ -234,7 +234,7 @@ def bad_videos() -> Dict[str, bytes]:
     }
 
 
-@pytest.mark.parametrize("name,data", list(bad_videos().items()))
+@pytest.mark.parametrize("name,data", list(bad_videos().items()), ids=list(bad_videos()))
 def test_a_bad_video_is_named(name, data):
     reason = {"sound.mp4": "no video stream", "cut-mkv.mkv": "truncated"}.get(name, "can't read")
     with pytest.raises(DecodeError, match=reason) as info:
