@@ -21,6 +21,7 @@ import webds
 from webds.errors import SecureModeError
 from webds.io import security, urls
 from webds.shards.index import ShardIndex
+from webds.shards.specs import MultiShardSample
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,6 +187,10 @@ def test_secure_mode_reads_only_wds_variables(secure, http_server, monkeypatch):
     with pytest.raises(SecureModeError, match="set WDS_MY_API_TOKEN") as info:
         list(webds.WebDataset(spec))
     assert "tok" not in str(info.value).replace("TOKEN", "")
+    for value in ("x-$MY_API_TOKEN.tar", "x-${MY_API_TOKEN}.tar"):  # a shard spec's $VAR
+        shards = {"datasets": [{"shards": f"{http_server.endpoint}/{value}"}]}
+        with pytest.raises(SecureModeError, match="only WDS_-prefixed"):
+            MultiShardSample(shards)
     monkeypatch.delenv("MY_API_TOKEN")  # unset, the same refusal: whether it is set is not told
     with pytest.raises(SecureModeError, match="set WDS_MY_API_TOKEN"):
         webds.shards.expand_urls(spec)

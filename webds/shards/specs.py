@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from typing import Any, Dict, Iterator, List, Mapping, Union
 
 import braceexpand
@@ -29,6 +30,7 @@ from torch.utils.data import IterableDataset
 
 from ..base.workers import derive_seed
 from ..errors import ArgumentError, WebdsError
+from ..io.security import refuse, secure
 from .datasets import SimpleShardList
 
 __all__ = ["MultiShardSample", "shardspec", "is_spec"]
@@ -46,7 +48,21 @@ def is_spec(urls: Any) -> bool:
     return isinstance(urls, (str, os.PathLike)) and os.fspath(urls).endswith((".yaml", ".yml"))
 
 
+_VARIABLE = re.compile(r"\$(\w+|\{([^}]*)\})")
+
+
 def _expand(s: str) -> str:
+    """``~`` and ``$VAR`` expanded, as webdataset's MultiShardSample does; in secure mode only
+    ``WDS_`` variables: a spec from someone else must not put ``$AWS_SECRET_ACCESS_KEY`` into
+    the URLs it reads (refused whether the variable is set or not)."""
+    if secure():
+        for m in _VARIABLE.finditer(s):
+            name = m.group(1) if m.group(2) is None else m.group(2)
+            if not name.startswith("WDS_"):
+                refuse(
+                    f"reading ${name} of the shard spec value {s!r} from the environment "
+                    "(secure mode reads only WDS_-prefixed variables)"
+                )
     return os.path.expanduser(os.path.expandvars(s))
 
 
