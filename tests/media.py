@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 from fractions import Fraction
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -106,9 +106,16 @@ def make_video(
     audio_codec: str = "aac",
     audio_rate: int = 16000,
     bframes: Optional[int] = None,
+    preset: str = "ultrafast",
+    pixels: Optional[Callable[[int, int, int], np.ndarray]] = None,
 ) -> bytes:
     """A video file's bytes: ``seconds`` at ``fps`` of :func:`frame_pixels`, a keyframe every
-    ``gop`` frames, with an audio track of :func:`tone` when ``audio``."""
+    ``gop`` frames, with an audio track of :func:`tone` when ``audio``.
+
+    ``preset``: libx264's speed preset (``"ultrafast"`` keeps the tests fast; ``"medium"``,
+    libx264's own default, gives the streams real encoders write: B-frames, CABAC, several
+    reference frames). ``pixels(i, width, height)``: frame ``i`` as H x W x 3 uint8, in place of
+    :func:`frame_pixels` (the benchmarks pan over a photo)."""
     av_ = _av()
     buf = io.BytesIO()
     with av_.open(buf, "w", format=container) as out:
@@ -118,7 +125,7 @@ def make_video(
         stream.codec_context.gop_size = gop
         options = {}
         if codec == "libx264":
-            options = {"preset": "ultrafast", "keyint_min": str(gop), "sc_threshold": "0"}
+            options = {"preset": preset, "keyint_min": str(gop), "sc_threshold": "0"}
             if bframes is not None:
                 options["bf"] = str(bframes)
         elif codec.startswith("libvpx"):
@@ -126,8 +133,10 @@ def make_video(
         stream.options = options
         sound = _add_audio(out, audio_codec, audio_rate, 1) if audio else None
         n = int(round(seconds * fps))
-        for pixels in _frames(n, width, height):
-            for packet in stream.encode(av_.VideoFrame.from_ndarray(pixels, format="rgb24")):
+        source = pixels or frame_pixels
+        for i in range(n):
+            image = source(i, width, height)
+            for packet in stream.encode(av_.VideoFrame.from_ndarray(image, format="rgb24")):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)

@@ -28,7 +28,9 @@ FORMATS = {  # extension: (codec, container, rate)
 
 def audio_of(ext: str, seconds: float = 2.0, channels: int = 1) -> bytes:
     codec, container, rate = FORMATS[ext]
-    return make_audio(seconds=seconds, rate=rate, channels=channels, codec=codec, container=container)
+    return make_audio(
+        seconds=seconds, rate=rate, channels=channels, codec=codec, container=container
+    )
 
 
 @pytest.mark.parametrize("ext", list(FORMATS))
@@ -55,7 +57,10 @@ def test_a_clip_is_the_same_stretch_of_the_whole_decode():
     for c in range(3):
         at = int(round(float(out["audio_timestamps"][c, 0]) * rate))
         assert torch.equal(out["audio"][c, 0], whole[0, at : at + 8000]), c
-    assert torch.allclose(out["audio_timestamps"][:, 1] - out["audio_timestamps"][:, 0], torch.tensor(0.5, dtype=torch.float64))
+    assert torch.allclose(
+        out["audio_timestamps"][:, 1] - out["audio_timestamps"][:, 0],
+        torch.tensor(0.5, dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("ext", ["mp3", "m4a", "opus"])

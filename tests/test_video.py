@@ -72,7 +72,9 @@ def test_webdataset_style_pipeline_from_a_real_shard(tmp_path, videos):
     with webds.TarWriter(url) as w:
         for i, data in enumerate(videos.values()):
             w.write({"__key__": f"{i:03d}", "mp4": data, "cls": str(i).encode()})
-    out = list(wds.WebDataset(url, shardshuffle=False).decode(wds.torch_video).to_tuple("mp4", "cls"))
+    out = list(
+        wds.WebDataset(url, shardshuffle=False).decode(wds.torch_video).to_tuple("mp4", "cls")
+    )
     assert [c for _, c in out] == [0, 1, 2, 3]
     for ((video, _, info), _), data in zip(out, videos.values()):
         assert video.shape == (60, 48, 64, 3) and info["video_fps"] == 30.0
@@ -184,7 +186,9 @@ def test_a_video_shorter_than_a_clip_repeats_its_last_frame():
 
 def test_clips_with_their_audio():
     data = make_video(seconds=2, fps=30, gop=15, audio=True)
-    out = clips_of(webds.VideoClipDecoder(8, stride=2, clips=2, audio=True, sampling="uniform"), data)
+    out = clips_of(
+        webds.VideoClipDecoder(8, stride=2, clips=2, audio=True, sampling="uniform"), data
+    )
     assert out["audio"].shape == (2, 1, int(round(16 / 30 * 16000))) and out["audio_fps"] == 16000
     assert torch.allclose(out["audio_timestamps"][:, 0], out["video_timestamps"][:, 0])
     _, whole, info = torch_video(".mp4", data)
@@ -268,7 +272,9 @@ def test_corrupt_and_empty_fields():
 
 
 def test_no_video_stream_and_no_decoder():
-    assert "no video stream (its streams: audio)" in str(failure(make_audio(codec="aac", container="mp4")))
+    assert "no video stream (its streams: audio)" in str(
+        failure(make_audio(codec="aac", container="mp4"))
+    )
     # a WAV whose format tag names no codec FFmpeg has
     wav = bytearray(make_audio(codec="pcm_s16le", container="wav"))
     wav[20:22] = (0x7777).to_bytes(2, "little")
@@ -281,7 +287,9 @@ def test_pixel_and_duration_budgets_refuse_before_decoding(monkeypatch):
     decoded = []
     real = avio.VideoTrack._decode_span
     monkeypatch.setattr(avio.VideoTrack, "_decode_span", lambda *a: decoded.append(1) or real(*a))
-    err = failure(data, handler=webds.VideoClipDecoder(8, stride=1, clips=2, max_pixels=64 * 48 * 20))
+    err = failure(
+        data, handler=webds.VideoClipDecoder(8, stride=1, clips=2, max_pixels=64 * 48 * 20)
+    )
     assert "over max_pixels=61,440" in str(err) and "max_pixels=N" in str(err)
     err = failure(data, handler=webds.VideoClipDecoder(8, max_seconds=1.5))
     assert "over max_seconds=1.5" in str(err)

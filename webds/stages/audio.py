@@ -29,7 +29,7 @@ AUDIO_EXTENSIONS: List[str] = "flac mp3 sox wav m4a ogg wma opus".split()
 _MARGIN = 0.05
 
 
-def load_audio(data: bytes, limits: Limits = Limits()) -> Tuple[Any, int]:
+def load_audio(data: bytes, limits: Optional[Limits] = None) -> Tuple[Any, int]:
     """``(waveform, sample_rate)`` as ``torchaudio.load`` returned them: float32 channels x
     samples in [-1, 1] at the file's own rate, from an audio file's bytes.
 
@@ -140,7 +140,9 @@ class AudioClipDecoder(SeededHandler):
             src = track.rate
             last = int((duration - self.seconds) * src)
             width = int(round(self.seconds * src))
-            starts = [start + s / src for s in clip_starts(last, self.clips, width, self.sampling, rng)]
+            starts = [
+                start + s / src for s in clip_starts(last, self.clips, width, self.sampling, rng)
+            ]
             audio = [audio_clip(track, t, self.seconds, self.rate, self.mono) for t in starts]
         rate = self.rate or src
         stamps = [(t, t + self.seconds) for t in starts]
@@ -153,5 +155,6 @@ class AudioClipDecoder(SeededHandler):
     def __repr__(self) -> str:
         return (
             f"AudioClipDecoder({self.seconds!r}, clips={self.clips!r}, "
-            f"sampling={self.sampling!r}, rate={self.rate!r}, mono={self.mono!r}, seed={self.seed!r})"
+            f"sampling={self.sampling!r}, rate={self.rate!r}, mono={self.mono!r}, "
+            f"seed={self.seed!r})"
         )

@@ -135,11 +135,11 @@ class Media:
     """One field's bytes opened by FFmpeg (through PyAV), with :class:`Limits`; close it (or use
     it as a context manager) when done. Made by :func:`open_media`."""
 
-    def __init__(self, data: bytes, limits: Limits = Limits()) -> None:
+    def __init__(self, data: bytes, limits: Optional[Limits] = None) -> None:
         av = import_av()
         if not data:
             raise DecodeError("the field is empty (0 bytes): no media to decode")
-        self.limits = limits
+        self.limits = limits = limits or Limits()
         options = {"probesize": str(PROBE_BYTES), "analyzeduration": str(_PROBE_MICROSECONDS)}
         if limits.max_frame_pixels is not None:
             # for every decoder FFmpeg opens, the stream-info probe's included
@@ -189,7 +189,7 @@ class Media:
         self.close()
 
 
-def open_media(data: bytes, limits: Limits = Limits()) -> Media:
+def open_media(data: bytes, limits: Optional[Limits] = None) -> Media:
     """Open a field's bytes; ``with open_media(data) as m: track = m.video()``."""
     return Media(data, limits)
 
@@ -243,7 +243,9 @@ class VideoTrack:
     def _check_frame(self, width: int, height: int) -> None:
         limit = self.limits.max_frame_pixels
         if limit is not None and width * height > limit:
-            raise _over(f"a {width}x{height} frame's pixels", width * height, "max_frame_pixels", limit)
+            raise _over(
+                f"a {width}x{height} frame's pixels", width * height, "max_frame_pixels", limit
+            )
 
     def _index(self) -> None:
         """Read the packets (no decoding): frame times, and the keyframe each frame needs."""
@@ -264,7 +266,9 @@ class VideoTrack:
                 order.append(len(order) if self.untimed else packet.pts)
                 keys.append(max(key, 0))
         except Exception as exn:
-            raise _failed(exn, "reading the video's packets (a truncated or damaged field?)") from exn
+            raise _failed(
+                exn, "reading the video's packets (a truncated or damaged field?)"
+            ) from exn
         if not order:
             raise DecodeError("the video stream holds no frames (an empty or truncated field?)")
         declared = self.stream.frames
@@ -335,7 +339,7 @@ class VideoTrack:
         spans = self.runs(targets)
         ends = [self.order[last] for _, last in spans]
         done = 0
-        for (first, last), end in zip(spans, ends):
+        for (first, _), end in zip(spans, ends):
             start = self.order[first]
             got = self._decode_span(start, end, wanted)
             for pts, frame in got:
@@ -363,8 +367,12 @@ class VideoTrack:
                     frame.pts = number
                 self._check_frame(frame.width, frame.height)
                 if limit is not None and self.decoded * frame.width * frame.height > limit:
-                    raise _over("the pixels decoded", self.decoded * frame.width * frame.height,
-                                "max_pixels", limit)
+                    raise _over(
+                        "the pixels decoded",
+                        self.decoded * frame.width * frame.height,
+                        "max_pixels",
+                        limit,
+                    )
                 if frame.pts in wanted:
                     out.append((frame.pts, frame))
                 if frame.pts is not None and frame.pts >= last_needed:
@@ -403,9 +411,17 @@ class AudioTrack:
         import numpy as np
 
         limit = self.limits.max_samples
-        if limit is not None and end is not None and (end - start) * self.rate * self.channels > limit:
-            raise _over("the samples to decode", (end - start) * self.rate * self.channels,
-                        "max_samples", limit)
+        if (
+            limit is not None
+            and end is not None
+            and (end - start) * self.rate * self.channels > limit
+        ):
+            raise _over(
+                "the samples to decode",
+                (end - start) * self.rate * self.channels,
+                "max_samples",
+                limit,
+            )
         lo = start - margin
         chunks: List[Any] = []
         first: Optional[float] = None
@@ -434,7 +450,9 @@ class AudioTrack:
         if not chunks:
             raise DecodeError("the audio stream holds no samples (an empty or truncated field?)")
         if end is None:
-            _check_whole(self.media, float(first or 0.0) + total / self.channels / self.rate, "samples")
+            _check_whole(
+                self.media, float(first or 0.0) + total / self.channels / self.rate, "samples"
+            )
         return np.concatenate(chunks, axis=1), float(first or 0.0)
 
 
@@ -450,9 +468,9 @@ def resample(samples: Any, rate: int, to_rate: int, mono: bool) -> Any:
     layout = {1: "mono", 2: "stereo"}.get(channels, f"{channels}c")
     frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp", layout=layout)
     frame.sample_rate = rate
-    resampler = av.AudioResampler(
-        format="fltp", layout="mono" if mono else layout, rate=to_rate
-    )
+    resampler = av.AudioResampler(format="fltp", layout="mono" if mono else layout, rate=to_rate)
     outs = [f.to_ndarray() for f in resampler.resample(frame)]
     outs += [f.to_ndarray() for f in resampler.resample(None)]
-    return np.concatenate(outs, axis=1) if outs else np.zeros((1 if mono else channels, 0), np.float32)
+    return (
+        np.concatenate(outs, axis=1) if outs else np.zeros((1 if mono else channels, 0), np.float32)
+    )

@@ -23,8 +23,8 @@ SAMPLINGS = ("random", "uniform", "center")
 def clip_starts(last: int, clips: int, width: int, sampling: str, rng: random.Random) -> List[int]:
     """Start positions (0..``last``, ascending) of ``clips`` clips each ``width`` long.
 
-        clip_starts(100, 3, 10, "uniform", rng)   # [0, 50, 100]
-        clip_starts(100, 3, 10, "center", rng)    # [35, 45, 55]: back to back at the middle
+    clip_starts(100, 3, 10, "uniform", rng)   # [0, 50, 100]
+    clip_starts(100, 3, 10, "center", rng)    # [35, 45, 55]: back to back at the middle
     """
     last = max(last, 0)
     if sampling == "random":

@@ -4,7 +4,8 @@ returned, from the bytes in memory) and :class:`VideoClipDecoder`, the video cou
 while decoding, optionally with the audio under each clip; on the PyAV backend of
 :mod:`webds.stages.avio`.
 
-    ds = webds.WebDataset(url, seed=0).decode(webds.VideoClipDecoder(16, stride=2, clips=4, size=112))
+    decoder = webds.VideoClipDecoder(16, stride=2, clips=4, size=112)
+    ds = webds.WebDataset(url, seed=0).decode(decoder)
     # sample["mp4"]["video"]: uint8 clips x frames x 3 x H x W
 
 How a clip is decoded: the field's packets are read once without decoding (their timestamps are
@@ -43,7 +44,7 @@ VIDEO_EXTENSIONS: List[str] = "mp4 ogv mjpeg avi mov h264 mpg webm wmv mkv".spli
 LAYOUTS = ("TCHW", "THWC")
 
 
-def read_video(data: bytes, limits: Limits = Limits()) -> Tuple[Any, Any, Dict[str, Any]]:
+def read_video(data: bytes, limits: Optional[Limits] = None) -> Tuple[Any, Any, Dict[str, Any]]:
     """``(video, audio, info)`` as ``torchvision.io.read_video(path, pts_unit="sec")`` returned
     them: uint8 T x H x W x 3, float32 channels x samples (1 x 0 without audio), and
     ``{"video_fps": float, "audio_fps": int}`` (``audio_fps`` only with audio). Every frame is
@@ -137,14 +138,20 @@ class VideoClipDecoder(SeededHandler):
         super().__init__(seed, extensions)
         self.frames = positive_int("frames", frames)
         self.stride = positive_int("stride", stride)
-        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+        if fps is not None and (
+            isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0
+        ):
             raise ArgumentError(f"fps must be a positive number or None, got {fps!r}")
         self.fps = None if fps is None else float(fps)
         self.clips = positive_int("clips", clips)
         if sampling not in SAMPLINGS:
             raise ArgumentError(f"sampling must be one of {', '.join(SAMPLINGS)}; got {sampling!r}")
         self.sampling = sampling
-        self.size = size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else pair("size", size)
+        self.size = (
+            size
+            if isinstance(size, int) and not isinstance(size, bool) and size > 0
+            else pair("size", size)
+        )
         self.crop = pair("crop", crop)
         if layout not in LAYOUTS:
             raise ArgumentError(f"layout must be one of {', '.join(LAYOUTS)}; got {layout!r}")
@@ -175,7 +182,10 @@ class VideoClipDecoder(SeededHandler):
         width = max(1, int(round(f / self.fps * track.fps)))
         starts = clip_starts(last, self.clips, width, self.sampling, rng)
         ticks = [
-            [max(bisect.bisect_right(times, times[s] + k / self.fps + 1e-6) - 1, 0) for k in range(f)]
+            [
+                max(bisect.bisect_right(times, times[s] + k / self.fps + 1e-6) - 1, 0)
+                for k in range(f)
+            ]
             for s in starts
         ]
         return ticks, self.fps
@@ -226,7 +236,9 @@ class VideoClipDecoder(SeededHandler):
         sound = [audio_clip(track, t, seconds, self.audio_rate, self.mono) for t in starts]
         return {
             "audio": torch.from_numpy(np.stack(sound)),
-            "audio_timestamps": torch.tensor([(t, t + seconds) for t in starts], dtype=torch.float64),
+            "audio_timestamps": torch.tensor(
+                [(t, t + seconds) for t in starts], dtype=torch.float64
+            ),
             "audio_fps": self.audio_rate or track.rate,
         }
 
@@ -237,4 +249,3 @@ class VideoClipDecoder(SeededHandler):
             f"sampling={self.sampling!r}, size={self.size!r}, crop={self.crop!r}, "
             f"layout={self.layout!r}, audio={self.audio!r}, seed={self.seed!r})"
         )
-
