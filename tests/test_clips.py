@@ -280,3 +280,27 @@ def test_arguments_refused(tmp_path, folder, shard):
         webds.pack_clips(
             shard, str(tmp_path / "c-%06d.tar"), 1, info_field="cls", workers=0, progress=False
         )
+
+
+SPLIT_HUGE = """
+import sys, webds
+sys.path.insert(0, {tests!r})
+from media import h264_claiming
+try:
+    list(webds.split_video(h264_claiming(), 1, ext="h264", url="s.tar", member="k.h264"))
+except webds.DecodeError as exn:
+    print("DecodeError:", exn)
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_a_stream_declaring_15872x15872_is_refused_at_bounded_memory():
+    # Splitting decodes no frame, but FFmpeg's probe decodes one where the header gives no size
+    # (a plain av.open takes 1.2 GB here): the probe's decoder is bounded too.
+    from bombs import GiB, MiB, run_limited
+
+    code = SPLIT_HUGE.format(tests=str(Path(__file__).parent))
+    rc, out, peak = run_limited(code, 1 * GiB, timeout=120)
+    assert rc == 0, out
+    assert "k.h264" in out and peak < 400 * MiB, (out, peak)

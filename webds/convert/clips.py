@@ -25,6 +25,7 @@ from fractions import Fraction
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ..errors import ArgumentError, DecodeError, WebdsError
+from ..stages.avio import open_arguments
 
 __all__ = ["VIDEO_EXTENSIONS", "VideoClip", "split_video", "clip_samples", "video_field"]
 
@@ -99,11 +100,17 @@ def _check_seconds(seconds: float, min_seconds: float) -> Tuple[Fraction, Fracti
     return Fraction(str(seconds)), Fraction(str(min_seconds))
 
 
+# Splitting decodes no frame, but opening may (FFmpeg's stream-info probe decodes one to learn
+# its size where the header does not say): bounded so that a stream declaring 15872x15872 is
+# refused, while 8K sources (7680x4320) still split.
+_PROBE_FRAME_PIXELS = 8192 * 8192
+
+
 def _open(av: Any, source: Source, where: Dict[str, Any]) -> Any:
     """The demuxer of a path or of bytes (read in memory, no temporary file)."""
     target = source if isinstance(source, (str, os.PathLike)) else io.BytesIO(bytes(source))
     try:
-        return av.open(target, "r")
+        return av.open(target, "r", **open_arguments(_PROBE_FRAME_PIXELS))
     except (av.FFmpegError, OSError) as exn:
         raise _bad(
             f"FFmpeg can't read it as a video ({_reason(exn)}): it is truncated, damaged or "

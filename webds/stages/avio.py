@@ -25,7 +25,7 @@ adds the shard and member.
 from __future__ import annotations
 
 import io
-from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import ArgumentError, DecodeError
 from .limits import MAX_PIXELS
@@ -41,6 +41,7 @@ __all__ = [
     "Media",
     "VideoTrack",
     "import_av",
+    "open_arguments",
     "open_media",
 ]
 
@@ -140,16 +141,8 @@ class Media:
         if not data:
             raise DecodeError("the field is empty (0 bytes): no media to decode")
         self.limits = limits = limits or Limits()
-        options = {"probesize": str(PROBE_BYTES), "analyzeduration": str(_PROBE_MICROSECONDS)}
-        if limits.max_frame_pixels is not None:
-            # for every decoder FFmpeg opens, the stream-info probe's included
-            options["max_pixels"] = str(limits.max_frame_pixels)
         try:
-            self.container = av.open(
-                io.BytesIO(data),
-                options=options,
-                container_options={"format_whitelist": ",".join(DEMUXERS)},
-            )
+            self.container = av.open(io.BytesIO(data), **open_arguments(limits.max_frame_pixels))
         except Exception as exn:
             raise _failed(exn, "opening the media (is it a complete video or audio file?)") from exn
         self._check_duration()
@@ -187,6 +180,17 @@ class Media:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def open_arguments(max_frame_pixels: Optional[int] = MAX_FRAME_PIXELS) -> Dict[str, Any]:
+    """The keyword arguments of ``av.open`` that bound what opening reads and decodes: the
+    probe's bytes and time, the demuxers allowed (:data:`DEMUXERS`), and ``max_frame_pixels``
+    for every decoder FFmpeg opens, the stream-info probe's included (which may decode a frame
+    to learn its size)."""
+    options = {"probesize": str(PROBE_BYTES), "analyzeduration": str(_PROBE_MICROSECONDS)}
+    if max_frame_pixels is not None:
+        options["max_pixels"] = str(max_frame_pixels)
+    return {"options": options, "container_options": {"format_whitelist": ",".join(DEMUXERS)}}
 
 
 def open_media(data: bytes, limits: Optional[Limits] = None) -> Media:
