@@ -5,12 +5,18 @@ user needs to act on it: the shard ``url``, the tar ``member`` (or sample ``key`
 ``offset`` in the shard where that is known. Each class also derives from the builtin exception a
 caller would naturally catch (``IOError`` for I/O, ``ValueError`` for bad data or arguments), so
 ``except ValueError`` keeps working for code written against webdataset.
+
+What an error shows (``str``, ``repr``, a traceback) has its credentials redacted
+(:func:`webds.base.redact.redact`): a URL's password and signature, secret storage options. The
+attributes keep the raw values (``exc.url`` reopens the shard).
 """
 
 from __future__ import annotations
 
 import tarfile
 from typing import Any, Optional
+
+from .base.redact import redact, redact_exception
 
 __all__ = [
     "WebdsError",
@@ -35,8 +41,11 @@ class WebdsError(Exception):
     """Root of all webds errors.
 
     ``message`` says what went wrong and what to do; ``url``, ``member``, ``key`` and ``offset``
-    (all optional) say where. ``str(exc)`` renders all of them.
+    (all optional) say where. ``str(exc)`` renders all of them, credentials redacted.
     """
+
+    #: str() and repr() hide credentials themselves (see webds.base.redact.redact_exception).
+    redacts_itself = True
 
     def __init__(
         self,
@@ -47,7 +56,7 @@ class WebdsError(Exception):
         key: Optional[str] = None,
         offset: Optional[int] = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(redact(message))  # args: what a generic display shows
         self.message = message
         self.url = url
         self.member = member
@@ -55,18 +64,25 @@ class WebdsError(Exception):
         self.offset = offset
 
     def __str__(self) -> str:
+        # A traceback shows the chained exceptions too, built after this text: a client's error
+        # naming the signed URL it fetched is redacted in place here, wherever it was raised.
+        redact_exception(self)
         where = []
         if self.url is not None:
-            where.append(f"shard {self.url!r}")
+            where.append(f"shard {redact(self.url)!r}")
         if self.member is not None:
             where.append(f"member {self.member!r}")
         elif self.key is not None:
             where.append(f"sample {self.key!r}")
         if self.offset is not None:
             where.append(f"byte offset {self.offset}")
+        message = redact(self.message)
         if not where:
-            return self.message
-        return f"{self.message} [{', '.join(where)}]"
+            return message
+        return f"{message} [{', '.join(where)}]"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({redact(self.message)!r})"
 
     def __reduce__(self) -> Any:
         # Exceptions cross DataLoader worker boundaries by pickling; keep the keyword context.

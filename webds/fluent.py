@@ -26,6 +26,7 @@ from typing import (
 )
 
 from .base.handlers import Handler, reraise_exception
+from .base.redact import redact
 from .base.workers import default_seed, worker_info
 from .errors import ArgumentError, NoSamplesError
 from .io.readahead import AUTO, DEFAULT_READAHEAD_SHARDS, LearnedDepth, check_readahead
@@ -171,7 +172,7 @@ def _require_samples(src: Iterable[Any], urls: Any, *, ledger: Any = None) -> It
             "ranks x workers some processes have nothing to read",
             where.rank,
             where.worker,
-            urls,
+            redact(urls),
         )
 
 
@@ -181,7 +182,8 @@ def _shard_index(urls: Any, index: Any, storage_options: Optional[dict]) -> Opti
         return index
     if index is True:
         log.info(
-            "webds: counting the samples of every shard of %r (write an index to skip this)", urls
+            "webds: counting the samples of every shard of %r (write an index to skip this)",
+            redact(urls),
         )
         return ShardIndex.build(urls, storage_options=storage_options)
     if isinstance(index, (str, os.PathLike)):

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .base.ledger import Ledger, Pass, item_id
+from .base.redact import redact
 from .base.saved import PipelineState, read_states
 from .base.stage import Length
 from .base.workers import usable_cpus, worker_info
@@ -250,7 +251,13 @@ class LoaderSource(StreamKeeper):
         return state
 
     def __repr__(self) -> str:
-        return f"LoaderSource({self.loader!r})"
+        # The dataset says which shards are read (a DataLoader's own repr says nothing).
+        loader = self.loader
+        dataset = repr(loader.dataset).replace("\n", "\n    ")
+        return redact(
+            f"LoaderSource(DataLoader({dataset}, batch_size={loader.batch_size}, "
+            f"num_workers={loader.num_workers}))"
+        )
 
     # -- the pipeline's questions (see webds.channel.StreamKeeper) --------------------------------
 

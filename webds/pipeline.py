@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 from torch.utils.data import IterableDataset
 
 from .base.ledger import LEAF, Ledger, Pass, unconsumed
+from .base.redact import redact
 from .base.runs import expanded, runs_span
 from .base.saved import PipelineState, StreamState, read_states
 
-# The stage machinery lives in webds.base.stage (no torch import); these names are importable
-# from here too.
+# The stage machinery lives in webds.base.stage (no torch import); its names are served here too.
 from .base.stage import (  # noqa: F401
     BATCH,
     LEDGER,
@@ -537,7 +537,7 @@ class DataPipeline(IterableDataset):
         return state
 
     def __repr__(self) -> str:
-        inner = ",\n  ".join(repr(s) for s in self.pipeline)
+        inner = ",\n  ".join(redact(repr(s)) for s in self.pipeline)  # a source's URLs too
         return f"{type(self).__name__}(\n  {inner}\n)"
 
 

@@ -9,6 +9,7 @@ import os
 import re
 from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Set, Union
 
+from .base.redact import redact
 from .errors import ArgumentError, OpenError, WebdsError, WriteError
 from .io.streams import CommitOnExit, discard_stream, remove_stale_temps
 from .io.urls import local_path, make_parent_folder, url_identity, url_scheme
@@ -161,7 +162,7 @@ class ShardWriter(CommitOnExit):
     def _open(self) -> None:
         fname = self._next_name()
         if self.verbose:
-            log.info("webds: writing %s", fname)
+            log.info("webds: writing %s", redact(fname))
         if self.opener is not None:
             stream = self.opener(fname)
             self._stream = stream
@@ -234,7 +235,9 @@ class ShardWriter(CommitOnExit):
                 self.index.shards[place] = info  # the shard was written again: its new entry
             self._committed += 1
         if self.verbose:
-            log.info("webds: wrote %s (%d samples, %d bytes)", self.fname, self.count, self.size)
+            log.info(
+                "webds: wrote %s (%d samples, %d bytes)", redact(self.fname), self.count, self.size
+            )
         if self.post is not None:
             self.post(self.fname)
 
@@ -322,7 +325,7 @@ class ShardWriter(CommitOnExit):
             if self._post_index:
                 message = f"writing the shard index {self._index_url!r} or its post() failed: {exn}"
             if failing:  # an error is on its way already; don't replace it with this one
-                log.warning("webds: %s", message)
+                log.warning("webds: %s", redact(message))
                 return
             if isinstance(exn, WebdsError):
                 raise
@@ -335,7 +338,8 @@ class ShardWriter(CommitOnExit):
         return bool(paths) and all(p is not None and not os.path.exists(p) for p in paths)
 
     def __repr__(self) -> str:
-        return f"<ShardWriter {self.pattern!r}: {len(self.shards)} shards, {self.total} samples>"
+        pattern = redact(self.pattern)
+        return f"<ShardWriter {pattern!r}: {len(self.shards)} shards, {self.total} samples>"
 
 
 def _name_matcher(pattern: str) -> Callable[[str], bool]:

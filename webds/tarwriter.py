@@ -9,6 +9,7 @@ import os
 import tarfile
 from typing import Any, BinaryIO, List, Mapping, Optional, Union
 
+from .base.redact import redact
 from .errors import ArgumentError, EncodeError, WriteError
 from .io.streams import CommitOnExit, discard_stream, remove_stale_temps
 from .io.urls import local_path, open_url
@@ -379,7 +380,7 @@ class TarWriter(CommitOnExit):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        return f"<TarWriter {self.url or self._raw!r} {state}, {self.count} samples>"
+        return redact(f"<TarWriter {self.url or self._raw!r} {state}, {self.count} samples>")
 
 
 _ZEROS = bytes(511)  # tar padding is a slice of it

@@ -19,6 +19,7 @@ import sys
 import warnings
 from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 
+from .redact import redact
 from .runs import Run, mapped
 
 __all__ = [
@@ -90,7 +91,7 @@ def _warn(verb: str, exn: BaseException) -> None:
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIRS):
         frame = frame.f_back
         level += 1
-    warnings.warn(text, stacklevel=level if frame is not None else 2)
+    warnings.warn(redact(text), stacklevel=level if frame is not None else 2)
 
 
 class ErrorPolicy:
@@ -126,7 +127,7 @@ class ErrorPolicy:
                 self.skipped,
                 " and stopped" if self.stopped else "",
                 type(self.first).__name__,
-                self.first,
+                redact(str(self.first)),
             )
 
 

@@ -25,6 +25,7 @@ import inspect
 from typing import Any, Callable, Dict, Iterable, Iterator, NamedTuple, Optional
 
 from ..errors import ArgumentError
+from .redact import redact
 
 __all__ = [
     "stage",
@@ -237,8 +238,10 @@ class Stage:
         return self.factory.fn(src, *self.args, **injected, **self.kwargs)
 
     def __repr__(self) -> str:
-        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
-        return f"{self.factory.__name__}({', '.join(parts)})"
+        # The arguments may hold a signed URL or storage_options (key=..., secret=...).
+        parts = [repr(redact(a)) for a in self.args]
+        parts += [f"{k}={v!r}" for k, v in redact(self.kwargs).items()]
+        return redact(f"{self.factory.__name__}({', '.join(parts)})")
 
 
 def stage(

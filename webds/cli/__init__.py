@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Any, Callable, List, Optional, Sequence
 
+from ..base.redact import redact
 from ..errors import ArgumentError, WebdsError
 
 __all__ = ["main", "build_parser", "add_command", "COMMAND_MODULES"]
@@ -131,4 +132,4 @@ def _silence_stdout() -> None:
 
 def _one_line(exn: BaseException) -> str:
     text = str(exn) if isinstance(exn, WebdsError) else f"{type(exn).__name__}: {exn}"
-    return " ".join(text.split())
+    return " ".join(redact(text).split())

@@ -19,6 +19,7 @@ import os
 import random
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
+from ..base.redact import redact
 from ..errors import ArgumentError, OpenError, WebdsError
 from ..io.urls import existing_size, url_identity, url_scheme
 from ..shards.index import ShardIndex, ShardInfo, default_index_name
@@ -127,7 +128,7 @@ def _previous_index(
     except OpenError:
         return {}
     except WebdsError as exn:
-        log.warning("webds.pack: ignoring the unreadable index %s: %s", index_url, exn)
+        log.warning("webds.pack: ignoring the unreadable index %s: %s", redact(index_url), exn)
         return {}
     if old.extra.get("pack") != plan:
         raise ArgumentError(
@@ -275,7 +276,7 @@ def pack(
             log.warning(
                 "webds.pack: %s is not part of this dataset (it has %d shards); it is left from "
                 "an earlier run: delete it",
-                stale,
+                redact(stale),
                 nshards,
             )
 
@@ -286,7 +287,7 @@ def pack(
             log.warning(
                 "webds.pack: shard %s is %d bytes, more than maxsize=%d (%d samples per shard "
                 "were planned from a pilot's mean of %.0f bytes); pass a smaller maxcount",
-                result.url,
+                redact(result.url),
                 result.bytes,
                 maxsize,
                 per_shard,

@@ -27,6 +27,7 @@ import uuid
 import zlib
 from typing import Any, BinaryIO, Callable, Optional, Tuple
 
+from ..base.redact import redact
 from ..errors import ArgumentError, ShardReadError, WebdsError
 from .streams import ReadStream
 from .urls import check_secure, local_path, open_url
@@ -460,13 +461,17 @@ class _CachingStream(ReadStream):
                 with open(self.temp_path, "rb") as f:
                     self.check(f, self.url)
         except WebdsError as exn:
-            log.warning("webds: not caching %s: the copy is not a complete tar (%s)", self.url, exn)
+            log.warning(
+                "webds: not caching %s: the copy is not a complete tar (%s)",
+                redact(self.url),
+                redact(str(exn)),
+            )
             self._discard()
             return
         os.replace(self.temp_path, self.path)
         self._release()
         if self.verbose:
-            log.info("webds: cached %s as %s", self.url, self.path)
+            log.info("webds: cached %s as %s", redact(self.url), self.path)
         if self.lru is not None:
             self.lru.cleanup()
 

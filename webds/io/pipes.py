@@ -18,6 +18,7 @@ import tempfile
 import time
 from typing import IO, Any, Collection, Optional, Sequence, Union
 
+from ..base.redact import redact
 from ..errors import ArgumentError, OpenError, ShardReadError
 from .streams import ReadStream
 
@@ -251,7 +252,7 @@ class PipeStream(ReadStream):
                 "webds: the command %r was still writing when the reader stopped (more output "
                 "than the %d bytes or %.3g s waited for); it was ended, so its exit status is "
                 "unknown",
-                self.command,
+                redact(self.command),
                 self.drain_bytes,
                 self.drain_seconds,
             )

@@ -24,6 +24,7 @@ import re
 import sys
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
+from ..base.redact import redact
 from ..errors import ArgumentError, ShardReadError
 from .retrying import ReadStalled
 from .streams import ReadStream
@@ -380,7 +381,7 @@ class RangedStream(ReadStream):
         try:
             sync(self._loop, _call, self._close)
         except Exception as exn:  # closing a broken response must not mask the real outcome
-            log.debug("webds: ignoring error closing a ranged read: %s", exn)
+            log.debug("webds: ignoring error closing a ranged read: %s", redact(str(exn)))
         finally:
             super().close()
 
@@ -415,7 +416,7 @@ class StreamedFile(ReadStream):
                 if hasattr(result, "__await__"):
                     sync(self._fs.loop, lambda: result)
         except Exception as exn:  # closing a half-read response must not mask the real outcome
-            log.debug("webds: ignoring error closing a streamed file: %s", exn)
+            log.debug("webds: ignoring error closing a streamed file: %s", redact(str(exn)))
         finally:
             super().close()
 

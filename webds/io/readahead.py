@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Deque, Iterable, Iterator, Optional, Tuple, TypeVar, Union
 
+from ..base.redact import redact
 from ..errors import ArgumentError
 from .streams import ReadStream, abandon_stream
 
@@ -381,7 +382,7 @@ def _abandon_quietly(stream: Any) -> None:
     try:
         abandon_stream(stream)
     except Exception as exn:
-        log.debug("webds: ignoring error closing a shard read ahead: %s", exn)
+        log.debug("webds: ignoring error closing a shard read ahead: %s", redact(str(exn)))
 
 
 def fetch_ahead(

@@ -13,6 +13,7 @@ import logging
 from typing import Any, BinaryIO, Callable, Dict, Optional, Tuple
 from urllib.parse import urlparse
 
+from ..base.redact import redact_exception
 from ..errors import NotFoundError, OpenError, SecureModeError, WebdsError, WriteError
 from .ranged import DEFAULT_READ_TIMEOUT, check_read_timeout, open_ranged
 from .reopen import open_resumable, resumable_fsspec, seek_opener  # noqa: F401 (named here too)
@@ -394,6 +395,7 @@ def _remote_error(
     the whole exception chain: credential errors by class name, then the HTTP status, then
     connection failures, then the builtin class.
     """
+    redact_exception(exn)  # it becomes the cause, shown in a traceback
     chain = _error_chain(exn)
     names = {cls.__name__ for err in chain for cls in type(err).__mro__}
     status = _http_status(chain)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional, Union
 
+from ..base.redact import redact, redact_exception
 from ..errors import ArgumentError, NotFoundError, OpenError, ShardReadError, WebdsError
 from .streams import ReadStream
 
@@ -238,7 +239,7 @@ def _close_quietly(stream: Any) -> None:
     try:
         stream.close()
     except Exception as exn:  # a broken connection may fail to close too; it is abandoned
-        log.debug("webds: ignoring error closing a broken stream: %s", exn)
+        log.debug("webds: ignoring error closing a broken stream: %s", redact(str(exn)))
 
 
 class ResumableStream(ReadStream):
@@ -332,6 +333,8 @@ class ResumableStream(ReadStream):
             stream, self._stream = self._stream, None
             _close_quietly(stream)
         kind = _kind(exn)
+        # From here exn is shown (the log, the message, a traceback's chain): no credentials.
+        redact_exception(exn)
         where = f"at byte offset {self.offset}" if self.offset or self._reached else "opening"
         detail = f"{type(exn).__name__}: {exn}"
         if kind != "transient" and self._translate is not None and not isinstance(exn, WebdsError):
@@ -392,7 +395,7 @@ class ResumableStream(ReadStream):
             "webds: retry %d/%d of %r at byte offset %d in %.2fs after %s",
             self._failures,
             limit,
-            self.url,
+            redact(self.url),
             self.offset,
             wait,
             detail,
@@ -467,6 +470,6 @@ class ResumableStream(ReadStream):
 
     def __repr__(self) -> str:
         return (
-            f"ResumableStream(url={self.url!r}, offset={self.offset}, size={self.size}, "
+            f"ResumableStream(url={redact(self.url)!r}, offset={self.offset}, size={self.size}, "
             f"retries={self.retries})"
         )

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO, Callable, Dict, Optional, Union
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
+from ..base.redact import redact
 from ..errors import ArgumentError, NotFoundError, OpenError, SecureModeError, WebdsError
 from .pipes import PIPE_IDLE_SECONDS, PipeStream
 from .ranged import check_read_timeout
@@ -258,7 +259,7 @@ def rewrite_url(url: str) -> str:
         new = re.sub("^" + pattern, replacement, url)
         if new != url:
             if os.environ.get("GOPEN_VERBOSE", "0") not in ("", "0"):
-                log.info("webds: GOPEN_REWRITE %s -> %s", url, new)
+                log.info("webds: GOPEN_REWRITE %s -> %s", redact(url), redact(new))
             return new
     return url
 

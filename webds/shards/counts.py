@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Dict, Optional, Sequence
 
+from ..base.redact import redact
 from ..errors import WebdsError
 from ..io.urls import local_path
 
@@ -38,6 +39,6 @@ def count_local_samples(urls: Sequence[str], tar_stage: Any) -> Optional[Dict[st
             samples = tar_stage.factory.fn(iter([{"url": url}]), *tar_stage.args, **kwargs)
             out[url] = sum(1 for _ in samples)
     except WebdsError as exn:
-        log.warning("webds: could not count the samples of %s: %s", url, exn)
+        log.warning("webds: could not count the samples of %s: %s", redact(url), exn)
         return None
     return out

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Union
 from urllib.parse import urlparse
 
+from ..base.redact import redact
 from ..errors import ArgumentError, OpenError, SecureModeError, ShardReadError, WebdsError
 from ..io.streams import discard_stream
 from ..io.urls import check_secure, local_path, open_url, url_scheme
@@ -75,7 +76,7 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.url}: {self.kind}: {self.message}"
+        return redact(f"{self.url}: {self.kind}: {self.message}")
 
 
 class ShardIndex:
@@ -121,7 +122,7 @@ class ShardIndex:
         return iter(self.shards)
 
     def __repr__(self) -> str:
-        where = f" at {self.location!r}" if self.location else ""
+        where = f" at {redact(self.location)!r}" if self.location else ""
         return f"<ShardIndex{where}: {len(self)} shards, {self.total} samples>"
 
     def digest(self) -> str:

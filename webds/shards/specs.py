@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Union
 import braceexpand
 from torch.utils.data import IterableDataset
 
+from ..base.redact import redact
 from ..base.workers import derive_seed
 from ..errors import ArgumentError, WebdsError
 from ..io.security import refuse, secure
@@ -202,7 +203,7 @@ class MultiShardSample(IterableDataset):
 
     def __repr__(self) -> str:
         names = ", ".join(s.name for s in self.sources)
-        return f"MultiShardSample({self.fname!r}: {names}; seed={self.seed})"
+        return redact(f"MultiShardSample({self.fname!r}: {names}; seed={self.seed})")
 
 
 def shardspec(spec: Union[Spec, List[str]]) -> IterableDataset:

@@ -26,6 +26,7 @@ import re
 from typing import Any, Callable, Dict, FrozenSet, Iterable, Iterator, NamedTuple, Optional, Tuple
 
 from ..base.handlers import ErrorPolicy
+from ..base.redact import redact
 from ..errors import SampleError
 from .reader import EndWithoutMarker
 
@@ -167,7 +168,7 @@ class ShardNotes:
                 "webds: skipped %d member(s) without a key.extension name in shard %r "
                 "(first: %r); name them like 'key.ext' to make them part of a sample",
                 self.dotless,
-                url,
+                redact(url),
                 self.first_dotless,
             )
         self.dotless, self.first_dotless = 0, None

@@ -19,6 +19,7 @@ import os
 from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 from ..base.handlers import ErrorPolicy, Handler, reraise_exception
+from ..base.redact import redact
 from ..base.stage import stage
 from ..errors import ArgumentError, OpenError, WebdsError
 from ..io.streams import abandon_stream
@@ -133,7 +134,7 @@ def warn_unterminated(exn: EndWithoutMarker) -> None:
         "webds: shard %r ends without its end-of-archive marker (after member %r, byte %s); "
         "read as complete (accept_unterminated): whole samples after its last one may be "
         "missing",
-        exn.url,
+        redact(exn.url),
         exn.member,
         exn.offset,
     )
@@ -159,7 +160,7 @@ def _close_quietly(stream: Any) -> None:
     try:
         abandon_stream(stream)
     except Exception as exn:  # e.g. a pipe command killed because we stopped early
-        log.debug("webds: ignoring error closing abandoned stream: %s", exn)
+        log.debug("webds: ignoring error closing abandoned stream: %s", redact(str(exn)))
 
 
 @stage(stateless=True)
