@@ -40,6 +40,7 @@ from typing import (
 
 from ..base.handlers import Handler, reraise_exception
 from ..base.ledger import ids_of
+from ..base.redact import redact
 from ..base.stage import REORDER, SAME, Stage, StageFactory, stage
 from ..base.workers import derive_seed, worker_info
 from ..errors import ArgumentError, WebdsError
@@ -119,7 +120,8 @@ def _annotate(exn: BaseException, stage_name: str, sample: Any) -> None:
     where = _where(sample)
     # webds errors already carry the key and url; add_note is Python 3.11+.
     if where and not isinstance(exn, WebdsError) and hasattr(exn, "add_note"):
-        exn.add_note(f"webds: in {stage_name} on sample {where['key']!r} of {where['url']!r}")
+        url = redact(where["url"])
+        exn.add_note(f"webds: in {stage_name} on sample {where['key']!r} of {url!r}")
 
 
 # -- shuffling and sampling ------------------------------------------------------------------------
