@@ -45,6 +45,9 @@ BASELINES = {
     "write-small": ["webdataset TarWriter", "bare header writer"],
     "write-images": ["webdataset TarWriter", "bare header writer"],
     "s3": ["boto3 get_object + bare reader", "webdataset pipe:curl presigned"],
+    "video": ["whole decode + slice", "Energon AVDecoder"],
+    "audio-flac": ["full decode + slice"],
+    "audio-mp3": ["full decode + slice"],
 }
 
 PACKAGES = [
@@ -59,6 +62,10 @@ PACKAGES = [
     "moto",
     "boto3",
     "psutil",
+    "av",
+    "megatron-energon",
+    "decord",
+    "torchcodec",
 ]
 
 
@@ -117,9 +124,10 @@ def report(suite: Suite, meta: Dict[str, Any], machine: Dict[str, Any]) -> str:
     }
     for name, res in suite.results.items():
         first = next(iter(res.values()))
+        things = first.unit[:-2] if first.unit.endswith("/s") else "samples"
         title = (
             f"\n== {name}: {_title(name)} "
-            f"({first.per_call} samples per pass, {len(first.times_s)} reps)"
+            f"({first.per_call} {things} per pass, {len(first.times_s)} reps)"
         )
         nb = nbytes.get(name)
         parts.append(

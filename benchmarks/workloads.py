@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import bench_access as A
+from . import bench_media as M
 from . import bench_peers as P
 from . import loaders as L
 from .data import Data
@@ -63,6 +64,10 @@ WORKLOADS: Dict[str, str] = {
     "recipe": "the JPEG recipe (crop 224 + flip + float, batches of 64, 2 workers or threads) "
     "with webdataset, webds, SPDL and LitData",
     "small-peers": "small records (1-2 KB) in one process: webdataset, webds, LitData, wids",
+    "video": "4 clips of 16 frames at stride 2 from each H.264 360p 10 s video: webds's clip "
+    "decoder, whole decode + slice, Energon, decord, TorchCodec",
+    "audio": "one 5 s clip at 16 kHz mono from each 60 s FLAC / MP3: webds's clip decoder, "
+    "full decode + slice, Energon",
 }
 
 
@@ -152,6 +157,14 @@ RATIO_TARGETS = [
      "link-depth", WEBDS, DEPTH_32, "1 MB shards over http; the old default was 8", None),
     ("num_workers='auto' / best by hand, small records", 0.9, "small-peers",
      P.SMALL_AUTO, P.SMALL_LOADER_0, "WebLoader(batch_size=64); by hand: 0 workers", None),
+    ("video clips, webds / whole decode + slice", 5, "video",
+     M.WEBDS_VIDEO, M.WHOLE_VIDEO, "H.264 360p, 4 clips x 16 frames, stride 2", None),
+    ("video clips, webds / Energon AVDecoder", 1.5, "video",
+     M.WEBDS_VIDEO, M.ENERGON_VIDEO, "the same clips, one thread each", None),
+    ("audio clips FLAC, webds / full decode + slice", 3, "audio-flac",
+     M.WEBDS_AUDIO, M.FULL_AUDIO, "5 s at 16 kHz mono from 60 s", None),
+    ("audio clips MP3, webds / full decode + slice", 3, "audio-mp3",
+     M.WEBDS_AUDIO, M.FULL_AUDIO, "5 s at 16 kHz mono from 60 s", None),
 ]  # fmt: skip
 
 #: (label, workload, numerator, denominator): ratios shown for context, without a target.
@@ -209,6 +222,11 @@ OTHER_RATIOS = [
     ("small-peers: WebLoader 2 workers / 0 workers", "small-peers", P.SMALL_LOADER_2,
      P.SMALL_LOADER_0),
     ("small-peers: wids / webdataset", "small-peers", P.SMALL_WIDS, P.SMALL_WDS),
+    ("video: decord / webds", "video", M.DECORD_VIDEO, M.WEBDS_VIDEO),
+    ("video: TorchCodec / webds", "video", M.TORCHCODEC_VIDEO, M.WEBDS_VIDEO),
+    ("video: Energon / whole decode + slice", "video", M.ENERGON_VIDEO, M.WHOLE_VIDEO),
+    ("audio-flac: Energon / webds", "audio-flac", M.ENERGON_AUDIO, M.WEBDS_AUDIO),
+    ("audio-mp3: Energon / webds", "audio-mp3", M.ENERGON_AUDIO, M.WEBDS_AUDIO),
 ]  # fmt: skip
 
 
@@ -323,6 +341,8 @@ class Suite:
             "index-load": lambda: A.index_load(self),
             "recipe": lambda: P.recipe(self),
             "small-peers": lambda: P.small_peers(self),
+            "video": lambda: M.video(self),
+            "audio": lambda: M.audio(self),
         }
         for name, step in steps.items():
             if self.selected(name):
