@@ -4,6 +4,7 @@ errors for a malformed state; a WebLoader speaks to its pipeline only through it
 from __future__ import annotations
 
 import copy
+import re
 import json
 import pickle
 
@@ -89,17 +90,24 @@ def test_a_typed_state_loads_as_its_dict_does(spec):
     "change, says",
     [
         (lambda s: s.pop("version"), "not a webds pipeline state"),
-        (lambda s: s.update(version=3), "version 3, and this webds reads version 2 .*upgrade"),
+        (lambda s: s.update(version=4), "version 4, .*reads versions 2 and 3.*upgrade"),
         (lambda s: s.update(version=1), r"version 1 .*webds 0\.1.*never released.*set_epoch\(0\)"),
-        (lambda s: s.update(workers=[1, 2]), "'workers'"),
-        (lambda s: s.update(workers={"x": {}}), "'workers'"),
-        (lambda s: s.update(entropy=["a"]), "'entropy'"),
-        (lambda s: s.update(config=[1]), "'config'"),
-        (lambda s: s.update(items="many"), "'items'"),
-        (lambda s: s.update(ledger=[1]), "the ledger"),
-        (lambda s: s["ledger"].update(partial={"a": 1}), "the ledger"),
-        (lambda s: s["ledger"].update(complete=[[0]]), "the ledger"),
-        (lambda s: s["ledger"].update(slots={"1": {"draws": "x"}}), "the ledger"),
+        (lambda s: s.update(workers=[1, 2]), r"state\['workers'\] is \[1, 2\], not a dict"),
+        (lambda s: s.update(workers={"x": {}}), r"state\['workers'\]\['x'\]"),
+        (lambda s: s.update(entropy=["a"]), r"state\['entropy'\]\[0\] is 'a', not an int"),
+        (lambda s: s.update(config=[1]), r"state\['config'\] is \[1\], not a dict"),
+        (lambda s: s.update(items="many"), r"state\['items'\] is 'many', not an int"),
+        (lambda s: s.update(ledger=[1]), r"state\['ledger'\] is \[1\], not a dict"),
+        (lambda s: s["ledger"].update(partial={"a": 1}), r"state\['ledger'\]\['partial'\]\['a'\]"),
+        (lambda s: s["ledger"].update(complete=[[0]]), r"state\['ledger'\]\['complete'\]\[0\]"),
+        (lambda s: s["ledger"].update(complete="x"), r"state\['ledger'\]\['complete'\] is 'x'"),
+        (
+            lambda s: s["ledger"].update(slots={"1": {"ids": [], "draws": "x"}}),
+            r"state\['ledger'\]\['slots'\]\['1'\]\['draws'\] is 'x', not an int",
+        ),
+        (lambda s: s.update(epoch=None), r"state\['epoch'\] is None, not an int"),
+        (lambda s: s.update(stream=None), r"state\['stream'\] is missing"),  # (a ledger without)
+        (lambda s: s.update(ledger=None), r"state\['ledger'\] is None, not the ledger of the pass"),
     ],
 )
 def test_a_malformed_state_says_which_field(spec, change, says):
@@ -156,3 +164,111 @@ def test_expanding_stages_are_declared_and_checked():
 
     with pytest.raises(ArgumentError, match="ledger parameter"):
         webds.stage(expands=True)(no_ledger)
+
+
+# -- every field is needed (issue 54, item 9) ----------------------------------------------------
+
+
+def fields(d: dict, path: tuple = ()):
+    """The path of every field of a saved state, a record's and each worker's; not the keys of
+    the maps of data (the configuration, which a loaded state is compared with, and the
+    ledger's shards and slots by number: their records' fields are paths here)."""
+    for key, value in d.items():
+        here = path + (key,)
+        if key != "config" and not (path[-1:] in (("partial",), ("slots",))):
+            yield here
+        if isinstance(value, dict) and key != "config":
+            yield from fields(value, here)
+
+
+def named(path: tuple) -> str:
+    return "state" + "".join(f"[{k!r}]" for k in path)
+
+
+def without(state: dict, path: tuple) -> dict:
+    out = copy.deepcopy(state)
+    d = out
+    for key in path[:-1]:
+        d = d[key]
+    del d[path[-1]]
+    return out
+
+
+def real_states(spec: str):
+    """(a fresh pipeline like it, a state taken mid-pass) of a plain pipeline and of a
+    WebLoader with 2 workers and stages that hold samples in the main process."""
+
+    def plain():
+        return webds.WebDataset(spec, shardshuffle=True, seed=1).shuffle(5, seed=2).batched(3)
+
+    def loader():
+        inner = webds.WebDataset(spec, shardshuffle=True, seed=1).shuffle(4, seed=2)
+        out = webds.WebLoader(inner, batch_size=2, num_workers=2)
+        return out.unbatched().shuffle(3, seed=3).batched(4)
+
+    for make, n in ((plain, 4), (loader, 3)):
+        x = make()
+        it = iter(x)
+        for _ in range(n):
+            next(it)
+        state = json.loads(json.dumps(x.state_dict()))
+        del it
+        x.close() if hasattr(x, "close") else None
+        yield make, state
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_a_state_missing_any_field_is_refused_naming_it(spec):
+    seen = set()
+    for make, state in real_states(spec):
+        paths = list(fields(state))
+        assert len(paths) > 20
+        for path in paths:
+            seen.add(path[-1])
+            broken = without(state, path)
+            says = re.escape(f"{named(path)} is missing")
+            with pytest.raises(ArgumentError, match=says):
+                read_state(broken)
+            with pytest.raises(ArgumentError, match=says):
+                make().load_state_dict(broken)
+        make().load_state_dict(state)  # (whole, it loads)
+    # Each record's fields are reached, the workers' and the ledger's included.
+    assert {"epoch", "ledger", "complete", "held_after", "ids", "draws", "next_worker"} <= seen
+    assert {"0", "1", "workers", "stream", "last", "problem", "unordered"} <= seen
+
+
+def test_a_field_of_the_wrong_type_is_refused_naming_it(spec):
+    for _, state in real_states(spec):
+        for path in fields(state):
+            if path[-1] in ("last", "seed", "problem", "unordered", "next_worker", "ids"):
+                continue  # (any id, None, or None allowed)
+            if path[-1] in ("0", "1"):
+                continue  # (a worker's stream may be None: it sent nothing yet)
+            broken = without(state, path)
+            d = broken
+            for key in path[:-1]:
+                d = d[key]
+            d[path[-1]] = "x"
+            with pytest.raises(ArgumentError, match=re.escape(f"{named(path)} is 'x', not")):
+                read_state(broken)
+
+
+def test_a_version_2_state_may_leave_out_its_empty_fields(spec):
+    # Version 2 (before every field was written) left out the empty ones; those still load.
+    ds = webds.WebDataset(spec, shardshuffle=False).shuffle(5, seed=2)
+    it = iter(ds)
+    head = [next(it)["__key__"] for _ in range(6)]
+    state = ds.state_dict()
+    rest = [x["__key__"] for x in it]
+    old = dict(state, version=2)
+    for key in ("next_worker", "workers"):
+        del old[key]
+    del old["ledger"]["held_after"], old["ledger"]["unordered"]
+    again = webds.WebDataset(spec, shardshuffle=False).shuffle(5, seed=2)
+    again.load_state_dict(old)
+    assert head + [x["__key__"] for x in again] == head + rest
+    # ... but not those it always wrote.
+    with pytest.raises(ArgumentError, match=re.escape("state['ledger']['complete'] is missing")):
+        read_state(without(old, ("ledger", "complete")))
+    with pytest.raises(ArgumentError, match=re.escape("state['stream'] is missing")):
+        read_state(without(old, ("stream",)))

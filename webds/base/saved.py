@@ -23,32 +23,105 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 from ..errors import ArgumentError, ResumeError
 from .slots import ids_of
 
-__all__ = ["VERSION", "SlotState", "LedgerState", "StreamState", "PipelineState"]
+__all__ = ["VERSION", "READS", "SlotState", "LedgerState", "StreamState", "PipelineState"]
 __all__ += ["read_state", "read_states"]
 
-#: The version of the format :meth:`PipelineState.to_dict` writes, the only one :func:`read_state`
-#: reads.
-VERSION = 2
+#: The version of the format :meth:`PipelineState.to_dict` writes: every field, always (None,
+#: [] or {} where there is nothing), so that a missing one is an error.
+VERSION = 3
+#: The versions :func:`read_state` reads: 2 (which left out the fields with nothing in them, so
+#: they may be missing there; its states resume as they always did) and :data:`VERSION`.
+READS = (2, 3)
+
+_HEAD = "not a webds pipeline state (from state_dict())"
+_NEEDED = object()  # no default: the field must be there
 
 
 class _Malformed(ArgumentError):
     pass
 
 
-def _fail(what: str, value: Any, whole: Any) -> _Malformed:
-    return _Malformed(
-        f"not a webds pipeline state (from state_dict()): {what} is {value!r} in {whole!r}"
-    )
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _int(d: Dict[str, Any], key: str, default: Any, whole: Any) -> Any:
-    value = d.get(key, default)
-    if value is None or value is default:
-        return value
+def _bad(path: str, value: Any, wanted: str) -> _Malformed:
+    return _Malformed(f"{_HEAD}: {path} is {_short(value)}, not {wanted}")
+
+
+def _missing(path: str) -> _Malformed:
+    return _Malformed(f"{_HEAD}: {path} is missing (state_dict() writes every field)")
+
+
+def _to_int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or value is None:
+        raise _bad(path, value, "an int")
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise _fail(repr(key), value, whole) from None
+        raise _bad(path, value, "an int") from None
+
+
+def _ints(value: Any, path: str) -> List[int]:
+    if not isinstance(value, list):
+        raise _bad(path, value, "a list of ints")
+    return [_to_int(x, f"{path}[{n}]") for n, x in enumerate(value)]
+
+
+class _Fields:
+    """One record of a saved state being read: each field named by its path in errors
+    (``state['ledger']['complete']``). ``complete``: every field must be there (version 3);
+    else a field given a default may be missing (version 2 left out the empty ones)."""
+
+    __slots__ = ("d", "path", "complete")
+
+    def __init__(self, d: Any, path: str, complete: bool) -> None:
+        if not isinstance(d, dict):
+            raise _bad(path, d, "a dict")
+        self.d, self.path, self.complete = d, path, complete
+
+    def at(self, key: Any) -> str:
+        return f"{self.path}[{key!r}]"
+
+    def raw(self, key: str, default: Any = _NEEDED) -> Any:
+        if key in self.d:
+            return self.d[key]
+        if default is _NEEDED or self.complete:
+            raise _missing(self.at(key))
+        return default
+
+    def int(self, key: str, default: Any = _NEEDED, none: bool = False) -> Any:
+        value = self.raw(key, default)
+        return None if value is None and none else _to_int(value, self.at(key))
+
+    def text(self, key: str) -> Optional[str]:
+        value = self.raw(key, None)
+        if value is not None and not isinstance(value, str):
+            raise _bad(self.at(key), value, "a string or None")
+        return value
+
+    def map(self, key: str, default: Any = _NEEDED) -> Dict[Any, Any]:
+        value = self.raw(key, default)
+        if not isinstance(value, dict):
+            raise _bad(self.at(key), value, "a dict")
+        return value
+
+    def list(self, key: str, default: Any = _NEEDED) -> List[Any]:
+        value = self.raw(key, default)
+        if not isinstance(value, list):
+            raise _bad(self.at(key), value, "a list")
+        return value
+
+    def numbered(self, key: str) -> Dict[int, Any]:
+        """A dict keyed by numbers written as strings (``{"3": ...}``)."""
+        out = {}
+        for k, value in self.map(key).items():
+            try:
+                out[int(k)] = value
+            except (TypeError, ValueError):
+                raise _bad(f"{self.at(key)}[{k!r}]", k, "a number's key") from None
+        return out
 
 
 def _runs(ks: Set[int]) -> List[List[int]]:
@@ -59,6 +132,16 @@ def _runs(ks: Set[int]) -> List[List[int]]:
             out[-1][1] = k + 1
         else:
             out.append([k, k + 1])
+    return out
+
+
+def _read_runs(value: List[Any], path: str) -> Set[int]:
+    out: Set[int] = set()
+    for n, pair in enumerate(value):
+        bounds = _ints(pair, f"{path}[{n}]")
+        if len(bounds) != 2 or bounds[0] > bounds[1]:
+            raise _bad(f"{path}[{n}]", pair, "a run [first, last + 1]")
+        out.update(range(bounds[0], bounds[1]))
     return out
 
 
@@ -103,29 +186,29 @@ class LedgerState:
                 for pos, s in sorted(self.slots.items())
             },
         }
-        if self.held_after:
-            out["held_after"] = list(self.held_after)
-        if self.unordered is not None:
-            out["unordered"] = self.unordered
+        out["held_after"] = list(self.held_after)
+        out["unordered"] = self.unordered
         return out
 
     @classmethod
-    def from_dict(cls, d: Any, whole: Any = None) -> "LedgerState":
-        whole = d if whole is None else whole
-        if not isinstance(d, dict):
-            raise _fail("the ledger", d, whole)
-        try:
-            complete = {k for a, b in d.get("complete") or () for k in range(int(a), int(b))}
-            partial = {int(k): int(j) for k, j in (d.get("partial") or {}).items()}
-            holes = {int(i) for i in d.get("holes") or ()}
-            slots = {
-                int(pos): SlotState(list(s.get("ids") or []), int(s.get("draws", 0)))
-                for pos, s in (d.get("slots") or {}).items()
-            }
-        except (TypeError, ValueError, AttributeError):
-            raise _fail("the ledger", d, whole) from None
+    def from_dict(cls, d: Any, path: str = "ledger", complete: bool = True) -> "LedgerState":
+        """The record at ``path`` of a saved state (see :class:`_Fields` for ``complete``)."""
+        f = _Fields(d, path, complete)
+        partial = {
+            k: _to_int(j, f"{f.at('partial')}[{str(k)!r}]")
+            for k, j in f.numbered("partial").items()
+        }
+        slots = {}
+        for pos, s in f.numbered("slots").items():
+            slot = _Fields(s, f"{f.at('slots')}[{str(pos)!r}]", True)
+            slots[pos] = SlotState(slot.list("ids"), slot.int("draws"))
         return cls(
-            complete, partial, holes, slots, list(d.get("held_after") or []), d.get("unordered")
+            _read_runs(f.list("complete"), f.at("complete")),
+            partial,
+            set(_ints(f.list("holes"), f.at("holes"))),
+            slots,
+            f.list("held_after", []),
+            f.text("unordered"),
         )
 
 
@@ -143,32 +226,36 @@ class StreamState:
     last: Any = None
 
     def _fields(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"epoch": self.epoch, "items": self.items}
-        if self.pass_ is not None:
-            out["stream"] = self.pass_
-            out["ledger"] = None if self.ledger is None else self.ledger.to_dict()
-            out["problem"] = self.problem
-            out["last"] = self.last
-        elif self.problem is not None:
-            out["problem"] = self.problem
+        out: Dict[str, Any] = {"epoch": self.epoch, "items": self.items, "stream": self.pass_}
+        out["ledger"] = None if self.ledger is None else self.ledger.to_dict()
+        out["problem"] = self.problem
+        out["last"] = self.last
         return out
 
     def to_dict(self) -> Dict[str, Any]:
         return self._fields()
 
     @classmethod
-    def from_dict(cls, d: Any, whole: Any = None) -> "StreamState":
-        whole = d if whole is None else whole
-        if not isinstance(d, dict):
-            raise _fail("a stream", d, whole)
-        ledger = d.get("ledger")
+    def from_dict(cls, d: Any, path: str = "state", complete: bool = True) -> "StreamState":
+        """The record at ``path`` of a saved state (see :class:`_Fields` for ``complete``)."""
+        f = _Fields(d, path, complete)
+        pass_ = f.int("stream", None, none=True)
+        reading = _NEEDED if pass_ is not None else None  # (version 2: all four, or none)
+        ledger = f.raw("ledger", reading)
+        if pass_ is None and ledger is not None:
+            raise _missing(f.at("stream"))  # (a ledger is the record of a pass being read)
+        if pass_ is not None and ledger is None:
+            raise _bad(f.at("ledger"), ledger, f"the ledger of the pass being read ({pass_})")
+        f.raw("problem", reading)
+        if ledger is not None:
+            ledger = LedgerState.from_dict(ledger, f.at("ledger"), complete)
         return cls(
-            epoch=_int(d, "epoch", 0, whole),
-            items=_int(d, "items", 0, whole),
-            pass_=_int(d, "stream", None, whole),
-            ledger=None if ledger is None else LedgerState.from_dict(ledger, whole),
-            problem=d.get("problem"),
-            last=d.get("last"),
+            epoch=f.int("epoch"),
+            items=f.int("items"),
+            pass_=pass_,
+            ledger=ledger,
+            problem=f.text("problem"),
+            last=f.raw("last", reading),
         )
 
 
@@ -211,21 +298,24 @@ class PipelineState(StreamState):
         return max(1, int(self.config.get("num_workers") or 0))
 
     def to_dict(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"version": self.version, "rank": self.rank}
+        out: Dict[str, Any] = {"version": VERSION, "rank": self.rank}
         out.update(world_size=self.world_size, seed=self.seed, config=self.config)
         out["entropy"] = list(self.entropy)
         out.update(self._fields())
-        if self.next_worker is not None:
-            out["next_worker"] = self.next_worker
+        out["next_worker"] = self.next_worker
+        out["workers"] = None
         if self.workers is not None:
-            out["workers"] = {str(w): s.to_dict() for w, s in sorted(self.workers.items())}
+            # Every worker, those that have sent nothing yet as None: a missing one is an error.
+            every = range(max([self.num_workers() - 1, *self.workers]) + 1)
+            workers = self.workers
+            out["workers"] = {str(w): w in workers and workers[w].to_dict() or None for w in every}
         return out
 
 
 def _unknown_version(d: Dict[str, Any]) -> str:
-    """Why a state of another version than :data:`VERSION` is refused, and what to do."""
+    """Why a state of a version not in :data:`READS` is refused, and what to do."""
     version = d["version"]
-    what = f"this state is of version {version!r}, and this webds reads version {VERSION} only"
+    what = f"this state is of version {version!r}, and this webds reads versions 2 and {VERSION}"
     if isinstance(version, int) and version > VERSION:
         return f"{what}: it was saved by a newer webds; upgrade webds to resume it"
     if version == 1:
@@ -237,41 +327,59 @@ def _unknown_version(d: Dict[str, Any]) -> str:
 
 def read_state(d: Any) -> PipelineState:
     """A :class:`PipelineState` out of what ``state_dict()`` returned (and JSON or torch.save
-    gave back); :class:`~webds.errors.ArgumentError` naming what is wrong otherwise, and
+    gave back); :class:`~webds.errors.ArgumentError` naming the field that is missing or of the
+    wrong type by its path (``state['ledger']['complete']``), and
     :class:`~webds.errors.ResumeError` for a state of another version."""
     if isinstance(d, PipelineState):
         return d
-    if not isinstance(d, dict) or "version" not in d:
-        raise ArgumentError(f"not a webds pipeline state (from state_dict()): {d!r}")
-    if d["version"] != VERSION:
+    if not isinstance(d, dict):
+        raise _bad("state", d, "a dict")
+    if "version" not in d:
+        raise _missing("state['version']")
+    version = d["version"]
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise _bad("state['version']", version, "an int")
+    if version not in READS:
         raise ResumeError(_unknown_version(d))
-    stream = StreamState.from_dict(d)
-    workers = d.get("workers")
+    complete = version >= 3
+    stream = StreamState.from_dict(d, "state", complete)
+    f = _Fields(d, "state", complete)
+    config = f.map("config")
+    workers = f.raw("workers", None)
     if workers is not None:
-        if not isinstance(workers, dict):
-            raise _fail("'workers'", workers, d)
-        try:
-            workers = {int(w): StreamState.from_dict(s, d) for w, s in workers.items()}
-        except ValueError:
-            raise _fail("'workers'", workers, d) from None
-    config = d.get("config") or {}
-    if not isinstance(config, dict):
-        raise _fail("'config'", config, d)
-    try:
-        entropy = [int(x) for x in d.get("entropy") or ()]
-    except (TypeError, ValueError):
-        raise _fail("'entropy'", d.get("entropy"), d) from None
-    seed = d.get("seed")
+        workers = _read_workers(f, config)
     return PipelineState(
         **vars(stream),
-        rank=_int(d, "rank", 0, d),
-        world_size=_int(d, "world_size", 1, d),
-        seed=None if seed is None else _int(d, "seed", None, d),
+        rank=f.int("rank"),
+        world_size=f.int("world_size"),
+        seed=f.int("seed", none=True),
         config=config,
-        entropy=entropy,
+        entropy=_ints(f.list("entropy"), f.at("entropy")),
         workers=workers,
-        next_worker=_int(d, "next_worker", None, d),
+        next_worker=f.int("next_worker", None, none=True),
     )
+
+
+def _read_workers(f: _Fields, config: Dict[str, Any]) -> Dict[int, StreamState]:
+    """A WebLoader state's workers: in version 3, one for each of its DataLoader workers
+    (None: it had sent nothing yet)."""
+    given = f.numbered("workers")
+    path = f.at("workers")
+    if f.complete:
+        if "num_workers" not in config:
+            raise _missing(f"{f.at('config')}['num_workers']")
+        n = max(1, _to_int(config["num_workers"] or 0, f"{f.at('config')}['num_workers']"))
+        for w in range(n):
+            if w not in given:
+                raise _missing(f"{path}[{str(w)!r}]")
+        for w in given:
+            if not 0 <= w < n:
+                raise _bad(f"{path}[{str(w)!r}]", w, f"a worker number below {n}")
+    return {
+        w: StreamState.from_dict(s, f"{path}[{str(w)!r}]", f.complete)
+        for w, s in sorted(given.items())
+        if s is not None or not f.complete
+    }
 
 
 def read_states(d: Any) -> Union[PipelineState, List[PipelineState]]:

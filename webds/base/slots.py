@@ -33,7 +33,7 @@ def ids_of(ids: Any) -> Iterator[int]:
 
 
 # Operations on a slot, as a tracking ledger logs them for the main process's copy.
-_HOLD, _TAKE, _FIRST, _SET = 0, 1, 2, 3
+_HOLD, _TAKE, _FIRST, _SET, _PICK = 0, 1, 2, 3, 4  # (_TAKE: take_swapped)
 
 #: The position of a holder after every stage of a pipeline (a WebLoader's main process).
 BEYOND = float("inf")
@@ -48,10 +48,10 @@ def _key(ids: Any) -> Any:
 class Slot:
     """The ids of the items one stage holds between its yields, in the order it keeps them.
 
-    ``draws`` counts the stage's random draws (:meth:`take`), so that a stage can make the same
-    draws after a resume (``shuffle`` counts the 32-bit words its ``random.Random`` gave, and
-    skips as many to resume). ``saved`` is what the slot held at the checkpoint resumed from
-    (None when not resuming).
+    ``draws`` counts the stage's random draws (:meth:`take`, :meth:`take_swapped`), so that a
+    stage can make the same draws after a resume (``shuffle`` counts the 32-bit words its
+    ``random.Random`` gave, and skips as many to resume). ``saved`` is what the slot held at the
+    checkpoint resumed from (None when not resuming).
     """
 
     __slots__ = ("ledger", "position", "ids", "draws", "saved", "captured", "_next", "_ops")
@@ -74,16 +74,29 @@ class Slot:
             self._ops.append((self.position, _HOLD, i))
 
     def take(self, k: int, draws: int = 1) -> Any:
-        """The item at place ``k`` leaves, the last one taking its place, chosen by ``draws``
-        random draws (added to :attr:`draws`); its id becomes the ledger's current one and is
-        returned."""
+        """The item at place ``k`` leaves, as ``list.pop(k)`` takes it out: the items after it
+        move up one place, in their order. ``draws``: the random draws that chose it (added to
+        :attr:`draws`; 1 where nothing random chose it does no harm). Its id becomes the
+        ledger's current one and is returned.
+
+        A stage keeps its items in a list in step with this slot: ``slot.take(k)`` with
+        ``held.pop(k)``."""
+        i = self.ids.pop(k)
+        return self._took(i, _PICK, k, draws)
+
+    def take_swapped(self, k: int, draws: int = 1) -> Any:
+        """The item at place ``k`` leaves and the last one takes its place (O(1); a list does
+        the same with ``held[k], held[-1] = held[-1], held[k]; held.pop()``); otherwise as
+        :meth:`take`. ``shuffle`` takes its items so."""
         ids = self.ids
         ids[k], ids[-1] = ids[-1], ids[k]
-        i = ids.pop()
+        return self._took(ids.pop(), _TAKE, k, draws)
+
+    def _took(self, i: Any, op: int, k: int, draws: int) -> Any:
         self.draws += draws
         self.ledger.current = i
         if self._ops is not None:
-            self._ops.append((self.position, _TAKE, k if draws == 1 else (k, draws)))
+            self._ops.append((self.position, op, k if draws == 1 else (k, draws)))
         return i
 
     def take_first(self) -> Any:
@@ -110,10 +123,12 @@ class Slot:
         ids = self.ids
         if op == _HOLD:
             ids.append(arg)
-        elif op == _TAKE:
+        elif op == _TAKE or op == _PICK:
             k, draws = arg if type(arg) is tuple else (arg, 1)
-            ids[k], ids[-1] = ids[-1], ids[k]
-            ids.pop()
+            if op == _TAKE:
+                ids[k], ids[-1] = ids[-1], ids[k]
+                k = -1
+            ids.pop(k)
             self.draws += draws
         elif op == _FIRST:
             ids.pop(0)

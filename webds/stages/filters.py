@@ -218,7 +218,7 @@ def _buffer_shuffle(
         buf[k], buf[-1] = buf[-1], buf[k]
         item = buf.pop()
         if slot is not None:
-            slot.take(k, words)
+            slot.take_swapped(k, words)  # (as buf lost its item)
         yield item
 
 
