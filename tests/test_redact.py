@@ -302,6 +302,18 @@ def test_reprs_show_shards_not_secrets(tmp_path: Path) -> None:
     assert "eu-1" in repr(pipeline)  # what is no secret stays readable
 
 
+def test_a_pipe_shows_its_command_without_the_password() -> None:
+    from webds.compat.openers import Pipe
+
+    pipe = Pipe(["echo", SIGNED], mode="rb")
+    try:
+        assert pipe.read().decode().strip() == SIGNED  # the command got the real URL
+        _assert_clean(str(pipe))
+        assert "missing.tar" in str(pipe)
+    finally:
+        pipe.close()
+
+
 def test_a_warning_about_a_users_error_hides_the_url_it_names(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -15,6 +15,7 @@ import re
 import subprocess
 from typing import Any, Collection, Dict, List, Optional
 
+from ..base.redact import redact
 from ..errors import ArgumentError, OpenError
 from ..io.pipes import PipeStream
 from ..io.security import WEBDATASET_PIPE, refuse
@@ -119,7 +120,7 @@ class Pipe(PipeStream):
         return self.readline(*args)
 
     def __str__(self) -> str:
-        return f"<Pipe {self.args}>"
+        return redact(f"<Pipe {self.args}>")  # a command may name a URL with its password
 
 
 def set_options(
