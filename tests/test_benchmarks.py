@@ -73,3 +73,50 @@ def test_quick_run_measures_every_contestant(tmp_path: Path) -> None:
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "loaders.png").stat().st_size > 0
     assert "== targets" in proc.stdout and "bytes only" in proc.stdout
+
+
+def test_video_and_audio_workloads_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The video and audio workloads end to end on tiny media (64x48, 2 s; 8 s of audio): every
+    contestant installed is measured on the same clips, webds's video clips equal the whole
+    decode's pixel for pixel, and the issue's targets are judged from them."""
+    pytest.importorskip("av")
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks import bench_media as M
+    from benchmarks.data import Data
+    from benchmarks.workloads import Config, Suite
+
+    tiny = {"WIDTH": 64, "HEIGHT": 48, "SECONDS": 2, "GOP": 30, "PRESET": "ultrafast"}
+    tiny.update(AUDIO_SECONDS=8.0, CLIP_SECONDS=1.0, MIN_TIME=0.0)
+    for name, value in tiny.items():
+        monkeypatch.setattr(M, name, value)
+    # Energon's import alone takes 2-4 s: its rows are left to the real run (hidden here).
+    real_has = M.has_module
+    monkeypatch.setattr(M, "has_module", lambda m: m != "megatron.energon" and real_has(m))
+    data = Data(tmp_path, {"source": "fashion-mnist"})  # its 16 "photos" load in 0.2 s
+    suite = Suite(data, Config(reps=1), only=["video", "audio"], quick=True)
+    suite.run()
+
+    has = {M.ENERGON_VIDEO: False, M.DECORD_VIDEO: importlib.util.find_spec("decord") is not None}
+    video = suite.results["video"]
+    assert {M.WEBDS_VIDEO, M.WHOLE_VIDEO} <= set(video)
+    for name, installed in has.items():
+        assert (name in video) == installed, (name, sorted(video))
+    for m in video.values():  # 2 videos, 4 clips each
+        assert m.per_call == 8 and m.median > 0 and m.unit == "clips/s"
+    agree = suite.info["video"]["agreement_with_webds"]
+    assert agree[M.WHOLE_VIDEO]["equal"]
+    for codec in ("flac", "mp3"):
+        res = suite.results[f"audio-{codec}"]
+        assert {M.WEBDS_AUDIO, M.FULL_AUDIO} <= set(res)
+        assert all(m.per_call == 3 and m.unit == "clips/s" for m in res.values())
+        full = suite.info["audio"][codec]["agreement_with_webds"][M.FULL_AUDIO]
+        assert full["max_abs_diff_inside"] < 1e-3  # the same samples, but at the clip's edges
+    targets = {t.name: t for t in suite.targets()}
+    for name in (
+        "video clips, webds / whole decode + slice",
+        "audio clips FLAC, webds / full decode + slice",
+        "audio clips MP3, webds / full decode + slice",
+    ):
+        assert targets[name].status in ("PASS", "MISS"), name
+    assert targets["video clips, webds / Energon AVDecoder"].status == "SKIP"
+    assert any(n.startswith("video: Energon skipped") for n in suite.notes)
