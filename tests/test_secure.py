@@ -281,3 +281,22 @@ def test_refusals_quote_webdataset_s_words(secure, tmp_path, shard, monkeypatch)
             call(ours)
         said = str(expected.value).rstrip(".")
         assert said in str(got.value) and "secure mode is on" in str(got.value), said
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_the_python_switch_reaches_workers_that_import_webds_afresh(tmp_path, monkeypatch, context):
+    # A spawned worker imports webds with enforce_security off: it read the local shard (and
+    # unpickled fields) that the main process refuses. The dataset carries the switch there.
+    write_tar(tmp_path / "a.tar", sample_members(3))
+    monkeypatch.delenv("WDS_SECURE", raising=False)
+    monkeypatch.setattr(security, "enforce_security", True)
+    dataset = webds.WebDataset(str(tmp_path / "a.tar"), shardshuffle=False)
+    loader = webds.WebLoader(
+        dataset, batch_size=None, num_workers=1, multiprocessing_context=context
+    )
+    with pytest.raises(SecureModeError, match="local files"):
+        list(loader)
+    # pickled where secure mode is off, nothing is carried
+    monkeypatch.setattr(security, "enforce_security", False)
+    copy = pickle.loads(pickle.dumps(dataset))
+    assert "_secure" not in copy.__dict__ and len(list(copy)) == 3

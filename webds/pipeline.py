@@ -46,6 +46,7 @@ from .base.stage import (  # noqa: F401
     stateless,
 )
 from .base.workers import worker_info
+from .io import security
 from .channel import StreamKeeper, is_worker_dataset, release_free_heap
 from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
     _exactly,
@@ -156,10 +157,8 @@ class DataPipeline(IterableDataset):
         """Make the next ``iter()`` run epoch ``epoch`` (like ``DistributedSampler.set_epoch``).
 
         Setting the epoch that comes next anyway changes nothing: it keeps the resume position
-        :meth:`load_state_dict` chose, and the stream :meth:`with_epoch` carries from one epoch
-        to the next. So a training loop can call ``set_epoch(e)`` at the top of every epoch,
-        resumed or not, with or without ``with_epoch``.
-        """
+        :meth:`load_state_dict` chose, and the stream :meth:`with_epoch` carries on; so a loop
+        may call ``set_epoch(e)`` at the top of every epoch, resumed or not."""
         keeper = self._keeper()
         if keeper is not None:
             keeper.choose_epoch(int(epoch), changed=int(epoch) != self.epoch)
@@ -532,9 +531,10 @@ class DataPipeline(IterableDataset):
 
     def __getstate__(self) -> dict:
         # A running generator can't cross to a DataLoader worker; the worker starts its own.
-        state = self.__dict__.copy()
-        state["_carry"] = None
-        return state
+        return security.carried(dict(self.__dict__, _carry=None))
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(security.arrived(state))
 
     def __repr__(self) -> str:
         inner = ",\n  ".join(redact(repr(s)) for s in self.pipeline)  # a source's URLs too

@@ -75,6 +75,24 @@ def secure() -> bool:
         return value.lower() in ("true", "yes", "on")
 
 
+def carried(state: Dict[str, Any]) -> Dict[str, Any]:
+    """An object's pickled ``state`` with secure mode in it when it is on. Secure mode set in
+    Python (``enforce_security = True``) is this process's: a DataLoader worker started by
+    ``spawn`` or ``forkserver`` imports webds afresh, with it off; a dataset sent there carries
+    it (:func:`arrived` turns it on)."""
+    return dict(state, _secure=True) if secure() else state
+
+
+def arrived(state: Dict[str, Any]) -> Dict[str, Any]:
+    """``state`` less what :func:`carried` added, turning secure mode on in this process
+    when it was on where the state was made."""
+    global enforce_security
+    state = dict(state)
+    if state.pop("_secure", False):
+        enforce_security = True
+    return state
+
+
 def refuse(what: str, url: object = None, webdataset: Optional[str] = None) -> None:
     """Raise :class:`SecureModeError` for ``what`` if secure mode is on; ``webdataset`` is
     what webdataset says there (one of the ``WEBDATASET_*`` messages), quoted."""
