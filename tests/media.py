@@ -61,6 +61,7 @@ _AUDIO_FORMATS = {  # codec -> the sample format its encoder takes (planar float
     "libopus": "flt",
     "flac": "s16",
     "pcm_s16le": "s16",
+    "pcm_s32le": "s32",
     "libvorbis": "fltp",
 }
 
@@ -74,6 +75,8 @@ def _audio_frames(stream, samples: np.ndarray, rate: int) -> Iterator["av.AudioF
         chunk = samples[:, start : start + step]
         if fmt == "s16":
             data = (np.clip(chunk, -1, 1) * 32767).astype(np.int16).T.reshape(1, -1)
+        elif fmt == "s32":
+            data = (np.clip(chunk, -1, 1) * 2147483647).astype(np.int32).T.reshape(1, -1)
         elif fmt == "flt":
             data = np.ascontiguousarray(chunk.T.reshape(1, -1))
         else:
@@ -158,7 +161,7 @@ def make_audio(
 ) -> bytes:
     """An audio file's bytes: :func:`tone` for ``seconds`` at ``rate``, ``channels`` channels.
     ``codec``/``container``: ``flac``/``flac``, ``libmp3lame``/``mp3``, ``aac``/``mp4`` (m4a),
-    ``libopus``/``ogg`` (rate 48000), ``pcm_s16le``/``wav``."""
+    ``libopus``/``ogg`` (rate 48000), ``pcm_s16le``/``wav``, ``pcm_s32le``/``sox``."""
     av_ = _av()
     buf = io.BytesIO()
     with av_.open(buf, "w", format=container) as out:

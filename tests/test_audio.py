@@ -137,3 +137,20 @@ def test_sample_and_duration_limits():
     assert "over max_samples=8,000" in str(err)
     err = failure(data, webds.AudioClipDecoder(1.0, max_seconds=1.0), "wav")
     assert "over max_seconds=1" in str(err)
+
+
+def test_a_clip_from_the_intact_part_of_a_truncated_field_is_refused_too():
+    # The clip at the centre of a 2 s FLAC cut at 9/10 lies in what is left: without the check
+    # of the packets' end it decoded, and the same field failed in another epoch's draw.
+    data = audio_of("flac", seconds=2)
+    cut = data[: 9 * len(data) // 10]
+    assert "truncated" in str(failure(cut, webds.AudioClipDecoder(0.5, sampling="center")))
+    webds.AudioClipDecoder(0.5, sampling="center")("a.flac", data)  # whole: decodes
+
+
+def test_sox_fields_decode():
+    # .sox is in webdataset's extension list: FFmpeg's sox demuxer is allowed for it
+    data = make_audio(seconds=1, codec="pcm_s32le", container="sox")
+    waveform, rate = torch_audio("a.sox", data)
+    assert rate == 16000 and waveform.shape == (1, 16000)
+    assert abs(float(waveform.abs().max()) - 0.5) < 1e-3  # the tone, amplitude 0.5

@@ -133,6 +133,7 @@ class AudioClipDecoder(SeededHandler):
 
         with open_media(data, self.limits) as media:
             track = media.audio()
+            track.check_whole()
             start = track_start(track)
             duration = track.seconds
             if duration is None:

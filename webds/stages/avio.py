@@ -65,7 +65,7 @@ MAX_SAMPLES = 1 << 26
 #: dash), image sequences and devices, which open other files or URLs, are refused.
 DEMUXERS = (
     "mov,mp4,m4a,3gp,3g2,mj2 matroska,webm avi mpeg mpegts h264 hevc m4v mjpeg ogg flac mp3 "
-    "wav aac asf ivf flv obu"
+    "wav aac asf ivf flv obu sox"
 ).split()
 
 #: How many bytes the stream-info probe may read (FFmpeg's default is 5 MB).
@@ -405,6 +405,26 @@ class AudioTrack:
         elif media.container.duration is not None:
             duration = media.container.duration / 1e6
         self.seconds = duration
+
+    def check_whole(self) -> None:
+        """A DecodeError if the stream's packets stop before the end its header declares, read
+        from its last second of packets without decoding. A clip decoder checks this first: a
+        clip drawn from the intact part of a truncated field would decode, and the same field
+        fail in another epoch's draw."""
+        container, stream = self.media.container, self.stream
+        if container.duration is None:
+            return
+        declared = ((container.start_time or 0) + container.duration) / 1e6
+        end: Optional[float] = None
+        try:
+            target = max(int((declared - 1.0) / stream.time_base), 0)
+            container.seek(target, stream=stream, backward=True)
+            for packet in container.demux(stream):
+                if packet.pts is not None:
+                    end = float((packet.pts + (packet.duration or 0)) * stream.time_base)
+        except Exception as exn:
+            raise _failed(exn, "reading the audio's packets (a truncated or damaged field?)") from exn
+        _check_whole(self.media, -1.0 if end is None else end, "packets")
 
     def samples(
         self, start: float = 0.0, end: Optional[float] = None, margin: float = 0.0
