@@ -234,3 +234,32 @@ def test_create_from_a_folder_is_refused(tmp_path, shard):
     out = run_webds("create", "-", "-o", "-", cwd=tmp_path, env=env, input=plan)
     assert out.returncode != 0 and b"SECRET" not in out.stdout
     assert "secure mode is on" in out.stderr, out.stderr
+
+
+def test_converters_and_spec_files_read_no_local_file(secure, tmp_path, http_server):
+    # Found one step off: webds clips / pack_clips and pack-folder listed and read local folders
+    # and files in secure mode (and uploaded them); a YAML spec was read from local disk.
+    from media import make_video
+
+    videos = tmp_path / "v"
+    (videos / "cls").mkdir(parents=True)
+    (videos / "cls" / "a.mp4").write_bytes(make_video(seconds=1))
+    (videos / "cls" / "b.jpg").write_bytes(b"\xff\xd8 not really")
+    out = "s3://bucket/c-%06d.tar"
+    for inputs in (str(videos), str(videos / "cls" / "a.mp4"), [str(videos / "cls" / "a.mp4")]):
+        with pytest.raises(SecureModeError, match="local files"):
+            webds.pack_clips(inputs, out, 1, workers=0, progress=False)
+    with pytest.raises(SecureModeError, match="local files"):
+        list(webds.split_video(str(videos / "cls" / "a.mp4"), 1))
+    with pytest.raises(SecureModeError, match="local files"):
+        webds.pack_folder(str(videos), out)
+    spec = tmp_path / "mix.yaml"
+    spec.write_text("datasets:\n  - shards: http://127.0.0.1:9/a-{0..1}.tar\n")
+    with pytest.raises(SecureModeError, match="local files"):
+        webds.WebDataset(str(spec))
+    # a spec file served remotely is read (before, open() took the URL for a local name)
+    url = http_server.put("mix.yaml", spec.read_bytes())
+    assert sorted(d["url"] for d in MultiShardSample(url)) == [
+        "http://127.0.0.1:9/a-0.tar",
+        "http://127.0.0.1:9/a-1.tar",
+    ]

@@ -25,6 +25,7 @@ from fractions import Fraction
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from ..errors import ArgumentError, DecodeError, WebdsError
+from ..io.urls import check_secure
 from ..stages.avio import open_arguments
 
 __all__ = ["VIDEO_EXTENSIONS", "VideoClip", "split_video", "clip_samples", "video_field"]
@@ -108,6 +109,8 @@ _PROBE_FRAME_PIXELS = 8192 * 8192
 
 def _open(av: Any, source: Source, where: Dict[str, Any]) -> Any:
     """The demuxer of a path or of bytes (read in memory, no temporary file)."""
+    if isinstance(source, (str, os.PathLike)):
+        check_secure(source)  # a local file, refused in secure mode
     target = source if isinstance(source, (str, os.PathLike)) else io.BytesIO(bytes(source))
     try:
         return av.open(target, "r", **open_arguments(_PROBE_FRAME_PIXELS))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError
-from ..io.urls import existing_size, local_path, make_parent_folder
+from ..io.urls import check_secure, existing_size, local_path, make_parent_folder
 from ..parallel import (
     ExecutorSpec,
     MapShardsError,
@@ -110,6 +110,10 @@ def _sources(inputs: Inputs) -> Tuple[List[Tuple[str, str]], List[str]]:
     specs = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     if not specs:
         raise ArgumentError("pack_clips: no inputs; give a folder of videos, video files or shards")
+    for spec in specs:
+        if not isinstance(spec, (str, os.PathLike)):
+            raise ArgumentError(f"pack_clips: inputs are paths or URLs, got {spec!r}")
+        check_secure(spec)  # before a local folder is listed or a file read
     if len(specs) == 1:
         folder = local_path(os.fspath(specs[0]))
         if folder is not None and os.path.isdir(folder):

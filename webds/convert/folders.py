@@ -14,7 +14,7 @@ import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError
-from ..io.urls import local_path, make_parent_folder, open_url, url_scheme
+from ..io.urls import check_secure, local_path, make_parent_folder, open_url, url_scheme
 from ..shards.index import ShardIndex
 from .items import _read_file
 from .packing import pack
@@ -43,6 +43,7 @@ class ImageFolderFiles:
             raise ArgumentError(
                 f"pack_folder reads a local folder; {root!r} is a URL (copy it locally first)"
             )
+        check_secure(root)  # a local folder, listed and read: refused in secure mode
         root = local_path(root) or root
         if not os.path.isdir(root):
             raise ArgumentError(f"{root!r} is not a folder; give the folder of class subfolders")

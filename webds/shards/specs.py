@@ -32,6 +32,7 @@ from ..base.redact import redact
 from ..base.workers import derive_seed
 from ..errors import ArgumentError, WebdsError
 from ..io.security import refuse, secure
+from ..io.urls import open_url
 from .datasets import SimpleShardList
 
 __all__ = ["MultiShardSample", "shardspec", "is_spec"]
@@ -67,6 +68,22 @@ def _expand(s: str) -> str:
     return os.path.expanduser(os.path.expandvars(s))
 
 
+#: The largest spec file read (a list of shards and their weights is a few KB).
+MAX_SPEC_BYTES = 16 << 20
+
+
+def _read_spec(fname: str) -> bytes:
+    """A spec file's bytes, from a local path or any URL :func:`~webds.io.urls.open_url` opens
+    (its secure-mode checks included: a local spec file is refused there, as any local file)."""
+    with open_url(fname) as stream:
+        data = stream.read(MAX_SPEC_BYTES + 1)
+    if len(data) > MAX_SPEC_BYTES:
+        raise ArgumentError(
+            f"the shard spec {redact(fname)!r} is over {MAX_SPEC_BYTES} bytes: not a shard spec?"
+        )
+    return data
+
+
 def _load_spec(spec: Spec) -> tuple:
     if isinstance(spec, Mapping):
         return dict(spec), "<dict>"
@@ -79,10 +96,9 @@ def _load_spec(spec: Spec) -> tuple:
             "(or pass the spec as a dict)"
         ) from None
     try:
-        with open(fname, encoding="utf-8") as stream:
-            loaded = yaml.safe_load(stream)
+        loaded = yaml.safe_load(_read_spec(fname))
     except OSError as exn:
-        raise ArgumentError(f"cannot read the shard spec {fname!r}: {exn}") from None
+        raise ArgumentError(f"cannot read the shard spec {redact(fname)!r}: {exn}") from None
     except yaml.YAMLError as exn:
         raise ArgumentError(f"the shard spec {fname!r} is not valid YAML: {exn}") from None
     if not isinstance(loaded, Mapping):
