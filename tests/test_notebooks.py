@@ -28,7 +28,7 @@ nbclient = pytest.importorskip("nbclient")
 
 
 def test_there_are_notebooks():
-    assert len(NOTEBOOKS) >= 6, [p.name for p in NOTEBOOKS]
+    assert len(NOTEBOOKS) >= 7, [p.name for p in NOTEBOOKS]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
