@@ -48,10 +48,9 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
-import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -305,7 +304,10 @@ def video(suite: "Suite") -> None:
     def whole_pass() -> Any:
         ds = webds.WebDataset(list(urls), shardshuffle=False).decode(webds.torch_video)
         return ds.map(
-            lambda s: {"__key__": s["__key__"], "mp4": whole_video_clips(s["mp4"][0], starts[s["__key__"]])}
+            lambda s: {
+                "__key__": s["__key__"],
+                "mp4": whole_video_clips(s["mp4"][0], starts[s["__key__"]]),
+            }
         )
 
     passes: Dict[str, Callable[[], Any]] = {
@@ -348,8 +350,10 @@ def video(suite: "Suite") -> None:
 
     def counted(make: Callable[[], Any], name: str) -> Callable[[], int]:
         def run() -> int:
-            k = sum(s["mp4"]["video"].shape[0] if isinstance(s["mp4"], dict) else s["mp4"].shape[0]
-                    for s in make())
+            k = sum(
+                s["mp4"]["video"].shape[0] if isinstance(s["mp4"], dict) else s["mp4"].shape[0]
+                for s in make()
+            )
             if k != clips_per_pass:
                 raise AssertionError(f"video/{name}: {k} clips, expected {clips_per_pass}")
             return k
@@ -464,15 +468,18 @@ def audio(suite: "Suite") -> None:
         urls = audio_shards(suite, codec, n)
         facts = _field_facts(urls, ext)
         starts = {
-            s["__key__"]: float(s[ext]["audio_timestamps"][0, 0]) for s in webds_audio_clips(urls)
+            x["__key__"]: float(x[ext]["audio_timestamps"][0, 0]) for x in webds_audio_clips(urls)
         }
         raw = webds.WebDataset(list(urls), shardshuffle=False)
-        offsets = {s["__key__"]: starts[s["__key__"]] - first_sample_time(s[ext]) for s in raw}
+        offsets = {x["__key__"]: starts[x["__key__"]] - first_sample_time(x[ext]) for x in raw}
 
         def full_pass(urls: Sequence[str] = urls, ext: str = ext, at: Dict = offsets) -> Any:
             ds = webds.WebDataset(list(urls), shardshuffle=False).decode(webds.torch_audio)
             return ds.map(
-                lambda s: {"__key__": s["__key__"], ext: full_audio_clip(s[ext], at[s["__key__"]])}
+                lambda one: {
+                    "__key__": one["__key__"],
+                    ext: full_audio_clip(one[ext], at[one["__key__"]]),
+                }
             )
 
         passes: Dict[str, Callable[[], Any]] = {
@@ -484,7 +491,7 @@ def audio(suite: "Suite") -> None:
                 urls, ext, starts, energon_audio_clip
             )
         got = {
-            name: {s["__key__"]: _audio_of(s[ext]) for s in make()} for name, make in passes.items()
+            name: {x["__key__"]: _audio_of(x[ext]) for x in make()} for name, make in passes.items()
         }
         agree = {
             name: _audio_agreement(got[WEBDS_AUDIO], clips, name)
@@ -501,7 +508,7 @@ def audio(suite: "Suite") -> None:
 
         def counted(make: Callable[[], Any], name: str, ext: str = ext) -> Callable[[], int]:
             def run() -> int:
-                k = sum(_audio_of(s[ext]).shape[0] for s in make())
+                k = sum(_audio_of(x[ext]).shape[0] for x in make())
                 if k != n:
                     raise AssertionError(f"audio/{name}: {k} clips, expected {n}")
                 return k
@@ -510,7 +517,11 @@ def audio(suite: "Suite") -> None:
 
         v = {name: Variant(counted(make, name)) for name, make in passes.items()}
         suite.results[f"audio-{codec}"] = measure(
-            v, suite.config.reps, workload=f"audio-{codec}", unit="clips/s", min_time=MIN_TIME,
+            v,
+            suite.config.reps,
+            workload=f"audio-{codec}",
+            unit="clips/s",
+            min_time=MIN_TIME,
             log=stderr,
         )
     suite.notes.append(
@@ -536,5 +547,3 @@ def _audio_agreement(reference: Dict[str, Any], got: Dict[str, Any], name: str) 
         worst = max(worst, float(diff.max()))
         inside = max(inside, float(diff[..., edge:-edge].max()))
     return {"max_abs_diff": worst, "max_abs_diff_inside": inside}
-
-
