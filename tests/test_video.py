@@ -340,3 +340,29 @@ def test_an_sps_declaring_15872x15872_is_refused_at_bounded_memory(handler):
     assert "15872x15872 frame" in out and "max_frame_pixels" in out and "member 'k.h264'" in out
     assert peak < 400 * MiB, peak
     assert len(h264_claiming()) < 20_000
+
+
+def test_frames_not_wanted_that_nothing_refers_to_are_skipped_and_the_rest_is_exact():
+    # libx264's medium preset: B-frames, some of them references (b-pyramid). A frame not
+    # wanted is skipped before decoding only when no frame refers to it: the frames wanted are
+    # those of a sequential decode, pixel for pixel, from fewer frames decoded.
+    import random
+
+    import av
+
+    data = make_video(seconds=2, fps=30, width=96, height=64, gop=60, preset="medium")
+    with av.open(io.BytesIO(data)) as container:
+        sequential = {f.pts: f.to_ndarray(format="rgb24") for f in container.decode(video=0)}
+    pts = sorted(sequential)
+    rng = random.Random(0)
+    skipped = 0
+    for _ in range(6):
+        targets = sorted(rng.sample(pts[:60], 8))  # one run, from the first keyframe
+        with avio.open_media(data) as media:
+            track = media.video()
+            got = {p: f.to_ndarray(format="rgb24") for p, f in track.frames(targets)}
+            skipped += pts.index(targets[-1]) + 1 - track.decoded
+        assert sorted(got) == targets
+        for p in targets:
+            assert np.array_equal(got[p], sequential[p]), p
+    assert skipped > 0  # B-frames no frame refers to were not decoded

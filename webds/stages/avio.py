@@ -355,6 +355,22 @@ class VideoTrack:
                 "a damaged stream?"
             )
 
+    def _decoded(self, wanted: set) -> Iterator[Any]:
+        """The stream's frames from where it was sought, decoding a packet whose frame is not
+        wanted only if later frames refer to it: FFmpeg skips a non-reference frame
+        (``skip_frame="NONREF"``: B-frames that no frame predicts from) before decoding it,
+        so the frames wanted come out the same, pixel for pixel, for less work. A packet's
+        pts is its frame's; an untimed stream (raw H.264) decodes every packet."""
+        ctx = self.ctx
+        try:
+            for packet in self.media.container.demux(self.stream):
+                skip = not self.untimed and packet.pts is not None and packet.pts not in wanted
+                ctx.skip_frame = "NONREF" if skip else "DEFAULT"
+                yield from ctx.decode(packet)
+        finally:
+            ctx.skip_frame = "DEFAULT"
+            ctx.flush_buffers()  # the next run starts clean from its own keyframe
+
     def _decode_span(self, start: int, end: int, wanted: set) -> List[Tuple[int, Any]]:
         """Seek to the keyframe at ``start`` and decode until the frames up to ``end`` are out."""
         container, limit = self.media.container, self.limits.max_pixels
@@ -365,7 +381,7 @@ class VideoTrack:
                 container.seek(0)
             else:
                 container.seek(start, stream=self.stream, backward=True, any_frame=False)
-            for number, frame in enumerate(container.decode(self.stream)):
+            for number, frame in enumerate(self._decoded(wanted)):
                 self.decoded += 1
                 if self.untimed:
                     frame.pts = number
