@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .base.saved import PipelineState
 from .base.stage import Count, Length, resume_kind
-from .errors import LengthError, ResumeError
+from .errors import LengthError, NoSamplesError, ResumeError
 from .shards.elastic import every_rank, plan_elsewhere
 
 __all__ = [
@@ -370,9 +370,10 @@ def _exactly(
                 n = 1  # what follows pads with it, as if the stream had yielded it
                 count += 1
         if n == 0:
-            raise LengthError(
+            # The condition WebDataset's empty check names without an index: the same type.
+            raise NoSamplesError(
                 f"{type(where).__name__} yielded no item but its plan promised {count}: every "
-                "shard of this worker failed; see the errors logged above"
+                "shard of this worker failed or was skipped; see the errors logged above"
             )
         log.warning(
             "webds: %s yielded %d items, %d fewer than planned (samples dropped by an error "

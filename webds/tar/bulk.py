@@ -287,7 +287,9 @@ def _handed_over(
     one. The first start the member reader gives ends ``pending``, the last sample grouped in
     bulk, or, where ``started``, was given already."""
     stream, url, rules, policy, notes, local_path, max_member_size = shard
-    members = read_members(_Prefixed(rest, stream), url, max_member_size, offset)
+    members = read_members(
+        _Prefixed(rest, stream), url, max_member_size, offset, local_path=local_path
+    )
     groups = group_members(members, url, rules, policy, notes, local_path)
     first = True
     try:

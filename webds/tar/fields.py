@@ -9,7 +9,7 @@ holds the slow path and the type-flag constants both use.
 from __future__ import annotations
 
 import struct
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import ShardReadError
 
@@ -19,6 +19,8 @@ _SIGNED_HEADER = struct.Struct("148b8x356b")
 _REG, _AREG, _CONT = 0x30, 0x00, 0x37  # '0', NUL, '7'
 _GNU_LONGNAME, _GNU_LONGLINK, _GNU_SPARSE = 0x4C, 0x4B, 0x53  # 'L', 'K', 'S'
 _PAX_MEMBER, _PAX_GLOBAL = 0x78, 0x67  # 'x', 'g'
+_HARDLINK, _SYMLINK = 0x31, 0x32  # '1', '2'
+_SPARSE_00 = ("GNU.sparse.offset", "GNU.sparse.numbytes")
 # Link, device, directory and fifo entries carry no data whatever their size field says
 # (tarfile and GNU tar agree); other unknown types are skipped over their data.
 _NO_DATA_TYPES = frozenset(b"123456")
@@ -79,7 +81,15 @@ def _parse_pax(
     data: bytes, url: Optional[str], offset: int, member: Optional[str]
 ) -> Dict[str, bytes]:
     """Parse pax records ``"%d %s=%s\\n"`` into a dict of keyword -> raw value."""
-    records: Dict[str, bytes] = {}
+    return dict(_pax_records(data, url, offset, member))
+
+
+def _pax_records(
+    data: bytes, url: Optional[str], offset: int, member: Optional[str]
+) -> List[Tuple[str, bytes]]:
+    """Pax records ``"%d %s=%s\\n"``, in order, repeated keywords kept (a sparse map in the pax
+    0.0 format is ``GNU.sparse.offset`` and ``GNU.sparse.numbytes`` records, repeated)."""
+    records: List[Tuple[str, bytes]] = []
     i, n = 0, len(data)
     while i < n:
         if data[i] == 0:  # some writers pad the record block with NULs
@@ -103,7 +113,7 @@ def _parse_pax(
                 member=member,
                 offset=offset,
             )
-        records[keyword.decode("utf-8", _SURROGATE)] = value
+        records.append((keyword.decode("utf-8", _SURROGATE), value))
         i = end
     return records
 
@@ -120,15 +130,35 @@ def _pax_size(value: bytes, url: Optional[str], offset: int, member: Optional[st
 
 
 class _Pending:
-    """Extended headers (pax ``x``/``g``, GNU ``L``/``K``) and the member they apply to."""
+    """Extended headers (pax ``x``/``g``, GNU ``L``/``K``) and the member they apply to.
 
-    __slots__ = ("gpax", "xpax", "longname", "offset")
+    :meth:`resolve` gives the member's name and size, and leaves what the member reader needs
+    for a link or a sparse member in ``pax`` (the pax values in force for it), ``linkname``
+    (its GNU ``K`` long link name, if any) and ``map00`` (its pax 0.0 sparse map, in order)."""
+
+    __slots__ = (
+        "gpax",
+        "xpax",
+        "longname",
+        "longlink",
+        "sparse00",
+        "offset",
+        "pax",
+        "linkname",
+        "map00",
+    )
 
     def __init__(self) -> None:
         self.gpax: Dict[str, bytes] = {}  # global pax values in force
         self.xpax: Optional[Dict[str, bytes]] = None  # pax values for the next member only
         self.longname: Optional[bytes] = None
+        self.longlink: Optional[bytes] = None
+        self.sparse00: List[Tuple[str, bytes]] = []
         self.offset = -1  # offset of the first extended header of the next member
+        # Of the member last resolved:
+        self.pax: Dict[str, bytes] = {}
+        self.linkname: Optional[bytes] = None
+        self.map00: List[Tuple[str, bytes]] = []
 
     def active(self) -> bool:
         """Whether the next member header needs the slow path."""
@@ -138,7 +168,9 @@ class _Pending:
         if typ == _PAX_MEMBER:
             if self.xpax is None:
                 self.xpax = {}
-            self.xpax.update(_parse_pax(data, url, hoff, None))
+            records = _pax_records(data, url, hoff, None)
+            self.xpax.update(records)
+            self.sparse00 += [r for r in records if r[0] in _SPARSE_00]
         elif typ == _PAX_GLOBAL:
             for k, v in _parse_pax(data, url, hoff, None).items():
                 # Keep only what changes how members are read, so that a harmless global
@@ -152,6 +184,8 @@ class _Pending:
             return  # a global header stands alone: it does not start a member
         elif typ == _GNU_LONGNAME:
             self.longname = _nts(data)
+        elif typ == _GNU_LONGLINK:
+            self.longlink = _nts(data)
         if self.offset < 0:
             self.offset = hoff
 
@@ -165,23 +199,20 @@ class _Pending:
             name_b = self.longname
         if pax.get("path"):
             name_b = pax["path"]
+        if pax.get("GNU.sparse.name"):  # pax sparse 0.1 and 1.0 keep the real name here
+            name_b = pax["GNU.sparse.name"]
         name = name_b.decode("utf-8", _SURROGATE)
         offset = hoff if self.offset < 0 else self.offset
+        self.pax, self.linkname, self.map00, self.sparse00 = pax, self.longlink, self.sparse00, []
         self.xpax = None
-        self.longname = None
+        self.longname = self.longlink = None
         self.offset = -1
-        if hdr[156] == _GNU_SPARSE or any(k.startswith("GNU.sparse.") for k in pax):
-            if "GNU.sparse.name" in pax:  # pax sparse 1.0 keeps the real name here
-                name = pax["GNU.sparse.name"].decode("utf-8", _SURROGATE)
-            raise ShardReadError(
-                "GNU sparse members are not supported; re-create the shard without "
-                "--sparse (or with tar --format=ustar)",
-                url=url,
-                member=name,
-                offset=offset,
-            )
         if pax.get("size"):
             size = _pax_size(pax["size"], url, hoff, name)
         else:
             size = _number(hdr[124:136], "size", url, hoff, name)
         return name, size, offset
+
+    def sparse(self, hdr: bytes) -> bool:
+        """Whether the member last resolved, of header ``hdr``, is a GNU sparse member."""
+        return hdr[156] == _GNU_SPARSE or any(k.startswith("GNU.sparse.") for k in self.pax)

@@ -20,21 +20,26 @@ import zlib
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import ShardReadError
+from ..io.urls import local_path as url_local_path
 from .compression import sniffed_chunks
 from .ending import EndWithoutMarker, _end_of_stream, _end_or_damage
 from .fields import (
     _AREG,
     _CONT,
     _EXTENDED_TYPES,
+    _GNU_SPARSE,
+    _HARDLINK,
     _NO_DATA_TYPES,
     _PAX_MEMBER,
     _REG,
     _SURROGATE,
+    _SYMLINK,
     _checksum_ok,
     _nts,
     _number,
     _Pending,
 )
+from .links import Earlier, link_target, read_sparse
 
 __all__ = ["read_members", "EndWithoutMarker", "DEFAULT_MAX_MEMBER_SIZE"]
 
@@ -43,6 +48,7 @@ _MAX_MEMBER_SIZE = 1 << 46
 # Extended headers (pax records, GNU long names) are held whole in memory, so cap them.
 _MAX_EXTENDED_SIZE = 1 << 26
 _MAX_UNSIGNED_CHKSUM = 512 * 255
+_SPARSE_TYPES = (_REG, _AREG, _CONT, _GNU_SPARSE)
 #: The largest member read out of a compressed shard (.tar.gz, .tar.bz2, .tar.xz) by default. A
 #: plain tar's members are bounded by the file itself; a compressed one can claim (and expand to)
 #: any size from a few KB, and every member is held whole in memory.
@@ -54,13 +60,18 @@ def read_members(
     url: Optional[str] = None,
     max_member_size: Optional[int] = None,
     start: int = 0,
+    local_path: Optional[str] = None,
 ) -> Iterator[Tuple[str, bytes, int]]:
     """Yield ``(name, data, header_offset)`` for each regular file in a tar stream, in order.
 
     ``stream`` only needs ``read(n)``; it is read sequentially and never closed here (the caller
     owns it). Compression (gzip, bzip2, xz) is detected from the first bytes. ``header_offset`` is
     the byte offset of the member's header (its first extended header, if any) in the
-    uncompressed stream. Directories, links, devices and fifos are skipped. Any malformed input
+    uncompressed stream. Directories, devices and fifos are skipped. A hard link reads as the
+    bytes of the member it names, a symbolic link whose name has a dot as those of its target in
+    the archive, a GNU sparse member as its real size with the holes as zeros (see
+    :mod:`webds.tar.links`; a link is read again from ``local_path``, the shard's file, by
+    default the file ``url`` names, and refused where there is none). Any malformed input
     raises :class:`~webds.errors.ShardReadError`::
 
         with open("shard-000000.tar", "rb") as f:
@@ -82,6 +93,7 @@ def read_members(
     try:
         adler32 = zlib.adler32
         scan = _Scan(chunks.__next__, url, start)
+        scan.links = (local_path, compression, limit, max_member_size)
         buf, pos, nbuf, base = b"", 0, 0, start  # pos: the next header in buf, which starts at base
         # slow: scan.pending.active(), kept in a local for the fast path; xoff: the offset of a
         # pax header skipped on the fast path, awaiting its member (-1: none); paxes: see _Scan.
@@ -144,7 +156,10 @@ def read_members(
                 name, size, moff, buf, pos, base, xoff = scan.other(hdr, hoff, buf, pos, base, xoff)
                 nbuf, slow, paxes = len(buf), scan.pending.active(), scan.paxes
                 if name is None:
-                    continue  # nothing to read: pos is past the entry
+                    if scan.made is not None:  # a link or a sparse member, read by scan.other
+                        made, scan.made = scan.made, None
+                        yield made
+                    continue  # (else nothing to read: pos is past the entry)
             if size < 0 or size > limit:
                 raise _too_large(size, limit, compression, url, name, hoff)
             dstart = pos + 512
@@ -197,6 +212,9 @@ class _Scan:
         "last_name",
         "last_data_end",
         "chunk",
+        "links",
+        "earlier",
+        "made",
     )
 
     def __init__(self, nextchunk: Callable[[], bytes], url: Optional[str], start: int) -> None:
@@ -215,6 +233,19 @@ class _Scan:
         # freed at once, its memory can go back to the system, to be mapped (and faulted in)
         # again for the next chunk: ~8% on small members.
         self.chunk = b""
+        # Links and sparse members (webds.tar.links): (the shard's local path, its compression,
+        # the member limit, max_member_size); what finds the members links name, made at the
+        # first link; the member read in other(), to be yielded.
+        self.links: Tuple[Optional[str], Optional[str], int, Optional[int]] = (None, None, 0, None)
+        self.earlier: Optional[Earlier] = None
+        self.made: Optional[Tuple[str, bytes, int]] = None
+
+    @property
+    def sparse_limit(self) -> int:
+        """The largest real size of a sparse member: ``max_member_size``, else that of a member
+        of a compressed stream (a sparse member expands as one does)."""
+        given = self.links[3]
+        return DEFAULT_MAX_MEMBER_SIZE if given is None else given
 
     def other(
         self, hdr: bytes, hoff: int, buf: bytes, pos: int, base: int, xoff: int
@@ -244,8 +275,16 @@ class _Scan:
         name, size, moff = pending.resolve(hdr, self.url, hoff)
         if typ == _AREG and name.endswith("/"):
             typ = 0x35  # a v7 directory
+        if typ in _SPARSE_TYPES and pending.sparse(hdr):
+            data, buf, pos, base = read_sparse(self, hdr, buf, pos, base, name, size, hoff)
+            self.made, self.last_name, self.last_data_end = (name, data, moff), name, base + pos
+            return None, 0, 0, buf, pos, base, xoff
         if typ == _REG or typ == _CONT or typ == _AREG:
             return name, size, moff, buf, pos, base, xoff
+        if typ == _HARDLINK or (typ == _SYMLINK and "." in name.rpartition("/")[2]):
+            self.made = (name, self._linked(typ, name, link_target(hdr, pending), hoff, hdr), moff)
+            self.last_name, self.last_data_end = name, hoff + 512
+            return None, 0, 0, buf, pos + 512, base, xoff
         if typ in _NO_DATA_TYPES:
             return None, 0, 0, buf, pos + 512, base, xoff
         size = max(size, 0)
@@ -259,6 +298,15 @@ class _Scan:
         # Unknown entry type: skip its data.
         self.last_name, self.last_data_end = name, hoff + 512 + size
         return None, 0, 0, buf, pos + 512 + ((size + 511) & -512), base, xoff
+
+    def _linked(self, typ: int, name: str, target: str, hoff: int, hdr: bytes) -> bytes:
+        """The bytes of link ``name`` to ``target`` (:class:`~webds.tar.links.Earlier`)."""
+        if self.earlier is None:
+            path, compression, limit, _ = self.links
+            if path is None and self.url:
+                path = url_local_path(self.url)
+            self.earlier = Earlier(self.url, path, compression, limit)
+        return self.earlier.data(typ, name, target, hoff, hdr)
 
     def harmless(self, hdr: bytes, hoff: int, buf: bytes, pos: int) -> bool:
         """Whether the pax header ``hdr`` at ``buf[pos]`` (stream offset ``hoff``) has records
