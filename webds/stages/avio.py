@@ -68,6 +68,10 @@ DEMUXERS = (
     "wav aac asf ivf flv obu sox"
 ).split()
 
+#: Demuxers whose packets' pts are not each their frame's through a seek: their videos are decoded
+#: from the start, frames numbered in the order the decoder gives them.
+_SEQUENTIAL_FORMATS = frozenset(("mpeg", "mpegts", "asf", "h264", "hevc", "m4v", "mjpeg"))
+
 #: How many bytes the stream-info probe may read (FFmpeg's default is 5 MB).
 PROBE_BYTES = 1 << 20
 _PROBE_MICROSECONDS = 1_000_000
@@ -206,6 +210,8 @@ def _check_whole(media: Media, end: float, what: str) -> None:
         return
     start = (container.start_time or 0) / 1e6
     declared = start + container.duration / 1e6
+    if "matroska" in container.format.name:
+        declared = max(container.duration / 1e6, start)  # its Duration counts from 0
     if end < declared - _TRUNCATED_SECONDS:
         raise DecodeError(
             f"the field is truncated: its header declares {declared:.3f} s, its {what} end "
@@ -256,15 +262,19 @@ class VideoTrack:
         order: List[int] = []  # pts in decode order
         keys: List[int] = []  # index into order of the keyframe before each packet
         key = -1
-        # A raw elementary stream (.h264) has no timestamps: its frames are numbered in decode
-        # order (their display order too, without B-frames) and decoded from the start.
-        self.untimed = False
+        # A raw elementary stream (.h264) has no timestamps, and in MPEG program and transport
+        # streams and ASF a packet's pts need not be its frame's after a seek (MPEG-1/2 video
+        # came out a frame early, or twice): their frames are numbered in the order they come
+        # out of the decoder and decoded from the start, which is what a sequential decode does.
+        self.untimed = self.media.container.format.name in _SEQUENTIAL_FORMATS
+        seen = set()
         try:
             for packet in self.media.container.demux(self.stream):
                 if packet.size == 0:
                     continue  # the demuxer's flush packet
-                if packet.pts is None:
+                if packet.pts is None or packet.pts in seen:
                     self.untimed = True
+                seen.add(packet.pts)
                 if packet.is_keyframe and not self.untimed:
                     key = len(order)
                 order.append(len(order) if self.untimed else packet.pts)
@@ -281,10 +291,12 @@ class VideoTrack:
                 f"the video is truncated: its header declares {declared} frames, the field "
                 f"holds {len(order)}"
             )
+        self.offset = 0.0
         if self.untimed:
             rate = self.stream.average_rate or self.stream.guessed_rate or 25
             self.time_base = 1 / rate
             order, keys = list(range(len(order))), [0] * len(order)
+            self.offset = (self.media.container.start_time or 0) / 1e6
         self.order, self.keys = order, keys
         self.pts = sorted(order)
         self._ordinal = {p: i for i, p in enumerate(order)}  # decode position of each pts
@@ -301,7 +313,7 @@ class VideoTrack:
             raise _over("its duration in seconds", self.seconds(self.pts[-1]), "max_seconds", limit)
 
     def seconds(self, pts: int) -> float:
-        return float(pts * self.time_base)
+        return self.offset + float(pts * self.time_base)
 
     def __len__(self) -> int:
         return len(self.pts)
@@ -344,9 +356,9 @@ class VideoTrack:
         ends = [self.order[last] for _, last in spans]
         done = 0
         for (first, _), end in zip(spans, ends):
-            start = self.order[first]
-            got = self._decode_span(start, end, wanted)
-            for pts, frame in got:
+            # Each frame is handed on as it is decoded: a list of them held 290 KB a frame
+            # (FFmpeg's buffers) whatever its size, gigabytes for a long video of tiny frames.
+            for pts, frame in self._decode_span(self.order[first], end, wanted):
                 done += 1
                 yield pts, frame
         if done != len(wanted):
@@ -371,10 +383,9 @@ class VideoTrack:
             ctx.skip_frame = "DEFAULT"
             ctx.flush_buffers()  # the next run starts clean from its own keyframe
 
-    def _decode_span(self, start: int, end: int, wanted: set) -> List[Tuple[int, Any]]:
+    def _decode_span(self, start: int, end: int, wanted: set) -> Iterator[Tuple[int, Any]]:
         """Seek to the keyframe at ``start`` and decode until the frames up to ``end`` are out."""
         container, limit = self.media.container, self.limits.max_pixels
-        out: List[Tuple[int, Any]] = []
         last_needed = max(p for p in wanted if self._ordinal[p] <= self._ordinal[end])
         try:
             if self.untimed:
@@ -394,14 +405,13 @@ class VideoTrack:
                         limit,
                     )
                 if frame.pts in wanted:
-                    out.append((frame.pts, frame))
+                    yield frame.pts, frame
                 if frame.pts is not None and frame.pts >= last_needed:
                     break
         except DecodeError:
             raise
         except Exception as exn:
             raise _failed(exn, "decoding the video (a truncated or damaged field?)") from exn
-        return out
 
 
 class AudioTrack:
@@ -471,6 +481,7 @@ class AudioTrack:
         try:
             # Always seek: the container may stand past ``lo`` (an earlier clip, the video).
             container.seek(max(int(lo / stream.time_base), 0), stream=stream, backward=True)
+            self.ctx.flush_buffers()  # no state from the last clip (AAC's overlap carried over)
             for frame in container.decode(stream):
                 t = frame.time if frame.pts is not None else None
                 for out in to_float.resample(frame):
