@@ -450,6 +450,10 @@ class _Handler(BaseHTTPRequestHandler):
         payload = data[start:end]
         self.send_response(status)
         self.send_header("Content-Type", "application/x-tar")
+        if srv.content_encoding is not None:
+            # The file's bytes as they are, declared as coded: a server that stores shards
+            # gzipped and says so (or a hostile one).
+            self.send_header("Content-Encoding", srv.content_encoding)
         if not unsized:
             self.send_header(*(("Last-Modified", modified) if srv.dates_only else ("ETag", etag)))
         if unsized:
@@ -536,6 +540,8 @@ class RangeHTTPServer(ThreadingHTTPServer):
         self.unsized = False
         self.unsized_cut: Optional[int] = None
         self.latency = 0.0
+        #: Send every file with this ``Content-Encoding`` header (its bytes unchanged).
+        self.content_encoding: Optional[str] = None
         self.in_flight = 0
         self.most_in_flight = 0
         self.stopping = threading.Event()

@@ -268,6 +268,7 @@ def test_out_of_memory_in_a_compressed_shard_is_not_called_corrupt(tmp_path, cod
     """With the limit lifted past the address space, the read fails as out of memory (it used
     to say corrupt data, re-download)."""
     url = member_bomb(tmp_path / f"oom.tar.{codec}", codec, 2 * GiB)
-    rc, out, _ = run_limited(READ_SHARD.format(url=url, args="max_member_size=4 << 30"), 512 * MiB)
+    args = "max_member_size=4 << 30, max_sample_bytes=4 << 30"  # both limits lifted
+    rc, out, _ = run_limited(READ_SHARD.format(url=url, args=args), 512 * MiB)
     assert rc == 0, out
     assert "out of memory" in out and "corrupt" not in out, out

@@ -30,7 +30,7 @@ _EXPORTS: List[Tuple[str, str]] = [
         "errors",
         "WebdsError ArgumentError OpenError ShardReadError SampleError DecodeError EncodeError "
         "WriteError LengthError ResumeError SecureModeError NotFoundError MissingFieldError "
-        "NoSamplesError NotATarError",
+        "NoSamplesError NotATarError SampleTooLargeError",
     ),
     ("stages.decode", "DecodingError"),
     # handlers

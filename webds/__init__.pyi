@@ -44,6 +44,7 @@ from .errors import NotFoundError as NotFoundError
 from .errors import OpenError as OpenError
 from .errors import ResumeError as ResumeError
 from .errors import SampleError as SampleError
+from .errors import SampleTooLargeError as SampleTooLargeError
 from .errors import SecureModeError as SecureModeError
 from .errors import ShardReadError as ShardReadError
 from .errors import WebdsError as WebdsError

@@ -34,6 +34,7 @@ __all__ = [
     "MissingFieldError",
     "NoSamplesError",
     "NotATarError",
+    "SampleTooLargeError",
 ]
 
 
@@ -144,6 +145,13 @@ class NoSamplesError(WebdsError, ValueError):
 
 class DecodeError(WebdsError, ValueError):
     """A field of a sample could not be decoded."""
+
+
+class SampleTooLargeError(ShardReadError, DecodeError):
+    """A sample holds more bytes than ``max_sample_bytes`` allows: its members in a compressed
+    shard, or its fields as decompressed at decode (maybe a decompression bomb). Both a
+    :class:`ShardReadError` (raised by the tar reader) and a :class:`DecodeError` (by decode),
+    so the handlers that skip or raise either decide for it too."""
 
 
 class EncodeError(WebdsError, ValueError):

@@ -315,7 +315,9 @@ class WebDataset(DataPipeline, FluentMixin):
       mid-epoch resume; ``balance`` (with an index): ``"pad"`` (the default) or ``"drop"``.
     - ``cache_dir`` / ``cache_size`` / ``cache_local``: keep remote shards (local ones too with
       ``cache_local``) in a directory; ``cache_size`` > 0 bounds it in bytes, 0 turns it off.
-    - ``max_member_size``: the largest member read out of a compressed shard (default 1 GiB).
+    - ``max_member_size``: the largest member read out of a compressed shard (default 1 GiB);
+      ``max_sample_bytes``: the most bytes one sample's members may hold together (default
+      512 MiB in a compressed shard; given, in plain shards too).
     - ``accept_unterminated``: read a shard without its end-of-archive marker as complete, with a
       warning (default: ``WDS_ACCEPT_UNTERMINATED``).
     - ``readahead`` / ``readahead_shards``: fetch the next remote shards while one is read (128 MiB;
@@ -357,6 +359,7 @@ class WebDataset(DataPipeline, FluentMixin):
         index: Union[str, "os.PathLike[str]", ShardIndex, bool, None] = None,
         balance: Optional[str] = None,
         max_member_size: Optional[int] = None,
+        max_sample_bytes: Optional[int] = None,
         accept_unterminated: Optional[bool] = None,
         readahead: Union[bool, int, None] = None,
         readahead_shards: Union[int, str] = DEFAULT_READAHEAD_SHARDS,
@@ -409,6 +412,7 @@ class WebDataset(DataPipeline, FluentMixin):
                 select_files=select_files,
                 rename_files=rename_files,
                 max_member_size=max_member_size,
+                max_sample_bytes=max_sample_bytes,
                 accept_unterminated=accept_unterminated,
                 readahead=readahead,
                 # "auto" learned once per dataset, not once per pass.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from .saved import LedgerState, SlotState
+from .saved import LedgerState, Runs, SlotState
 from .slots import BEYOND, RestorePlan, Slot, StageLedger, ids_of
 
 __all__ = [
@@ -69,7 +69,7 @@ class Ledger:
     def __init__(self, resume: Optional[LedgerState] = None, track: bool = False) -> None:
         self.current: Any = None
         self.probe: Any = None  # the pipeline's Probe, when it measures (stats=True)
-        self.complete: Set[int] = set()  # source items produced entirely
+        self.complete: Set[int] = Runs()  # source items produced entirely
         self.partial: Dict[int, int] = {}  # shard -> last sample number produced
         self.problem: Optional[str] = None  # why a resume from here cannot be exact
         #: Why a resumed pass could not put every buffer back as it was (it then goes on with the
@@ -87,13 +87,13 @@ class Ledger:
         self.resuming = resume is not None
         # What was consumed before the resume: all of _old_complete, samples up to _old_partial,
         # except the _holes (held at the checkpoint; read again now).
-        self._old_complete: Set[int] = set()
+        self._old_complete: Set[int] = Runs()
         self._old_partial: Dict[int, int] = {}
         self._holes: Set[int] = set()
         self._hole_shards: Set[int] = set()
         if resume is not None:
             self.complete, self.partial, self._holes = resume.reads()
-            self._old_complete = set(self.complete)
+            self._old_complete = Runs(self.complete)
             self._old_partial = dict(self.partial)
             self._hole_shards = {shard_of(i) for i in self._holes}
             for pos, saved in resume.slots.items():
@@ -286,7 +286,7 @@ class Ledger:
             if slot.ids or slot.draws
         }
         return LedgerState(
-            set(self.complete), dict(self.partial), holes, slots, list(held_after), self.unordered
+            Runs(self.complete), dict(self.partial), holes, slots, list(held_after), self.unordered
         )
 
     def _check_held(self, held: Dict[int, int]) -> None:

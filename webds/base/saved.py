@@ -17,14 +17,16 @@ This module does not import torch.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+from collections.abc import MutableSet
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple, Union
 
 from ..errors import ArgumentError, ResumeError
 from .slots import ids_of
 
 __all__ = ["VERSION", "READS", "SlotState", "LedgerState", "StreamState", "PipelineState"]
-__all__ += ["read_state", "read_states"]
+__all__ += ["read_state", "read_states", "Runs"]
 
 #: The version of the format :meth:`PipelineState.to_dict` writes: every field, always (None,
 #: [] or {} where there is nothing), so that a missing one is an error.
@@ -124,8 +126,78 @@ class _Fields:
         return out
 
 
+class Runs(MutableSet):
+    """A set of ints kept as sorted runs ``[first, last + 1)``: the ledger's source items read
+    entirely. A saved ``[[0, 10**10]]`` is two numbers here, not ten billion set entries (it
+    used to allocate until MemoryError: issue 54)::
+
+        Runs.of([[0, 3], [5, 6]])  # {0, 1, 2, 5}; 4 in it is False
+    """
+
+    __slots__ = ("_lo", "_hi")
+
+    def __init__(self, items: Iterable[int] = ()) -> None:
+        self._lo: List[int] = []
+        self._hi: List[int] = []
+        if isinstance(items, Runs):
+            self._lo, self._hi = list(items._lo), list(items._hi)
+        else:
+            for k in items:
+                self.add(k)
+
+    @classmethod
+    def of(cls, runs: Iterable[Tuple[int, int]]) -> "Runs":
+        out = cls()
+        for lo, hi in runs:
+            out.add_run(lo, hi)
+        return out
+
+    def add_run(self, lo: int, hi: int) -> None:
+        """Add ``lo, ..., hi - 1``, joining the runs it touches."""
+        if lo >= hi:
+            return
+        i = bisect_left(self._hi, lo)  # the first run ending at or after lo
+        j = bisect_right(self._lo, hi)  # past the last run starting at or before hi
+        if i < j:
+            lo, hi = min(lo, self._lo[i]), max(hi, self._hi[j - 1])
+        self._lo[i:j], self._hi[i:j] = [lo], [hi]
+
+    def add(self, k: int) -> None:
+        self.add_run(k, k + 1)
+
+    def discard(self, k: int) -> None:
+        i = bisect_right(self._lo, k) - 1
+        if i < 0 or k >= self._hi[i]:
+            return
+        lo, hi = self._lo[i], self._hi[i]
+        pieces = [(a, b) for a, b in ((lo, k), (k + 1, hi)) if a < b]
+        self._lo[i : i + 1] = [a for a, _ in pieces]
+        self._hi[i : i + 1] = [b for _, b in pieces]
+
+    def __contains__(self, k: object) -> bool:
+        if not isinstance(k, int):
+            return False
+        i = bisect_right(self._lo, k) - 1
+        return i >= 0 and k < self._hi[i]
+
+    def __iter__(self) -> Iterator[int]:
+        for lo, hi in zip(self._lo, self._hi):
+            yield from range(lo, hi)
+
+    def __len__(self) -> int:
+        return sum(hi - lo for lo, hi in zip(self._lo, self._hi))
+
+    def runs(self) -> List[List[int]]:
+        return [[lo, hi] for lo, hi in zip(self._lo, self._hi)]
+
+    def __repr__(self) -> str:
+        return f"Runs.of({self.runs()!r})"
+
+
 def _runs(ks: Set[int]) -> List[List[int]]:
     """Sorted ints as ``[first, last + 1]`` runs: ``{0, 1, 2, 5} -> [[0, 3], [5, 6]]``."""
+    if isinstance(ks, Runs):
+        return ks.runs()
     out: List[List[int]] = []
     for k in sorted(ks):
         if out and out[-1][1] == k:
@@ -135,13 +207,14 @@ def _runs(ks: Set[int]) -> List[List[int]]:
     return out
 
 
-def _read_runs(value: List[Any], path: str) -> Set[int]:
-    out: Set[int] = set()
+def _read_runs(value: List[Any], path: str) -> "Runs":
+    """The runs, kept as runs (never expanded into one entry per id)."""
+    out = Runs()
     for n, pair in enumerate(value):
         bounds = _ints(pair, f"{path}[{n}]")
-        if len(bounds) != 2 or bounds[0] > bounds[1]:
-            raise _bad(f"{path}[{n}]", pair, "a run [first, last + 1]")
-        out.update(range(bounds[0], bounds[1]))
+        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+            raise _bad(f"{path}[{n}]", pair, "a run [first, last + 1] of source items >= 0")
+        out.add_run(bounds[0], bounds[1])
     return out
 
 
@@ -161,7 +234,7 @@ class LedgerState:
     stage's slot by its position, the ids of the items held after this stream (by a
     WebLoader's main process), and why the order could not be kept (``unordered``)."""
 
-    complete: Set[int] = field(default_factory=set)
+    complete: Set[int] = field(default_factory=Runs)
     partial: Dict[int, int] = field(default_factory=dict)
     holes: Set[int] = field(default_factory=set)
     slots: Dict[int, SlotState] = field(default_factory=dict)
@@ -174,7 +247,7 @@ class LedgerState:
         holes = set(self.holes)
         for slot in self.slots.values():
             holes.update(ids_of(slot.ids))
-        return set(self.complete), dict(self.partial), holes
+        return Runs(self.complete), dict(self.partial), holes
 
     def to_dict(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {

@@ -25,7 +25,7 @@ import sys
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from ..base.redact import redact
-from ..errors import ArgumentError, ShardReadError
+from ..errors import ArgumentError, OpenError, ShardReadError
 from .retrying import ReadStalled
 from .streams import ReadStream
 
@@ -127,6 +127,11 @@ async def _http_get(fs: Any, path: str, offset: int, pin: Dict[str, Any]) -> _Bo
     headers = dict(kwargs.pop("headers", None) or {})
     # The size and the range are in bytes of the object as stored, not as transfer-decoded.
     headers.setdefault("Accept-Encoding", "identity")
+    # A body sent with a content coding all the same is read as it was sent, not inflated by
+    # aiohttp out of sight: a gzip one is then a .tar.gz to the tar reader, its members and
+    # samples bounded as in any compressed shard (issue 54: a 1 MB gzip body inflated to a
+    # plain tar with a 1.1 GiB member). The caller may ask otherwise: auto_decompress=True.
+    kwargs.setdefault("auto_decompress", False)
     if offset:
         headers["Range"] = f"bytes={offset}-"
         # The rest of this version only (a weak ETag can't say so: the date then).
@@ -141,10 +146,31 @@ async def _http_get(fs: Any, path: str, offset: int, pin: Dict[str, Any]) -> _Bo
             _pinned(pin, "modified", r.headers.get("Last-Modified"), offset, "last modified")
         _pinned(pin, "etag", r.headers.get("ETag"), offset, "ETag")
         size = _object_size(r.status, r.headers, offset)
+        if not kwargs["auto_decompress"]:
+            _check_coding(r.headers.get("Content-Encoding"), path)
     except BaseException:
         r.close()
         raise
     return _salvaging(r.content), r.close, size
+
+
+#: Content codings whose bytes the readers take as they come: gzip is sniffed from its magic
+#: bytes and read as a compressed shard (bounded like one).
+_READ_AS_SENT = ("", "identity", "gzip", "x-gzip")
+
+
+def _check_coding(coding: Optional[str], path: str) -> None:
+    """Refuse a body in a content coding no reader would recognise (br, deflate, zstd...)."""
+    codings = [c.strip().lower() for c in (coding or "").split(",")]
+    if any(c not in _READ_AS_SENT for c in codings) or len([c for c in codings if c]) > 1:
+        raise OpenError(
+            f"the server sent the object with 'Content-Encoding: {coding}', though webds asked "
+            "for it as stored (Accept-Encoding: identity); webds reads a body as sent and knows "
+            "only gzip. Serve shards without a content coding, or pass "
+            "storage_options={'auto_decompress': True} to have the HTTP client decode it (then "
+            "unbounded: the decoded bytes are read as a plain tar)",
+            url=path,
+        )
 
 
 def _salvaging(content: Any) -> Callable[[int], Awaitable[bytes]]:

@@ -374,6 +374,14 @@ def _stored_url(url: str, location: Optional[str]) -> str:
     return os.path.abspath(url) if _is_relative(url) else url
 
 
+#: The fewest bytes of tar a sample takes: one member's header (an empty member has no data block).
+_MIN_SAMPLE_BYTES = 512
+#: How far a compressed shard may shrink its tar, at most, for that check: gzip about 1000x,
+#: bzip2 of zeros about 4.6e7x. A shard's name does not say whether it is compressed (readers
+#: sniff), so every shard gets this: it only refuses absurd counts.
+_MAX_RATIO = 1 << 26
+
+
 def _shard_from_entry(entry: Any, i: int, url: str, location: Optional[str]) -> ShardInfo:
     what = f"shard entry {i}"
     if not isinstance(entry, dict):
@@ -389,6 +397,15 @@ def _shard_from_entry(entry: Any, i: int, url: str, location: Optional[str]) -> 
         raise _bad(url, f"{what} has 'samples': {samples!r}, not a count")
     if size is not None and not _is_count(size):
         raise _bad(url, f"{what} has 'bytes': {size!r}, not a size")
+    if size is not None and samples * _MIN_SAMPLE_BYTES > size * _MAX_RATIO:
+        # Before anything is sized by the count (a sampler's order: 10**12 samples claimed
+        # by an index made ChunkedSampler allocate until MemoryError, issue 54).
+        raise _bad(
+            url,
+            f"{what} has 'samples': {samples!r}, more than its {size:,} bytes can hold (a "
+            f"sample takes at least {_MIN_SAMPLE_BYTES} bytes of tar, and no compression shrinks "
+            "a tar 2**26 times); re-create it with webds index",
+        )
     sha = entry.get("sha256")
     if sha is not None and not (isinstance(sha, str) and re.fullmatch("[0-9a-fA-F]{64}", sha)):
         raise _bad(url, f"{what} has 'sha256': {sha!r}, not a 64-digit hex digest")

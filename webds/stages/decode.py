@@ -23,9 +23,17 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optio
 from ..base.handlers import Handler, reraise_exception
 from ..base.runs import Run
 from ..base.stage import SAME, stage
-from ..errors import ArgumentError, DecodeError, SecureModeError
+from ..errors import ArgumentError, DecodeError, SampleTooLargeError, SecureModeError
 from .codecs import ALWAYS_DECODE, BasicHandlers, Route, imagehandler, imagespecs, pure_route
-from .limits import FIELD_CODECS, MAX_FIELD_BYTES, MAX_PIXELS, check_max, decompress_field
+from .limits import (
+    FIELD_CODECS,
+    MAX_FIELD_BYTES,
+    MAX_PIXELS,
+    MAX_SAMPLE_BYTES,
+    SampleBudget,
+    check_max,
+    decompress_field,
+)
 from .threads import apply_maybe_threaded, check_threads
 
 __all__ = [
@@ -72,7 +80,8 @@ def gzfilter(key: str, data: bytes) -> Optional[Continue]:
 class Decompress:
     """The decoder's first handler: decompress ``.gz``, ``.bz2`` and ``.xz`` fields and continue
     with the inner extension (``.npy.xz`` -> ``.npy``), refusing more than ``max_field_bytes``
-    of output (None: no limit) with a DecodeError, at bounded memory."""
+    of output (None: no limit) with a DecodeError, at bounded memory; within a
+    :class:`Decoder`'s sample, also to what is left of its ``max_sample_bytes``."""
 
     def __init__(self, max_field_bytes: Optional[int] = MAX_FIELD_BYTES) -> None:
         self.max_field_bytes = check_max("max_field_bytes", max_field_bytes)
@@ -82,6 +91,9 @@ class Decompress:
         codec = codec.lower()
         if codec not in FIELD_CODECS:
             return None
+        budget = SampleBudget.current()
+        if budget is not None:
+            return Continue(stem, budget.decompress(data, codec, self.max_field_bytes))
         return Continue(stem, decompress_field(data, codec, self.max_field_bytes))
 
     def decode_route(self, key: str) -> Optional[Route]:
@@ -138,7 +150,8 @@ class Decoder:
     """Decode every field of a sample through a chain of handlers ``pre + handlers + post``.
 
     ``pre`` defaults to ``[Decompress(max_field_bytes)]`` (``.gz``, ``.bz2``, ``.xz`` fields, at
-    most 256 MiB each by default) and ``post`` to ``[BasicHandlers(allow_pickle, weights_only)]``.
+    most 256 MiB each by default, and 512 MiB for all of one sample's: ``max_sample_bytes``,
+    None for no limit) and ``post`` to ``[BasicHandlers(allow_pickle, weights_only)]``.
     ``only`` (a space-separated string or a list of exact field names) limits decoding to those
     fields. With ``partial=False`` every field must still be bytes; with
     ``partial=True`` fields that are not bytes pass through.
@@ -155,7 +168,9 @@ class Decoder:
         allow_pickle: bool = False,
         weights_only: bool = True,
         max_field_bytes: Optional[int] = MAX_FIELD_BYTES,
+        max_sample_bytes: Optional[int] = MAX_SAMPLE_BYTES,
     ) -> None:
+        self.max_sample_bytes = check_max("max_sample_bytes", max_sample_bytes)
         pre = [Decompress(max_field_bytes)] if pre is None else list(pre)
         post = [BasicHandlers(allow_pickle, weights_only)] if post is None else list(post)
         chain = pre + list(handlers) + post
@@ -196,6 +211,13 @@ class Decoder:
                 f"decode works on dict samples, got a {type(sample).__name__}; "
                 "put decode before to_tuple / batched"
             )
+        limit = self.__dict__.get("max_sample_bytes", MAX_SAMPLE_BYTES)
+        if limit is None:
+            return self._decode(sample)
+        with SampleBudget(limit):
+            return self._decode(sample)
+
+    def _decode(self, sample: Mapping[str, Any]) -> Dict[str, Any]:
         result: Dict[str, Any] = {}
         routes = self._routes()
         only = self.only
@@ -227,11 +249,12 @@ class Decoder:
                     result[k] = self.decode1(k, v, sample)
                     continue
                 result[k] = _decoded(route, v)
-            except SecureModeError as exn:
-                # A refusal, not bad data: raised as it is, saying where.
+            except (SecureModeError, SampleTooLargeError) as exn:
+                # A refusal, or the sample's budget: raised as it is, saying where.
                 url, skey = sample.get("__url__"), sample.get("__key__")
                 exn.url = exn.url or (url if isinstance(url, str) else None)
                 exn.member = exn.member or (f"{skey}.{k}" if isinstance(skey, str) else None)
+                exn.key = exn.key or (skey if isinstance(skey, str) else None)
                 raise
             except Exception as exn:
                 raise _decode_error(exn, sample.get("__url__"), sample.get("__key__"), k) from exn
@@ -372,6 +395,7 @@ def make_decoder(
     weights_only: bool = True,
     max_field_bytes: Optional[int] = MAX_FIELD_BYTES,
     max_pixels: Optional[int] = MAX_PIXELS,
+    max_sample_bytes: Optional[int] = MAX_SAMPLE_BYTES,
 ) -> Decoder:
     """Build the Decoder that ``decode(*args, ...)`` uses.
 
@@ -406,6 +430,7 @@ def make_decoder(
         allow_pickle=allow_pickle,
         weights_only=weights_only,
         max_field_bytes=max_field_bytes,
+        max_sample_bytes=max_sample_bytes,
     )
 
 
@@ -422,6 +447,7 @@ def decode(
     weights_only: bool = True,
     max_field_bytes: Optional[int] = MAX_FIELD_BYTES,
     max_pixels: Optional[int] = MAX_PIXELS,
+    max_sample_bytes: Optional[int] = MAX_SAMPLE_BYTES,
     threads: int = 0,
     epoch: int = 0,
     pipeline_seed: Optional[int] = None,
@@ -432,8 +458,9 @@ def decode(
     ``decode("rgb8")`` gives images as uint8 HxWx3 arrays, ``.cls`` as int, ``.json`` parsed...
     ``allow_pickle=True`` enables ``.pyd/.pickle/.pkl``; ``weights_only=False`` lets ``.pth``
     hold arbitrary objects. ``.gz``, ``.bz2`` and ``.xz`` fields are decompressed to at most
-    ``max_field_bytes`` (256 MiB), and images decoded up to ``max_pixels`` (89,478,485): a field
-    past either is a DecodeError (None: no limit). Failures raise DecodeError unless
+    ``max_field_bytes`` (256 MiB) each and ``max_sample_bytes`` (512 MiB) for all of one sample's
+    together, and images decoded up to ``max_pixels`` (89,478,485): a field past either is a
+    DecodeError (the sample's budget a SampleTooLargeError, also a DecodeError; None: no limit). Failures raise DecodeError unless
     ``handler`` says otherwise. Random decoders (``RandomResizedCropDecoder``) draw from the
     pipeline's seed and epoch. ``threads=N`` decodes in N threads, samples in input order (see
     :mod:`webds.stages.threads`).
@@ -449,5 +476,6 @@ def decode(
         weights_only=weights_only,
         max_field_bytes=max_field_bytes,
         max_pixels=max_pixels,
+        max_sample_bytes=max_sample_bytes,
     ).bind_pass(pipeline_seed, epoch)
     return apply_maybe_threaded(src, decoder, handler, "decode", threads, ledger=ledger)

@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import bz2
 import io
+import threading
 import lzma
 import struct
 import zlib
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
-from ..errors import ArgumentError, DecodeError
+from ..errors import ArgumentError, DecodeError, SampleTooLargeError
+from ..tar.reader import DEFAULT_MAX_SAMPLE_BYTES
 
 __all__ = [
     "FIELD_CODECS",
     "MAX_FIELD_BYTES",
     "MAX_PIXELS",
+    "MAX_SAMPLE_BYTES",
+    "SampleBudget",
     "check_max",
     "check_pixels",
     "decompress_field",
@@ -37,10 +41,21 @@ __all__ = [
 #: Default of ``decode(max_field_bytes=...)``: 256 MiB, the scale of Pillow's image limit (an
 #: ``rgb8`` image at ``MAX_PIXELS`` is 256 MiB). A field is one file of one sample and is held
 #: whole in memory (and, decoded, usually once more), so fields of real datasets stay below this;
-#: a bomb is stopped after 256 MiB, so a worker's memory peaks under 512 MB for any field bomb
-#: (measured in tests/test_bombs.py). Larger genuine fields (a big ``.npy.gz`` volume) need
-#: ``decode(..., max_field_bytes=N)``.
+#: a bomb is stopped after 256 MiB, so a worker's memory peaks under 512 MB for any one field
+#: bomb (measured in tests/test_bombs.py). Larger genuine fields (a big ``.npy.gz`` volume) need
+#: ``decode(..., max_field_bytes=N)``. A sample's fields together are held to
+#: :data:`MAX_SAMPLE_BYTES`.
 MAX_FIELD_BYTES = 256 << 20
+
+#: Default of ``decode(max_sample_bytes=...)`` and of ``tarfile_to_samples(max_sample_bytes=...)``
+#: (``WebDataset(max_sample_bytes=...)``): 512 MiB, one sample's budget. At decode it bounds what
+#: decompression produces for all the ``.gz``/``.bz2``/``.xz`` fields of one sample together
+#: (five fields each under ``max_field_bytes`` would otherwise hold 1.25 GiB); in a compressed
+#: shard, the bytes of one sample's members together (checked on each header, before the member
+#: is read; plain shards only when given). So a bomb in any field, or spread over a sample's
+#: fields or members, stops at about 512 MiB held: the process under 640 MB (measured in
+#: tests/test_sample_budget.py). Several large images (a few of 50 MB) pass with room to spare.
+MAX_SAMPLE_BYTES = DEFAULT_MAX_SAMPLE_BYTES
 
 #: Default of ``decode(max_pixels=...)``: 89,478,485 pixels (about 9459x9459), the number Pillow
 #: uses for its ``Image.MAX_IMAGE_PIXELS``, so no image that decodes quietly today is refused.
@@ -89,21 +104,30 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
-def decompress_field(data: bytes, codec: str, max_bytes: Optional[int] = MAX_FIELD_BYTES) -> bytes:
+def decompress_field(
+    data: bytes,
+    codec: str,
+    max_bytes: Optional[int] = MAX_FIELD_BYTES,
+    too_large: Optional[Callable[[], Exception]] = None,
+    xz_limit: Any = "max_bytes",
+) -> bytes:
     """Decompress a ``gz``, ``bz2`` or ``xz`` field, refusing more than ``max_bytes`` of output.
 
     Concatenated members or streams are read as ``gzip``/``bz2``/``lzma.decompress`` read them.
-    Output is produced in 1 MiB steps, so a bomb is stopped holding at most ``max_bytes`` plus
-    one step (a field within the limit is then joined into one bytes object, briefly twice its
-    size). ``max_bytes=None``: no limit.
+    Output is produced in 1 MiB steps into one growing buffer (not a list joined at the end,
+    which held the field twice), so a bomb is stopped holding at most ``max_bytes`` plus one
+    step. ``max_bytes=None``: no limit. ``too_large()`` makes the error raised past the limit
+    (default: a DecodeError naming ``max_field_bytes``); ``xz_limit`` is the limit an xz
+    dictionary is held to (default ``max_bytes``; None: none).
 
         decompress_field(gzip.compress(b"hi"), "gz", max_bytes=2)   # b"hi"; max_bytes=1 raises
     """
+    dict_limit = max_bytes if xz_limit == "max_bytes" else xz_limit
     makers: dict = {
         "gz": lambda: _Zlib(zlib.decompressobj(16 + zlib.MAX_WBITS)),
         "bz2": bz2.BZ2Decompressor,
         "xz": lambda: lzma.LZMADecompressor(
-            memlimit=None if max_bytes is None else max(max_bytes, _XZ_MEMLIMIT_FLOOR)
+            memlimit=None if dict_limit is None else max(dict_limit, _XZ_MEMLIMIT_FLOOR)
         ),
     }
     if codec not in makers:
@@ -111,33 +135,33 @@ def decompress_field(data: bytes, codec: str, max_bytes: Optional[int] = MAX_FIE
     limit = check_max("max_field_bytes", max_bytes)
     if not data and codec != "xz":
         return b""  # as gzip.decompress and bz2.decompress (lzma.decompress refuses it)
-    chunks: List[bytes] = []
-    total = 0
+    out = io.BytesIO()  # grows in place (realloc): its getvalue() is the buffer, no copy
     pending = data if isinstance(data, bytes) else bytes(data)
     first = True
     while first or pending:
-        start = len(chunks)
+        start = out.tell()
         try:
-            pending, total = _one_stream(makers[codec], pending, chunks, total, limit, codec)
-        except DecodeError:
+            pending = _one_stream(makers[codec], pending, out, limit, codec, too_large)
+        except (DecodeError, SampleTooLargeError):
             raise
         except (OSError, EOFError, lzma.LZMAError, zlib.error) as exn:
             if "Memory usage limit" in str(exn):  # liblzma: the dictionary is too large
                 raise DecodeError(
                     f"xz data asks for a decoder dictionary over its memory limit "
-                    f"({_size(max(limit or 0, _XZ_MEMLIMIT_FLOOR))}: max_field_bytes, at least "
+                    f"({_size(max(dict_limit or 0, _XZ_MEMLIMIT_FLOOR))}: max_field_bytes, at least "
                     f"{_size(_XZ_MEMLIMIT_FLOOR)}). If it is genuine, raise it: "
                     "decode(..., max_field_bytes=N)"
                 ) from None
             if first or codec == "gz":
                 raise
             # bz2/lzma.decompress ignore what follows the first stream when it is not a stream.
-            del chunks[start:]
+            out.seek(start)
+            out.truncate()
             break
         first = False
         if codec == "gz":
             pending = pending.lstrip(b"\x00")  # gzip allows zero padding after a member
-    return b"".join(chunks)
+    return out.getvalue()
 
 
 class _Zlib:
@@ -180,28 +204,81 @@ class _Zlib:
 def _one_stream(
     make: Callable[[], Any],
     data: bytes,
-    chunks: List[bytes],
-    total: int,
+    sink: io.BytesIO,
     limit: Optional[int],
     codec: str,
-) -> tuple:
-    """Decompress one member/stream of ``data`` into ``chunks``; return (what follows it, total)."""
+    too_large: Optional[Callable[[], Exception]],
+) -> bytes:
+    """Decompress one member/stream of ``data`` into ``sink``; return what follows it."""
     d = make()
     feed = data
+    total = sink.tell()
     while not d.eof:
         step = _STEP if limit is None else min(_STEP, limit + 1 - total)
         out = d.decompress(feed, step)
         feed = b""
         if out:
-            chunks.append(out)
+            sink.write(out)
             total += len(out)
             if limit is not None and total > limit:
-                raise _field_limit_error(codec, limit)
+                raise too_large() if too_large is not None else _field_limit_error(codec, limit)
         elif d.needs_input and not d.eof:
             raise DecodeError(
                 f"{_NAMES[codec]} data is truncated: it ends inside a compressed stream"
             )
-    return d.unused_data, total
+    return d.unused_data
+
+
+# -- one sample's budget ----------------------------------------------------------------------
+
+_current = threading.local()  # the SampleBudget of the sample this thread decodes, if any
+
+
+class SampleBudget:
+    """What decompression may still produce for the fields of one sample (``max_sample_bytes``
+    of :class:`~webds.stages.decode.Decoder`). The decoder opens one per sample, for the
+    thread that decodes it (``with SampleBudget(limit):``); :class:`Decompress` draws on it."""
+
+    __slots__ = ("limit", "spent", "outer")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.spent = 0
+        self.outer: Optional["SampleBudget"] = None
+
+    def __enter__(self) -> "SampleBudget":
+        self.outer = getattr(_current, "budget", None)
+        _current.budget = self
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _current.budget = self.outer
+
+    @staticmethod
+    def current() -> Optional["SampleBudget"]:
+        """The budget of the sample this thread decodes (None outside a decoder's sample)."""
+        return getattr(_current, "budget", None)
+
+    def decompress(self, data: bytes, codec: str, max_field_bytes: Optional[int]) -> bytes:
+        """:func:`decompress_field` to the tighter of ``max_field_bytes`` and what is left of
+        the budget; past the budget a SampleTooLargeError."""
+        room = max(self.limit - self.spent, 1)
+        if max_field_bytes is not None and max_field_bytes <= room:
+            out = decompress_field(data, codec, max_field_bytes)
+        else:
+            out = decompress_field(
+                data, codec, room, too_large=self._error, xz_limit=max_field_bytes
+            )
+        self.spent += len(out)
+        return out
+
+    def _error(self) -> SampleTooLargeError:
+        return SampleTooLargeError(
+            f"the sample's compressed fields decompress to more than max_sample_bytes="
+            f"{self.limit:,} ({_size(self.limit)}) together; it may be a decompression bomb. "
+            "If such samples are genuine, raise the limit: decode(..., max_sample_bytes=N), or "
+            "max_sample_bytes=None for no limit"
+        )
 
 
 # -- images ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import re
 import zlib
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..errors import ShardReadError
+from ..errors import SampleTooLargeError, ShardReadError
 from ..io.urls import local_path as url_local_path
 from .compression import sniffed_chunks
 from .ending import EndWithoutMarker, _end_of_stream, _end_or_damage
@@ -41,7 +41,12 @@ from .fields import (
 )
 from .links import Earlier, link_target, read_sparse
 
-__all__ = ["read_members", "EndWithoutMarker", "DEFAULT_MAX_MEMBER_SIZE"]
+__all__ = [
+    "read_members",
+    "EndWithoutMarker",
+    "DEFAULT_MAX_MEMBER_SIZE",
+    "DEFAULT_MAX_SAMPLE_BYTES",
+]
 
 # No real member is this large; a size beyond it means a corrupt header, not a big file.
 _MAX_MEMBER_SIZE = 1 << 46
@@ -53,6 +58,11 @@ _SPARSE_TYPES = (_REG, _AREG, _CONT, _GNU_SPARSE)
 #: plain tar's members are bounded by the file itself; a compressed one can claim (and expand to)
 #: any size from a few KB, and every member is held whole in memory.
 DEFAULT_MAX_MEMBER_SIZE = 1 << 30
+#: The most bytes the members of one sample of a compressed shard may hold together, by default
+#: (and decode's budget for a sample's decompressed fields: ``webds.stages.limits``): 512 MiB.
+#: A sample is held whole in memory; a few KB of gzip can hold six members of 200 MB each, all
+#: under the member limit. Checked on each member's header, before a byte of it is read.
+DEFAULT_MAX_SAMPLE_BYTES = 512 << 20
 
 
 def read_members(
@@ -60,6 +70,7 @@ def read_members(
     url: Optional[str] = None,
     max_member_size: Optional[int] = None,
     start: int = 0,
+    max_sample_bytes: Optional[int] = None,
     local_path: Optional[str] = None,
 ) -> Iterator[Tuple[str, bytes, int]]:
     """Yield ``(name, data, header_offset)`` for each regular file in a tar stream, in order.
@@ -83,10 +94,15 @@ def read_members(
     block followed by data (a header zeroed by a hole in the file, or concatenated archives)
     raises :class:`~webds.errors.ShardReadError`. ``max_member_size`` bounds the members of a
     compressed stream (default :data:`DEFAULT_MAX_MEMBER_SIZE`; a larger one raises before it is
-    read); it applies to plain streams only when given.
+    read); it applies to plain streams only when given. ``max_sample_bytes`` bounds the members
+    of one sample together (consecutive members with one key, as samples are grouped), the same
+    way: default :data:`DEFAULT_MAX_SAMPLE_BYTES` for a compressed stream, checked on the header
+    of the member that would pass it (:class:`~webds.errors.SampleTooLargeError`).
     """
     compression, chunks = sniffed_chunks(stream, url)
     limit = _member_limit(max_member_size, compression)
+    budget = _sample_limit(max_sample_bytes, compression)
+    held, held_key = 0, ""  # the bytes of the sample in flight (budget), and its key
     # One generator, not two: a `yield from` layer costs ~10% on small members. The members most
     # shards are made of (a plain header; one after a pax header that changes nothing) are read
     # in this loop; headers off that path by a _Scan, which is handed the buffer and gives it back.
@@ -162,6 +178,8 @@ def read_members(
                     continue  # (else nothing to read: pos is past the entry)
             if size < 0 or size > limit:
                 raise _too_large(size, limit, compression, url, name, hoff)
+            if budget is not None:
+                held, held_key = _sample_held(name, size, held, held_key, budget, url, hoff)
             dstart = pos + 512
             dend = dstart + size
             if dend <= nbuf:
@@ -184,6 +202,40 @@ def _member_limit(max_member_size: Optional[int], compression: Optional[str]) ->
     if max_member_size is not None:
         return max_member_size
     return DEFAULT_MAX_MEMBER_SIZE if compression else _MAX_MEMBER_SIZE
+
+
+def _sample_limit(max_sample_bytes: Optional[int], compression: Optional[str]) -> Optional[int]:
+    """The most bytes one sample's members may hold together (None: no limit)."""
+    if max_sample_bytes is not None:
+        return max_sample_bytes
+    return DEFAULT_MAX_SAMPLE_BYTES if compression else None
+
+
+def _sample_held(
+    name: str, size: int, held: int, key: str, budget: int, url: Optional[str], hoff: int
+) -> Tuple[int, str]:
+    """``(held, key)`` once member ``name`` of ``size`` bytes is read: the bytes its sample
+    holds and its key; raise SampleTooLargeError past ``budget``. A name without a key (no
+    sample holds it) counts for none."""
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    if dot <= 0:
+        return held, key
+    this = name[:dot]
+    held = held + size if this == key else size
+    if held > budget:
+        raise SampleTooLargeError(
+            f"sample {this!r} holds more than max_sample_bytes={budget:,} ({budget >> 20} MiB) "
+            f"in its members (this one, {size:,} bytes, would bring it to {held:,}): a sample is "
+            "held whole in memory, and one in a compressed shard may be a decompression bomb. "
+            "If such samples are genuine, raise the limit: max_sample_bytes=N "
+            "(tarfile_to_samples, WebDataset)",
+            url=url,
+            member=name,
+            key=this,
+            offset=hoff,
+        )
+    return held, this
 
 
 class _Scan:

@@ -84,6 +84,7 @@ def tarfile_to_samples(
     lcase: bool = True,
     *,
     max_member_size: Optional[int] = None,
+    max_sample_bytes: Optional[int] = None,
     readahead: Union[bool, int, None] = None,
     readahead_shards: Union[int, str] = DEFAULT_READAHEAD_SHARDS,
     sample_starts: Optional[List[int]] = None,
@@ -98,7 +99,9 @@ def tarfile_to_samples(
 
     ``lcase=False`` keeps each extension's case (tools that copy shards use it).
     ``max_member_size`` bounds the members of compressed shards (see
-    :func:`~webds.tar.reader.read_members`). A shard must end with its end-of-archive marker; one
+    :func:`~webds.tar.reader.read_members`), and ``max_sample_bytes`` the members of one sample
+    together (default 512 MiB in a compressed shard, none in a plain one; past it a
+    :class:`~webds.errors.SampleTooLargeError`, before the member is read). A shard must end with its end-of-archive marker; one
     cut at a member boundary is an error (its sample in flight is never yielded) unless an index
     planned it and its sample count is complete, or ``accept_unterminated`` is true (default:
     the environment variable ``WDS_ACCEPT_UNTERMINATED``): the shard is then read as complete,
@@ -113,10 +116,17 @@ def tarfile_to_samples(
     :mod:`webds.base.ledger`); when resuming, the samples consumed before are skipped.
     """
     shared = ledger.ledger if isinstance(ledger, StageLedger) else ledger
+    if max_sample_bytes is not None and (
+        isinstance(max_sample_bytes, bool)
+        or not isinstance(max_sample_bytes, int)
+        or max_sample_bytes < 1
+    ):
+        raise ArgumentError(f"max_sample_bytes must be a positive number, got {max_sample_bytes!r}")
     how = _Reading(
         isinstance(ledger, StageLedger) and ledger.runs,
         Grouping(select_files, rename_files, lcase, unmarked_end=True),
         max_member_size,
+        max_sample_bytes,
         sample_starts,
         accepts_unterminated(accept_unterminated),
         readahead,
@@ -137,6 +147,7 @@ class _Reading(NamedTuple):
     runs: bool  # runs of samples may be yielded (webds.base.runs): the next stages take them
     rules: Grouping
     max_member_size: Optional[int]
+    max_sample_bytes: Optional[int]  # given: plain shards too, read member by member
     sample_starts: Optional[List[int]]
     unterminated: bool  # shards without their end-of-archive marker are read as complete
     readahead: Union[bool, int, None]
@@ -253,11 +264,11 @@ def _grouped(
 ) -> Iterator[Tuple[Any, Any]]:
     """The shard's members from stream offset ``entry``, grouped (in bulk where the rules
     allow; with ``runs``, maybe in runs of samples)."""
-    if takes_rules(rules):
+    if takes_rules(rules) and how.max_sample_bytes is None:
         return bulk_groups(
             stream, url, rules, policy, notes, local_path, how.max_member_size, entry, runs
         )
-    members = read_members(stream, url, how.max_member_size, entry)
+    members = read_members(stream, url, how.max_member_size, entry, how.max_sample_bytes)
     return group_members(members, url, rules, policy, notes, local_path)
 
 
