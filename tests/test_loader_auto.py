@@ -53,10 +53,15 @@ def burn(sample):
     """About 3 ms of this thread's CPU: a sample worth sending to a worker, and no faster in
     threads (on the process's CPU clock, threads that took turns under the GIL each ended when
     the others' turns added up to 3 ms: under load they measured as fast as the workers, and
-    the choice between them was a coin toss)."""
+    the choice between them was a coin toss); then 3 ms of waiting with the GIL held, which
+    threads take in turns and worker processes side by side: where auto runs both for real,
+    the workers win whatever else the machine's cores are doing."""
+    import ctypes
+
     end = time.thread_time() + 0.003
     while time.thread_time() < end:
         pass
+    ctypes.PyDLL(None).usleep(3000)
     return sample["__key__"]
 
 
@@ -482,3 +487,44 @@ def test_stored_shards_at_any_depth_and_in_a_mix_are_measured(spec):
         loader = webds.WebLoader(dataset, batch_size=None, num_workers="auto")
         assert loader.choice is not None
         loader.close()
+
+
+# Workers against threads, run for real where the estimate says workers: an estimate of what
+# crossing between processes costs was right on one machine and wrong on the next.
+
+
+def wait_holding_the_gil(sample):
+    """20 ms of waiting with the GIL held (a C call through ctypes.PyDLL keeps it): threads
+    take turns, worker processes wait side by side."""
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(20000)
+    return sample["__key__"]
+
+
+def wait_and_send_16_mib(sample):
+    """20 ms of waiting with the GIL released, and a 16 MiB tensor out: threads wait side by
+    side as workers do, and workers must also send the tensor."""
+    import torch
+
+    time.sleep(0.02)
+    return torch.zeros(4 << 20)
+
+
+def test_the_contest_is_settled_by_running_both(tmp_path, monkeypatch):
+    # Waiting, not computing: the outcome holds whatever else the machine's cores are doing.
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(autotune, "RUN_SECONDS", 0.3)
+    spec = shards(tmp_path, [60] * 4)
+    held = webds.WebDataset(spec, shardshuffle=False).map(wait_holding_the_gil)
+    loader = webds.WebLoader(held, batch_size=None, num_workers="auto")
+    assert loader.choice.num_workers == 2 and loader.choice.threads == 0, loader.choice
+    assert "run for real" in loader.choice.reason
+    assert [r.setting for r in loader.choice.ran] == ["num_workers=2", "threads=2"]
+    loader.close()
+    released = webds.WebDataset(spec, shardshuffle=False).map(wait_and_send_16_mib)
+    loader = webds.WebLoader(released, batch_size=None, num_workers="auto")
+    workers, threads = loader.choice.ran
+    assert loader.choice.num_workers == 0, loader.choice
+    assert threads.per_second * autotune.THREADS_GAIN >= workers.per_second
+    loader.close()

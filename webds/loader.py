@@ -41,9 +41,13 @@ from .stages.autotune import (
     LoaderChoice,
     Measured,
     choose_workers,
+    contested,
     measure_dataset,
+    measure_loader,
     rereading_effect,
+    settled_by_running,
     threadable,
+    worker_count,
 )
 from .stages.probe import PipelineStats, Probe, merged
 from .stages.threads import check_threads
@@ -70,7 +74,8 @@ class WebLoader(DataPipeline, FluentMixin):
     order, errors and resume stay as without (:mod:`webds.stages.threads`).
     ``num_workers="auto"`` reads a throwaway copy of the dataset for half a second, and again
     with ``threads`` = cores when it has such stages, and lets :func:`choose_workers` pick the
-    worker processes or the threads (``choice``, ``stats()`` and a log line say what and why);
+    worker processes or the threads, running both for real where they contest it
+    (``choice``, ``stats()`` and a log line say what and why);
     a loaded state's workers win over a new measurement. docs/api/loading.md has more.
     """
 
@@ -176,6 +181,17 @@ def _auto(args: tuple, kwargs: Dict[str, Any], measure_threads: bool) -> LoaderC
         threaded = measure_dataset(dataset, threads=cores)
     measured = measure_dataset(dataset, as_worker=True)
     choice = choose_workers(measured, batch or 1, cores, shards, threaded)
+    if contested(choice):
+        # The workers' speed above is an estimate, the threads' a measurement: run both.
+        def run(workers: int, threads: Optional[int]) -> "WebLoader":
+            kw = _with_workers({**kwargs, "persistent_workers": False}, workers)
+            kw.pop("dataset", None)
+            return WebLoader(copy.deepcopy(dataset), *args[1:], threads=threads, **kw)
+
+        n = choice.num_workers or worker_count(cores, shards)
+        ran = measure_loader(lambda: run(n, None), f"num_workers={n}", warm=n + 1)
+        threaded_ran = measure_loader(lambda: run(0, cores), f"threads={cores}", warm=1)
+        choice = settled_by_running(choice, ran, threaded_ran)
     log.info("webds: WebLoader(num_workers='auto') chose %s", choice)
     return choice
 

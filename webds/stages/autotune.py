@@ -13,7 +13,7 @@ import time
 from copy import deepcopy
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Tuple
 
 from ..base.stage import Stage
 from ..errors import ArgumentError
@@ -22,9 +22,14 @@ from ..io.urls import local_path, registered_opener
 __all__ = [
     "LoaderChoice",
     "Measured",
+    "Rate",
     "choose_workers",
+    "contested",
+    "worker_count",
     "measure_dataset",
+    "measure_loader",
     "rereading_effect",
+    "settled_by_running",
     "threadable",
 ]
 
@@ -78,6 +83,8 @@ class LoaderChoice:
     threads: int = 0
     #: The same read with ``threads`` = ``cores`` (None: not measured).
     threaded: Optional[Measured] = None
+    #: The loader run for real with each contested setting (:func:`settled_by_running`).
+    ran: Tuple["Rate", ...] = ()
 
     def taken(self, num_workers: int) -> "LoaderChoice":
         """This choice overridden by a loaded state's number of workers (and no threads)."""
@@ -92,6 +99,90 @@ class LoaderChoice:
 
     def __str__(self) -> str:
         return f"{self.setting}: {self.reason}"
+
+
+#: How long each contested setting is run for real (after its first items).
+RUN_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A loader run for real with ``setting``: ``items`` it yielded in ``seconds`` (after the
+    first ones, while its workers started and their queues filled); ``ended``: the loader ran
+    out first (what its workers had queued ahead came out at once: too short to tell)."""
+
+    setting: str
+    items: int
+    seconds: float
+    ended: bool = False
+
+    @property
+    def per_second(self) -> float:
+        return self.items / self.seconds if self.seconds > 0 else 0.0
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.per_second:.1f} items/s"
+
+
+def measure_loader(
+    make: Callable[[], Any], setting: str, warm: int, seconds: Optional[float] = None
+) -> Rate:
+    """Run the loader ``make()`` returns: pass its first ``warm`` items, count the next for
+    about ``seconds`` (:data:`RUN_SECONDS`; at most four times that, waiting for a second
+    item), and close it."""
+    seconds = RUN_SECONDS if seconds is None else seconds
+    loader = make()
+    try:
+        it = iter(loader)
+        for _ in range(warm):
+            if next(it, _END) is _END:
+                return Rate(setting, 0, 0.0, ended=True)
+        start, n = time.perf_counter(), 0
+        for _ in it:
+            n += 1
+            elapsed = time.perf_counter() - start
+            if (elapsed >= seconds and n >= 2) or elapsed >= 4 * seconds:
+                return Rate(setting, n, elapsed)
+        return Rate(setting, n, time.perf_counter() - start, ended=True)
+    finally:
+        loader.close()
+
+
+def settled_by_running(choice: LoaderChoice, workers: Rate, threads: Rate) -> LoaderChoice:
+    """``choice`` (workers, by an estimate) checked against the loader run for real with those
+    workers and with a thread per core instead: threads win when they yielded at least
+    1 / ``THREADS_GAIN`` as many items a second (a tie goes to them). An estimate of what crossing between processes costs is right on one
+    machine and wrong on the next (a float batch of 38 MB, a slower shared memory); the run
+    is not. A run that ended before its time, or yielded too few items to tell: the estimate
+    stands."""
+    if any(r.ended or r.items < 3 for r in (workers, threads)):
+        return replace(choice, ran=(workers, threads))
+    ran = f"run for real: {workers}, {threads}"
+    n = int(workers.setting.rpartition("=")[2])
+    # A tie goes to the threads: no process to start, nothing to send, one copy in memory.
+    if threads.per_second * THREADS_GAIN >= workers.per_second:
+        if choice.num_workers == 0:  # the estimate's own choice, in this process, stands
+            return replace(choice, reason=f"{choice.reason}; {ran}: not workers", ran=(workers, threads))
+        why = f"{choice.reason}; {ran}: threads"
+        return replace(choice, num_workers=0, threads=choice.cores, reason=why, ran=(workers, threads))
+    why = f"{choice.reason}; {ran}: workers"
+    return replace(choice, num_workers=n, threads=0, reason=why, ran=(workers, threads))
+
+
+def contested(choice: LoaderChoice) -> bool:
+    """Whether ``choice`` is to be run for real (:func:`settled_by_running`): threads were
+    measured, and workers were chosen by estimate, or might pay for an item's wall time where
+    its CPU time said they would not (a stage waiting with the GIL held, which threads can't
+    overlap)."""
+    if choice.threaded is None or choice.cores < 2:
+        return False
+    wall = choice.measured.per_item * max(1, choice.items_per_transfer)
+    return choice.num_workers > 0 or wall >= WORTH_WORKERS * TRANSFER_SECONDS
+
+
+def worker_count(cores: int, shards: Optional[int]) -> int:
+    """One worker per core, at most one per shard (a worker without a shard idles)."""
+    return max(1, cores if shards is None else min(cores, shards))
 
 
 def choose_workers(
@@ -130,7 +221,7 @@ def choose_workers(
     )
     if measured.items == 0:
         return choice(0, reason="nothing to measure: no workers")
-    n = max(1, cores if shards is None else min(cores, shards))
+    n = worker_count(cores, shards)
     workers = made >= WORTH_WORKERS * TRANSFER_SECONDS
     if threaded is not None and threaded.items and cores > 1:
         rate = threaded.items / threaded.seconds
