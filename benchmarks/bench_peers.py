@@ -215,12 +215,6 @@ def litdata_copy(
     return str(folder)
 
 
-def litdata_cache(suite: "Suite") -> str:
-    path = suite.data.root / "litdata" / "cache"
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
-
-
 # -- the recipe's contestants -------------------------------------------------------------------
 
 
@@ -349,7 +343,9 @@ def litdata_loader(suite: "Suite", urls: Sequence[str], n: int) -> Any:
     import litdata
 
     folder = litdata_copy(suite, urls, n, ("jpg", "cls"), f"recipe-{n}", chunk_size=PER_SHARD)
-    ds = litdata.StreamingDataset(folder, cache_dir=litdata_cache(suite), transform=lit_augment)
+    # Local chunks are read in place, as LitData's docs show for local data (a cache_dir is for
+    # remote data: with one, chunks were copied into it first).
+    ds = litdata.StreamingDataset(folder, transform=lit_augment)
     return litdata.StreamingDataLoader(
         ds, batch_size=BATCH, num_workers=WORKERS, persistent_workers=True
     )
@@ -513,7 +509,7 @@ def small_peers(suite: "Suite") -> None:
         import litdata
 
         folder = litdata_copy(suite, urls, n, ("bin", "cls"), f"small-{n}", chunk_bytes="64MB")
-        lit = litdata.StreamingDataset(folder, cache_dir=litdata_cache(suite))
+        lit = litdata.StreamingDataset(folder)  # in place, as its docs show for local data
         v[SMALL_LITDATA] = counted(SMALL_LITDATA, lambda: L.count(lit))
     else:
         suite.notes.append("small-peers: LitData skipped: litdata is not installed")
