@@ -56,9 +56,11 @@ def test_five_gz_fields_of_250mib_stop_at_the_sample_budget(tmp_path):
     url = str(tmp_path / "fields.tar")
     with webds.TarWriter(url) as w:
         w.write({"__key__": "s7", **fields})
-    code = READ.replace("tarfile_samples(", "webds.decode()(tarfile_samples(").replace(
-        "{args}):", "{args})):"
-    ).replace("from webds.errors", "import webds\nfrom webds.errors")
+    code = (
+        READ.replace("tarfile_samples(", "webds.decode()(tarfile_samples(")
+        .replace("{args}):", "{args})):")
+        .replace("from webds.errors", "import webds\nfrom webds.errors")
+    )
     rc, out, peak = run_limited(code.format(url=url, args=""), 3 * GiB)
     assert rc == 0, out  # a SampleTooLargeError, not a MemoryError, not a kill
     assert "SampleTooLargeError: the sample's compressed fields decompress to more than " in out

@@ -460,9 +460,10 @@ def decode(
     hold arbitrary objects. ``.gz``, ``.bz2`` and ``.xz`` fields are decompressed to at most
     ``max_field_bytes`` (256 MiB) each and ``max_sample_bytes`` (512 MiB) for all of one sample's
     together, and images decoded up to ``max_pixels`` (89,478,485): a field past either is a
-    DecodeError (the sample's budget a SampleTooLargeError, also a DecodeError; None: no limit). Failures raise DecodeError unless
-    ``handler`` says otherwise. Random decoders (``RandomResizedCropDecoder``) draw from the
-    pipeline's seed and epoch. ``threads=N`` decodes in N threads, samples in input order (see
+    DecodeError (the sample's budget a SampleTooLargeError, also a DecodeError; None: no limit).
+    Failures raise DecodeError unless ``handler`` says otherwise. Random decoders
+    (``RandomResizedCropDecoder``) draw from the pipeline's seed and epoch. ``threads=N``
+    decodes in N threads, samples in input order (see
     :mod:`webds.stages.threads`).
     """
     threads = check_threads("decode", threads)

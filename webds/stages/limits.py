@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import bz2
 import io
-import threading
 import lzma
 import struct
+import threading
 import zlib
 from typing import Any, Callable, Optional
 
@@ -148,7 +148,8 @@ def decompress_field(
             if "Memory usage limit" in str(exn):  # liblzma: the dictionary is too large
                 raise DecodeError(
                     f"xz data asks for a decoder dictionary over its memory limit "
-                    f"({_size(max(dict_limit or 0, _XZ_MEMLIMIT_FLOOR))}: max_field_bytes, at least "
+                    f"({_size(max(dict_limit or 0, _XZ_MEMLIMIT_FLOOR))}: max_field_bytes, at "
+                    "least "
                     f"{_size(_XZ_MEMLIMIT_FLOOR)}). If it is genuine, raise it: "
                     "decode(..., max_field_bytes=N)"
                 ) from None

@@ -101,9 +101,10 @@ def tarfile_to_samples(
     ``max_member_size`` bounds the members of compressed shards (see
     :func:`~webds.tar.reader.read_members`), and ``max_sample_bytes`` the members of one sample
     together (default 512 MiB in a compressed shard, none in a plain one; past it a
-    :class:`~webds.errors.SampleTooLargeError`, before the member is read). A shard must end with its end-of-archive marker; one
-    cut at a member boundary is an error (its sample in flight is never yielded) unless an index
-    planned it and its sample count is complete, or ``accept_unterminated`` is true (default:
+    :class:`~webds.errors.SampleTooLargeError`, before the member is read). A shard must end
+    with its end-of-archive marker; one cut at a member boundary is an error (its sample in
+    flight is never yielded) unless an index planned it and its sample count is complete, or
+    ``accept_unterminated`` is true (default:
     the environment variable ``WDS_ACCEPT_UNTERMINATED``): the shard is then read as complete,
     its last sample included, as webdataset reads it, with a logged warning naming it. While a
     shard is read, the next ``readahead_shards`` remote shards are fetched within a
