@@ -482,3 +482,21 @@ def test_file_url_location(dataset: Path) -> None:
     index = ShardIndex.load(dataset.as_uri() + "/index.json")
     assert index.urls == [str(p) for p in shard_paths(dataset)]
     assert index.location == dataset.as_uri() + "/index.json"
+
+
+
+def test_an_index_and_a_spec_served_gzip_coded_are_read(tmp_path, http_server):
+    # Bodies are read as sent (a shard's gzip coding is bounded by the tar reader): an index or
+    # a spec a server sends with Content-Encoding: gzip arrived as gzip bytes, not JSON.
+    from webds.shards.specs import MultiShardSample
+
+    for i in range(2):
+        write_tar(tmp_path / f"s-{i}.tar", sample_members(3, prefix=f"{i}-"))
+        http_server.put(f"s-{i}.tar", (tmp_path / f"s-{i}.tar").read_bytes())
+    local = tmp_path / "index.json"
+    ShardIndex.build([http_server.url(f"s-{i}.tar") for i in range(2)]).save(str(local))
+    url = http_server.put("index.json", gzip.compress(local.read_bytes()))
+    spec = http_server.put("mix.yaml", gzip.compress(b"datasets:\n  - shards: a-{0..1}.tar\n"))
+    http_server.content_encoding = "gzip"
+    assert [s.samples for s in ShardIndex.load(url)] == [3, 3]
+    assert len(list(MultiShardSample(spec))) == 2

@@ -18,7 +18,10 @@ import re
 import socket
 import time
 import uuid
+import zlib
 from typing import IO, Any, Callable, List
+
+from ..errors import ArgumentError
 
 __all__ = [
     "ReadStream",
@@ -29,9 +32,27 @@ __all__ = [
     "abandon_stream",
     "remove_stale_temps",
     "STALE_TEMP_SECONDS",
+    "read_document",
 ]
 
 log = logging.getLogger("webds")
+
+
+def read_document(stream: IO[bytes], limit: int, what: str) -> bytes:
+    """A document's bytes (an index, a spec file), at most ``limit`` of them, gunzipped (as
+    bounded) when they came gzip-coded: webds reads HTTP bodies as sent (a shard's gzip coding
+    is bounded by the tar reader), servers send JSON with ``Content-Encoding: gzip``, and no
+    JSON or YAML document starts with gzip's magic bytes."""
+    data = stream.read(limit + 1)
+    if data[:2] == b"\x1f\x8b":
+        inflate = zlib.decompressobj(wbits=31)
+        try:
+            data = inflate.decompress(data, limit + 1)
+        except zlib.error as exn:
+            raise ArgumentError(f"{what} came gzip-coded and does not decompress: {exn}") from None
+    if len(data) > limit:
+        raise ArgumentError(f"{what} is over {limit:,} bytes: not what webds expects there")
+    return data
 
 
 class ReadStream(io.RawIOBase):

@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 from ..base.redact import redact
 from ..errors import ArgumentError, OpenError, SecureModeError, ShardReadError, WebdsError
-from ..io.streams import discard_stream
+from ..io.streams import discard_stream, read_document
 from ..io.urls import check_secure, local_path, open_url, url_scheme
 from ..tar.compression import compression_of
 from ..tar.samples import tarfile_samples
@@ -47,6 +47,8 @@ WIDS_KIND = "wids-shard-index-v1"
 _SHARD_KEYS = ("url", "samples", "bytes", "sha256", "offsets")
 _TOP_KEYS = ("format", "version", "samples", "shards")
 _CREATE_HINT = "to create one run: webds index SHARDS -o {name}"
+#: The largest index file read (ImageNet's 1.28M samples with their offsets take about 20 MB).
+MAX_INDEX_BYTES = 1 << 30
 
 
 @dataclass
@@ -149,7 +151,7 @@ class ShardIndex:
             raise OpenError(f"no shard index at {path!r}; {hint}")
         try:
             with open_url(url, "rb", **dict(storage_options or {})) as stream:
-                data = stream.read()
+                data = read_document(stream, MAX_INDEX_BYTES, f"the shard index {url!r}")
         except SecureModeError:
             raise
         except WebdsError as exn:

@@ -32,6 +32,7 @@ from ..base.redact import redact
 from ..base.workers import derive_seed
 from ..errors import ArgumentError, WebdsError
 from ..io.security import refuse, secure
+from ..io.streams import read_document
 from ..io.urls import open_url
 from .datasets import SimpleShardList
 
@@ -76,12 +77,7 @@ def _read_spec(fname: str) -> bytes:
     """A spec file's bytes, from a local path or any URL :func:`~webds.io.urls.open_url` opens
     (its secure-mode checks included: a local spec file is refused there, as any local file)."""
     with open_url(fname) as stream:
-        data = stream.read(MAX_SPEC_BYTES + 1)
-    if len(data) > MAX_SPEC_BYTES:
-        raise ArgumentError(
-            f"the shard spec {redact(fname)!r} is over {MAX_SPEC_BYTES} bytes: not a shard spec?"
-        )
-    return data
+        return read_document(stream, MAX_SPEC_BYTES, f"the shard spec {redact(fname)!r}")
 
 
 def _load_spec(spec: Spec) -> tuple:
