@@ -413,10 +413,11 @@ def webds_audio_clips(urls: Sequence[str]) -> Any:
 def first_sample_time(data: bytes) -> float:
     """The stream time of an audio file's first decoded sample (MP3's is not 0: the encoder's
     delay), to turn webds's clip times into indices of ``torch_audio``'s waveform."""
+    from webds.stages.avaudio import audio_track
     from webds.stages.avio import open_media
 
     with open_media(data) as media:
-        return media.audio().samples(0.0, 0.01)[1]
+        return audio_track(media).samples(0.0, 0.01)[1]
 
 
 def full_audio_clip(loaded: Tuple[Any, int], start: float) -> Any:
@@ -424,7 +425,7 @@ def full_audio_clip(loaded: Tuple[Any, int], start: float) -> Any:
     sample) sliced out and resampled."""
     import torch
 
-    from webds.stages.avio import resample
+    from webds.stages.avaudio import resample
 
     waveform, rate = loaded
     at = int(round(start * rate))
@@ -436,7 +437,7 @@ def energon_audio_clip(data: bytes, start: float) -> Any:
     import torch
     from megatron.energon.av import AVDecoder
 
-    from webds.stages.avio import resample
+    from webds.stages.avaudio import resample
 
     got = AVDecoder(io.BytesIO(data)).get_audio_clips(
         audio_clip_ranges=[(start, start + CLIP_SECONDS)]

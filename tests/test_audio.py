@@ -2,6 +2,7 @@
 WAV), the audio clip decoder against the whole decode, its resampling, its draws through
 workers and resume, and bad input as DecodeErrors naming shard and member."""
 
+import io
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 
 import webds
 from webds.errors import DecodeError
+from webds.stages.audio import load_audio
 from webds.stages.codecs import torch_audio
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -154,3 +156,107 @@ def test_sox_fields_decode():
     waveform, rate = torch_audio("a.sox", data)
     assert rate == 16000 and waveform.shape == (1, 16000)
     assert abs(float(waveform.abs().max()) - 0.5) < 1e-3  # the tone, amplitude 0.5
+
+
+def test_clips_from_the_same_start_are_the_same():
+    # A clip longer than the field starts at 0 each time: AAC's decoder carried its overlap from
+    # one clip into the next (clips 1 and 2 differed from clip 0 by up to 0.13).
+    data = make_audio(seconds=3, codec="aac", container="mp4")
+    out = webds.AudioClipDecoder(5.0, clips=3, rate=None)("a.m4a", data)["audio"]
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
+def first_sample_time(data: bytes) -> float:
+    """The stream time of the whole decode's first sample (MP3's is the encoder's delay)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return float(next(container.decode(audio=0)).time)
+
+
+def clip_errors(data: bytes, out: dict) -> list:
+    """Each clip's largest difference from the whole decode at the same stream times."""
+    whole, rate = load_audio(data)
+    t0 = first_sample_time(data)
+    errors = []
+    for c, start in enumerate(out["audio_timestamps"][:, 0].tolist()):
+        clip = out["audio"][c]
+        at = int(round((start - t0) * rate))
+        assert at >= 0, (start, t0)
+        want = whole[:, at : at + clip.shape[1]]
+        assert want.shape[1] > clip.shape[1] // 2
+        errors.append(float((clip[:, : want.shape[1]] - want).abs().max()))
+    return errors
+
+
+# The largest difference from the whole decode a clip may have (rate=None: no resampling). MP3 and
+# AAC decoders are deterministic after their pre-roll (AAC without noise-coded bands, as these
+# 16 kHz tones); Opus converges gradually (measured: 5e-4 after the 250 ms pre-roll).
+LOSSY = {"mp3": 0.0, "m4a": 0.0, "opus": 1e-3}
+
+
+@pytest.mark.parametrize("ext", list(LOSSY))
+def test_lossy_clips_equal_the_whole_decode_at_their_times(ext):
+    # Clips were decoded from the packet before them: MP3's began with 80-90 ms of zeros and
+    # wrong samples (the bit reservoir), Opus's was wrong for 125 ms, AAC's for up to 55 ms.
+    data = audio_of(ext, seconds=3, channels=2)
+    for sampling in ("uniform", "random"):
+        decoder = webds.AudioClipDecoder(0.5, clips=4, sampling=sampling, rate=None, mono=False)
+        errors = clip_errors(data, decoder(f"a.{ext}", data))
+        assert max(errors) <= LOSSY[ext], (sampling, errors)
+
+
+@pytest.mark.parametrize("codec", ["libmp3lame", "aac"])
+def test_audio_under_video_clips_equals_the_whole_decode(codec):
+    # MP3 under a video clip began with 1,200-1,800 zeros (75-110 ms at 16 kHz).
+    data = make_video(seconds=3, audio=True, audio_codec=codec)
+    for sampling in ("uniform", "random"):
+        decoder = webds.VideoClipDecoder(
+            8,
+            stride=2,
+            clips=3,
+            sampling=sampling,
+            size=16,
+            audio=True,
+            audio_rate=None,
+            mono=False,
+        )
+        errors = clip_errors(data, decoder(".mp4", data))
+        assert max(errors) == 0.0, (sampling, errors)
+
+
+def wav_data_at(data: bytes) -> int:
+    """The offset of a WAV's data chunk header."""
+    return data.index(b"data")
+
+
+@pytest.mark.parametrize("handler", [torch_audio, webds.AudioClipDecoder(0.1)])
+def test_a_truncated_wav_or_sox_is_refused(handler):
+    # FFmpeg estimates a WAV's duration from the bytes present: a WAV cut to 10% decoded to a
+    # 0.3 s waveform. The RIFF data chunk declares its size; Sox's header its sample count.
+    data = audio_of("wav", seconds=2)
+    at = wav_data_at(data)
+    for cut in (at + 8 + 2, len(data) // 10, len(data) // 2, len(data) - 2):
+        assert "RIFF data chunk declares 64,000 bytes" in str(failure(data[:cut], handler, "wav"))
+    sox = make_audio(seconds=1, codec="pcm_s32le", container="sox")
+    assert "Sox header's sample count" in str(failure(sox[: len(sox) // 2], handler, "sox"))
+
+
+def test_a_streaming_wav_without_a_data_size_still_decodes():
+    data = bytearray(audio_of("wav", seconds=1))
+    at = wav_data_at(bytes(data))
+    data[at + 4 : at + 8] = b"\xff\xff\xff\xff"  # what a writer that cannot seek back leaves
+    waveform, rate = torch_audio(".wav", bytes(data))
+    assert waveform.shape == (1, 16000) and rate == 16000
+
+
+def test_a_truncated_ogg_is_refused():
+    # Ogg declares no length (FFmpeg's duration is the last page's): a cut inside a page, or
+    # between pages (the end-of-stream page is gone), decoded quietly to the cut.
+    data = audio_of("opus", seconds=3)
+    pages = [i for i in range(len(data)) if data[i : i + 4] == b"OggS"]
+    assert len(pages) >= 4
+    for cut in (len(data) // 2, len(data) - 10, pages[-1]):
+        err = failure(data[:cut], torch_audio, "opus")
+        assert "truncated" in str(err) and "Ogg" in str(err), cut
+    torch_audio(".opus", data)  # whole: decodes

@@ -5,22 +5,26 @@ backend of :mod:`webds.stages.avio`.
     ds = webds.WebDataset(url, seed=0).decode(webds.AudioClipDecoder(seconds=5.0, rate=16000))
     # sample["flac"] = {"audio": float32 clips x 1 x 80000, "audio_timestamps": clips x 2, ...}
 
-A clip is decoded from the packet before it (minus a 50 ms margin the resampler's filter needs
-on each side) to just past its end, never the whole file; it is cut at the source rate, resampled
-with the margins, and cut again, so each clip has exactly ``round(seconds * rate)`` samples.
-Past the end of the stream (a file shorter than a clip) a clip is padded with zeros (silence).
+A clip is decoded from the codec's pre-roll before it (minus a 50 ms margin the resampler's
+filter needs on each side; :mod:`webds.stages.avaudio`) to just past its end, never the whole
+file, and positioned by its frames' own timestamps, so that it equals the whole decode at the same
+stream time; it is cut at the source rate, resampled with the margins, and cut again, so each clip
+has exactly ``round(seconds * rate)`` samples. Clips are decoded in time order, those whose
+pre-roll overlaps the one before in one run. Past the end of the stream (a file shorter than a
+clip) a clip is padded with zeros (silence).
 """
 
 from __future__ import annotations
 
 import random
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError, DecodeError
-from .avio import MAX_SAMPLES, MAX_SECONDS, AudioTrack, Limits, open_media, resample
+from .avaudio import AudioTrack, audio_track, resample
+from .avio import MAX_SAMPLES, MAX_SECONDS, Limits, open_media
 from .clips import SAMPLINGS, SeededHandler, clip_starts, positive_int
 
-__all__ = ["AUDIO_EXTENSIONS", "AudioClipDecoder", "audio_clip", "load_audio"]
+__all__ = ["AUDIO_EXTENSIONS", "AudioClipDecoder", "audio_clip", "audio_clips", "load_audio"]
 
 #: The extensions webdataset's ``torch_audio`` decodes, and ``opus``.
 AUDIO_EXTENSIONS: List[str] = "flac mp3 sox wav m4a ogg wma opus".split()
@@ -38,7 +42,7 @@ def load_audio(data: bytes, limits: Optional[Limits] = None) -> Tuple[Any, int]:
     import torch
 
     with open_media(data, limits) as media:
-        track = media.audio()
+        track = audio_track(media)
         samples, _ = track.samples(0.0, None)
         return torch.from_numpy(samples), track.rate
 
@@ -49,12 +53,45 @@ def audio_clip(
     """float32 channels x ``round(seconds * rate)`` samples of ``track`` from ``start`` (stream
     seconds), resampled to ``rate`` (None: the track's) and mixed down when ``mono``; zeros
     where the stream has no samples."""
+    return audio_clips(track, [start], seconds, rate, mono)[0]
+
+
+def audio_clips(
+    track: AudioTrack, starts: Sequence[float], seconds: float, rate: Optional[int], mono: bool
+) -> List[Any]:
+    """:func:`audio_clip` for each of ``starts``, decoded in time order: a clip whose pre-roll
+    begins before the last one's end continues its run instead of seeking (no dearer, and a
+    decoder that seeks back to the stream's start is not the fresh one the whole decode used)."""
+    src = track.rate
+    margin = _MARGIN if (rate or src) != src or (mono and track.channels > 1) else 0.0
+    runs: List[Tuple[float, float, List[int]]] = []
+    for i in sorted(range(len(starts)), key=lambda i: starts[i]):
+        t = starts[i]
+        if runs and t - margin - track.preroll.back <= runs[-1][1] + margin:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], t + seconds), runs[-1][2] + [i])
+        else:
+            runs.append((t, t + seconds, [i]))
+    out: List[Any] = [None] * len(starts)
+    for lo, hi, members in runs:
+        samples, first = track.samples(lo, hi, margin)
+        for i in members:
+            out[i] = _cut(samples, first, starts[i], seconds, src, rate or src, mono, margin)
+    return out
+
+
+def _cut(
+    samples: Any,
+    first: float,
+    start: float,
+    seconds: float,
+    src: int,
+    rate: int,
+    mono: bool,
+    margin: float,
+) -> Any:
+    """The clip at ``start`` out of ``samples`` (whose first sample is at ``first``)."""
     import numpy as np
 
-    src = track.rate
-    rate = rate or src
-    margin = _MARGIN if rate != src or (mono and track.channels > 1) else 0.0
-    samples, first = track.samples(start, start + seconds, margin)
     at = int(round((start - margin - first) * src))  # index of start - margin in samples
     want = int(round((seconds + 2 * margin) * src))
     seg = samples[:, max(at, 0) : max(at + want, 0)]
@@ -132,7 +169,7 @@ class AudioClipDecoder(SeededHandler):
         import torch
 
         with open_media(data, self.limits) as media:
-            track = media.audio()
+            track = audio_track(media)
             track.check_whole()
             start = track_start(track)
             duration = track.seconds
@@ -144,7 +181,7 @@ class AudioClipDecoder(SeededHandler):
             starts = [
                 start + s / src for s in clip_starts(last, self.clips, width, self.sampling, rng)
             ]
-            audio = [audio_clip(track, t, self.seconds, self.rate, self.mono) for t in starts]
+            audio = audio_clips(track, starts, self.seconds, self.rate, self.mono)
         rate = self.rate or src
         stamps = [(t, t + self.seconds) for t in starts]
         return {

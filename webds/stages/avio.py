@@ -1,7 +1,8 @@
 """The media backend: open a field's bytes with PyAV (FFmpeg), check it against the limits, and
-hand out video frames and audio samples. The clip decoders (:mod:`webds.stages.video`,
-:mod:`webds.stages.audio`) and ``torch_video`` / ``torch_audio`` reach FFmpeg only through here,
-so another backend (TorchCodec, once its FFmpeg loads) is one more module of this shape.
+hand out video frames (:class:`VideoTrack`; audio samples are :mod:`webds.stages.avaudio`'s).
+The clip decoders (:mod:`webds.stages.video`, :mod:`webds.stages.audio`) and ``torch_video`` /
+``torch_audio`` reach FFmpeg only through these two modules, so another backend (TorchCodec,
+once its FFmpeg loads) is one more pair of this shape.
 
 What opening a field does, in order, so that no bad field costs more than the limits:
 
@@ -37,7 +38,6 @@ __all__ = [
     "MAX_SAMPLES",
     "MAX_SECONDS",
     "MAX_VIDEO_PIXELS",
-    "AudioTrack",
     "Media",
     "VideoTrack",
     "import_av",
@@ -149,6 +149,10 @@ class Media:
             self.container = av.open(io.BytesIO(data), **open_arguments(limits.max_frame_pixels))
         except Exception as exn:
             raise _failed(exn, "opening the media (is it a complete video or audio file?)") from exn
+        self.data = data  # (held by the container's reader anyway)
+        # Nothing read since opening: the demuxer stands at the stream's first packet, as no
+        # seek can put it back (a seek to 0 skips Matroska's priming packet), decoders unused.
+        self.pristine = True
         self._check_duration()
 
     def _check_duration(self) -> None:
@@ -164,17 +168,8 @@ class Media:
         if not streams:
             kinds = ", ".join(s.type for s in self.container.streams) or "none"
             raise DecodeError(f"the media has no video stream (its streams: {kinds})")
+        self.pristine = False
         return VideoTrack(self, streams[0])
-
-    def audio(self, required: bool = True) -> Optional["AudioTrack"]:
-        """The first audio stream (None, or a DecodeError if ``required``, when there is none)."""
-        streams = self.container.streams.audio
-        if not streams:
-            if not required:
-                return None
-            kinds = ", ".join(s.type for s in self.container.streams) or "none"
-            raise DecodeError(f"the media has no audio stream (its streams: {kinds})")
-        return AudioTrack(self, streams[0])
 
     def close(self) -> None:
         self.container.close()
@@ -412,116 +407,3 @@ class VideoTrack:
             raise
         except Exception as exn:
             raise _failed(exn, "decoding the video (a truncated or damaged field?)") from exn
-
-
-class AudioTrack:
-    """An audio stream: ``rate`` (samples a second), ``channels``, ``seconds`` (its declared
-    duration, or None), and :meth:`samples` of any stretch as float32."""
-
-    def __init__(self, media: Media, stream: Any) -> None:
-        self.media, self.stream, self.limits = media, stream, media.limits
-        self.ctx = _decoder(stream, self.limits)
-        self.rate = int(self.ctx.sample_rate or stream.rate or 0)
-        if self.rate <= 0:
-            raise DecodeError("the audio stream declares no sample rate (a damaged header?)")
-        self.channels = int(self.ctx.channels or 1)
-        duration = None
-        if stream.duration is not None:
-            duration = float(stream.duration * stream.time_base)
-        elif media.container.duration is not None:
-            duration = media.container.duration / 1e6
-        self.seconds = duration
-
-    def check_whole(self) -> None:
-        """A DecodeError if the stream's packets stop before the end its header declares, read
-        from its last second of packets without decoding. A clip decoder checks this first: a
-        clip drawn from the intact part of a truncated field would decode, and the same field
-        fail in another epoch's draw."""
-        container, stream = self.media.container, self.stream
-        if container.duration is None:
-            return
-        declared = ((container.start_time or 0) + container.duration) / 1e6
-        end: Optional[float] = None
-        try:
-            target = max(int((declared - 1.0) / stream.time_base), 0)
-            container.seek(target, stream=stream, backward=True)
-            for packet in container.demux(stream):
-                if packet.pts is not None:
-                    end = float((packet.pts + (packet.duration or 0)) * stream.time_base)
-        except Exception as exn:
-            raise _failed(exn, "reading the audio's packets (a truncated or damaged field?)") from exn
-        _check_whole(self.media, -1.0 if end is None else end, "packets")
-
-    def samples(
-        self, start: float = 0.0, end: Optional[float] = None, margin: float = 0.0
-    ) -> Tuple[Any, float]:
-        """(float32 array channels x N, the time of its first sample) holding at least
-        ``[start - margin, end + margin)`` where the stream has it (``end=None``: to the end),
-        decoded from the packet before ``start``. Bounded by ``max_samples``."""
-        import numpy as np
-
-        limit = self.limits.max_samples
-        if (
-            limit is not None
-            and end is not None
-            and (end - start) * self.rate * self.channels > limit
-        ):
-            raise _over(
-                "the samples to decode",
-                (end - start) * self.rate * self.channels,
-                "max_samples",
-                limit,
-            )
-        lo = start - margin
-        chunks: List[Any] = []
-        first: Optional[float] = None
-        total = 0
-        container, stream = self.media.container, self.stream
-        to_float = import_av().AudioResampler(format="fltp")  # float, planar; rate kept
-        try:
-            # Always seek: the container may stand past ``lo`` (an earlier clip, the video).
-            container.seek(max(int(lo / stream.time_base), 0), stream=stream, backward=True)
-            self.ctx.flush_buffers()  # no state from the last clip (AAC's overlap carried over)
-            for frame in container.decode(stream):
-                t = frame.time if frame.pts is not None else None
-                for out in to_float.resample(frame):
-                    a = out.to_ndarray()
-                    if first is None:
-                        first = t if t is not None else 0.0
-                    chunks.append(a)
-                    total += a.shape[0] * a.shape[1]
-                if limit is not None and total > limit:
-                    raise _over("the samples decoded", total, "max_samples", limit)
-                if end is not None and t is not None and t > end + margin:
-                    break
-        except DecodeError:
-            raise
-        except Exception as exn:
-            raise _failed(exn, "decoding the audio (a truncated or damaged field?)") from exn
-        if not chunks:
-            raise DecodeError("the audio stream holds no samples (an empty or truncated field?)")
-        if end is None:
-            _check_whole(
-                self.media, float(first or 0.0) + total / self.channels / self.rate, "samples"
-            )
-        return np.concatenate(chunks, axis=1), float(first or 0.0)
-
-
-def resample(samples: Any, rate: int, to_rate: int, mono: bool) -> Any:
-    """``samples`` (float32 channels x N at ``rate``) through FFmpeg's resampler to ``to_rate``
-    (and one channel when ``mono``); float32 channels x M."""
-    import numpy as np
-
-    av = import_av()
-    channels = samples.shape[0]
-    if (to_rate == rate and not (mono and channels > 1)) or samples.shape[1] == 0:
-        return samples
-    layout = {1: "mono", 2: "stereo"}.get(channels, f"{channels}c")
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples), format="fltp", layout=layout)
-    frame.sample_rate = rate
-    resampler = av.AudioResampler(format="fltp", layout="mono" if mono else layout, rate=to_rate)
-    outs = [f.to_ndarray() for f in resampler.resample(frame)]
-    outs += [f.to_ndarray() for f in resampler.resample(None)]
-    return (
-        np.concatenate(outs, axis=1) if outs else np.zeros((1 if mono else channels, 0), np.float32)
-    )

@@ -22,7 +22,8 @@ import random
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from ..errors import ArgumentError
-from .audio import audio_clip
+from .audio import audio_clips
+from .avaudio import audio_track
 from .avio import (
     MAX_FRAME_PIXELS,
     MAX_SAMPLES,
@@ -67,7 +68,7 @@ def read_video(data: bytes, limits: Optional[Limits] = None) -> Tuple[Any, Any, 
         for i, (_, frame) in enumerate(track.frames(track.pts)):
             frames[i] = frame.to_ndarray(format="rgb24")  # one copy of the video, not two
         info: Dict[str, Any] = {"video_fps": track.fps}
-        sound = media.audio(required=False)
+        sound = audio_track(media, required=False)
         samples = np.zeros((1, 0), np.float32)
         if sound is not None:
             samples, _ = sound.samples(0.0, None)
@@ -242,9 +243,9 @@ class VideoClipDecoder(SeededHandler):
         import numpy as np
         import torch
 
-        track = media.audio()
+        track = audio_track(media)
         seconds = self.frames / rate
-        sound = [audio_clip(track, t, seconds, self.audio_rate, self.mono) for t in starts]
+        sound = audio_clips(track, starts, seconds, self.audio_rate, self.mono)
         return {
             "audio": torch.from_numpy(np.stack(sound)),
             "audio_timestamps": torch.tensor(
