@@ -206,6 +206,15 @@ def test_lossy_clips_equal_the_whole_decode_at_their_times(ext):
         assert max(errors) <= LOSSY[ext], (sampling, errors)
 
 
+@pytest.mark.parametrize("codec, rate, tolerance", [("flac", 44100, 0.0), ("libopus", 48000, 1e-3)])
+def test_matroska_clips_are_placed_to_the_sample(codec, rate, tolerance):
+    # Matroska stamps frames in milliseconds: FLAC's 4,608-sample frames at 44.1 kHz (104.49 ms)
+    # and Opus's after its 6.5 ms pre-skip were placed up to 22 samples off (errors of 0.6).
+    data = make_audio(seconds=3, rate=rate, codec=codec, container="matroska")
+    out = webds.AudioClipDecoder(0.5, clips=4, sampling="random", rate=None, mono=False)
+    assert max(clip_errors(data, out("a.ogg", data))) <= tolerance  # (the key picks the handler)
+
+
 @pytest.mark.parametrize(
     "codec, container", [("libmp3lame", "mp4"), ("aac", "mp4"), ("libmp3lame", "matroska")]
 )

@@ -121,11 +121,9 @@ class AudioTrack:
         first = stream.start_time
         self.first = float(first * stream.time_base) if first is not None else 0.0
         # Matroska's timestamps are in milliseconds, coarser than a sample: a frame's place is
-        # then snapped to its codec's grid (frames of frame_size, the first short by the delay).
-        self._grid = frame_size if float(stream.time_base) * self.rate > 1 else 0
-        self._grid_offset = (
-            -int(getattr(self.ctx, "delay", 0) or 0) % frame_size if frame_size else 0
-        )
+        # then snapped to its codec's grid (frames of one size, the first short by the delay).
+        self._tick = float(stream.time_base) * self.rate  # samples a timestamp unit
+        self._delay = int(getattr(self.ctx, "delay", 0) or 0)
 
     def check_whole(self) -> None:
         """A DecodeError if the stream's packets stop before the end its header declares, read
@@ -186,16 +184,20 @@ class AudioTrack:
             yield packet
             yield from packets
 
-    def _place(self, t: Optional[float]) -> float:
-        """The stream time of a frame's first sample, from its timestamp."""
+    def _place(self, t: Optional[float], size: int) -> float:
+        """The stream time of a frame's first sample, from its timestamp ``t`` and the size of
+        the codec's frames (``size`` samples)."""
         if t is None:
             return 0.0
-        if not self._grid:
+        if self._tick <= 1 or size <= 0:
             return t
         n = (t - self.first) * self.rate
-        snapped = self._grid_offset + round((n - self._grid_offset) / self._grid) * self._grid
+        offset = -self._delay % size
+        snapped = offset + round((n - offset) / size) * size
         if snapped < 0 or abs(n) <= abs(n - snapped):
             snapped = 0  # the stream's first frame
+        if abs(n - snapped) > self._tick / 2 + 1:
+            return t  # not on a grid of frames of one size: the timestamp as it is
         return self.first + snapped / self.rate
 
     def samples(
@@ -229,12 +231,13 @@ class AudioTrack:
                 return track.samples(start, end, margin)
         chunks: List[Any] = []
         first: Optional[float] = None
-        total = 0
+        total = size = 0
         ctx = self.ctx
         to_float = import_av().AudioResampler(format="fltp")  # float, planar; rate kept
         try:
             for packet in self._packets(lo):
                 for frame in ctx.decode(packet):
+                    size = max(size, frame.samples)
                     t = float(frame.time) if frame.pts is not None else None
                     if (
                         t is not None
@@ -245,7 +248,7 @@ class AudioTrack:
                     for out in to_float.resample(frame):
                         a = out.to_ndarray()
                         if first is None:
-                            first = self._place(t)
+                            first = self._place(t, size)
                         chunks.append(a)
                         total += a.shape[0] * a.shape[1]
                     if limit is not None and total > limit:
