@@ -284,26 +284,46 @@ def test_a_dataset_that_batches_reads_alike_with_torch_own_conversion(shards, wo
     with webds's: not a comparison of torch with itself)."""
     from torch.utils.data import default_convert
 
-    from webds import channel
-
-    calls = []
-    real = channel.converted
-    monkeypatch.setattr(channel, "converted", lambda x: calls.append(1) or real(x))
+    calls = converter_calls(monkeypatch)
 
     def batches(**kw):
         ds = WebDataset(shards, shardshuffle=False).to_tuple("__key__", "cls").batched(7)
         return list(WebLoader(ds, batch_size=None, num_workers=workers, **kw))
 
-    ours, torchs = batches(), batches(collate_fn=lambda x: default_convert(x))
+    ours = batches()
+    assert calls.value >= len(ours)  # each batch went through webds's converter...
+    calls.value = 0
+    torchs = batches(collate_fn=lambda x: default_convert(x))
+    assert calls.value == 0  # ... and none of torch's
     assert len(ours) == len(torchs) > 1
-    assert len(calls) >= (len(ours) if workers == 0 else 0)  # (a worker's stay there)
     for a, b in zip(ours, torchs):
         same(a, b)
 
 
+def converter_calls(monkeypatch):
+    """From now on, the calls of webds's converter (channel.converted), counted in this process
+    and in the DataLoader workers forked from it (a shared counter)."""
+    import multiprocessing
+
+    from webds import channel
+
+    calls = multiprocessing.get_context("fork").Value("i", 0)
+    real = channel.converted
+
+    def counted(x):
+        with calls.get_lock():
+            calls.value += 1
+        return real(x)
+
+    monkeypatch.setattr(channel, "converted", counted)
+    return calls
+
+
 @pytest.mark.parametrize("buffers", [True, False])
 @pytest.mark.parametrize("workers", [0, 2])
-def test_dict_samples_one_by_one_read_alike_with_torch_own_conversion(shards, workers, buffers):
+def test_dict_samples_one_by_one_read_alike_with_torch_own_conversion(
+    shards, workers, buffers, monkeypatch
+):
     """One step off the above: samples one by one (``batch_size=None``, no batching in the
     dataset) as dicts holding bytes, str, ints, a numpy array and a list of values, with or
     without the batch buffers, through workers or not: what torch's ``default_convert`` gives."""
@@ -319,7 +339,10 @@ def test_dict_samples_one_by_one_read_alike_with_torch_own_conversion(shards, wo
         loader = WebLoader(ds, batch_size=None, num_workers=workers, batch_buffers=buffers, **kw)
         return sorted(loader, key=lambda s: s["__key__"])
 
-    ours, torchs = items(), items(collate_fn=lambda x: default_convert(x))
+    calls = converter_calls(monkeypatch)
+    ours = items()
+    assert calls.value >= len(ALL_KEYS)  # each sample went through webds's converter
+    torchs = items(collate_fn=lambda x: default_convert(x))
     assert len(ours) == len(ALL_KEYS) == len(torchs)
     for a, b in zip(ours, torchs):
         same(a, b)
