@@ -273,9 +273,13 @@ def test_the_choice_over_random_measurements(items, cpu, wall, threaded_items, i
     measured = Measured(items, wall, cpu)
     threaded = None if threaded_items is None else Measured(threaded_items, 1.0, 1.0)
     choice = choose_workers(measured, ipt, cores, shards, threaded)
-    assert choice == choose_workers(measured, ipt, cores, shards, threaded)  # deterministic
     plain = choose_workers(measured, ipt, cores, shards)
     assert plain.threads == 0 and plain.threaded is None
+    # Workers as the rule says, worked out here: one per core, at most one per shard, where an
+    # item sent costs at least WORTH_WORKERS transfers of CPU time.
+    worth = items > 0 and cpu / items * ipt >= WORTH_WORKERS * TRANSFER_SECONDS
+    per_core = max(1, cores if shards is None else min(cores, shards))
+    assert plain.num_workers == (per_core if worth else 0)
     assert choice.num_workers == 0 or choice.threads == 0  # processes or threads, not both
     if choice.threads:
         assert choice.threads == cores > 1 and items > 0 and threaded_items
