@@ -8,6 +8,7 @@ import contextlib
 import sys
 from typing import Any, Sequence
 
+from ..base.redact import redact
 from ..parallel import MapShardsError
 from .common import add_quiet, byte_size, positive_int, say, show_progress
 
@@ -166,7 +167,10 @@ def run_clips(args: argparse.Namespace) -> int:
             )
         except MapShardsError as exn:
             for r in exn.failed:
-                print(f"webds clips: {r.input} -> {r.output} failed: {r.error}", file=sys.stderr)
+                print(
+                    redact(f"webds clips: {r.input} -> {r.output} failed: {r.error}"),
+                    file=sys.stderr,
+                )
             _summary(args, exn.results)
             return 1
     return _summary(args, results)
@@ -175,7 +179,7 @@ def run_clips(args: argparse.Namespace) -> int:
 def _summary(args: argparse.Namespace, results: Sequence[Any]) -> int:
     bad = [line for r in results for line in getattr(r, "bad", ())]
     for line in bad:
-        print(f"webds clips: skipped a bad video: {line}", file=sys.stderr)
+        print(redact(f"webds clips: skipped a bad video: {line}"), file=sys.stderr)
     written = [r for r in results if r.error is None and not r.skipped]
     parts = [f"{len(written)} shards written"]
     skipped = sum(r.skipped for r in results)

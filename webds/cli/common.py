@@ -17,6 +17,7 @@ import argparse
 import sys
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
+from ..base.redact import redact
 from ..errors import ArgumentError
 from ..shards.shardlists import expand_urls
 from ..tar.samples import tarfile_samples
@@ -179,6 +180,7 @@ def progress(
 
 
 def say(args: argparse.Namespace, message: str) -> None:
-    """A summary line on stderr (stdout may be the data), unless ``--quiet``."""
+    """A summary line on stderr (stdout may be the data), unless ``--quiet``; credentials in
+    the URLs it names are redacted."""
     if not getattr(args, "quiet", False):
-        print(message, file=sys.stderr)
+        print(redact(message), file=sys.stderr)

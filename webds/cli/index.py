@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from ..base.redact import redact
 from ..shards.index import ShardIndex
 from .common import positive_int, show_progress
 
@@ -67,7 +68,7 @@ def run_index(args: argparse.Namespace) -> int:
     index = ShardIndex.build(args.shards, workers=args.workers, progress=show_progress(args.quiet))
     index.save(args.output)
     if not args.quiet:
-        print(f"indexed {len(index)} shards, {index.total} samples -> {args.output}")
+        print(redact(f"indexed {len(index)} shards, {index.total} samples -> {args.output}"))
     return 0
 
 
@@ -75,12 +76,16 @@ def run_verify(args: argparse.Namespace) -> int:
     index = ShardIndex.load(args.index)
     problems = index.verify(progress=show_progress(args.quiet), workers=args.workers)
     for problem in problems:
-        print(f"{_show(problem.url)}: {problem.kind}: {problem.message}")
+        # A report, not data: the shard as given, credentials redacted (its message too).
+        print(f"{redact(_show(problem.url))}: {problem.kind}: {redact(problem.message)}")
     if not args.quiet:
         if problems:
             bad = len({p.url for p in problems})
             print(
-                f"{len(problems)} problem(s) in {bad} of {len(index)} shards listed in {args.index}"
+                redact(
+                    f"{len(problems)} problem(s) in {bad} of {len(index)} shards listed in "
+                    f"{args.index}"
+                )
             )
         else:
             print(f"all {len(index)} shards, {index.total} samples, are good")

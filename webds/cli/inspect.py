@@ -16,6 +16,7 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
+from ..base.redact import redact
 from ..errors import ArgumentError, WebdsError
 from . import contact
 from .common import (
@@ -346,7 +347,9 @@ def run_show(args: argparse.Namespace) -> int:
                 if field is not None:
                     tiles.append((sample["__key__"], bytes(sample[field]), field))
                 continue
-            rows = [("__key__", sample["__key__"]), ("__url__", sample.get("__url__", ""))]
+            # A display, not data: the URL without its credentials (ls --long and tsv give it
+            # as it is, for scripts to open again).
+            rows = [("__key__", sample["__key__"]), ("__url__", redact(sample.get("__url__", "")))]
             specs = args.fields if args.fields is not None else field_names(sample)
             rows += [
                 (spec, _describe(spec, _show_value(sample, spec), args.width)) for spec in specs

@@ -17,6 +17,7 @@ import logging
 import sys
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
+from ..base.redact import redact
 from ..errors import ArgumentError, OpenError
 from ..parallel import MapShardsError, ShardResult, is_output_pattern, map_shards
 from ..tar.writing import encode_header
@@ -258,7 +259,7 @@ def _run_shards(args: argparse.Namespace) -> int:
             )
         except MapShardsError as exn:
             for r in exn.failed:
-                print(f"webds proc: shard {r.input!r} failed: {r.error}", file=sys.stderr)
+                print(redact(f"webds proc: shard {r.input!r} failed: {r.error}"), file=sys.stderr)
             _summary(args, exn.results)
             say(args, "proc: outputs of the failed shards were not written; run again to redo them")
             return 1

@@ -15,6 +15,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, Optional, Set, Tuple
 
+from ..base.redact import redact
 from ..errors import WebdsError
 
 __all__ = ["SampleCommand", "SampleCommandError", "ShardCommand", "Running", "run_samples"]
@@ -44,7 +45,7 @@ class SampleCommandError(WebdsError):
         where = f"sample {self.key!r}" + (f" in shard {self.url!r}" if self.url else "")
         lines = [f"webds proc: {where}: {self.message}"]
         lines += [f"  | {line}" for line in self.stderr.splitlines()]
-        return "\n".join(lines)
+        return redact("\n".join(lines))
 
     def __str__(self) -> str:
         # One line (for a shard's error in map_shards): the stderr lines joined by " | ".

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Union
 
+from ..base.redact import redact
 from ..errors import ArgumentError, EncodeError
 from ..shardwriter import ShardWriter
 from ..tarwriter import TarWriter, is_numbered_pattern, refused_input
@@ -127,5 +128,5 @@ def shard_range(shards: List[str]) -> str:
 
 
 def warn(command: str, message: str) -> None:
-    """A warning on stderr (shown even with ``--quiet``)."""
-    print(f"webds {command}: warning: {message}", file=sys.stderr)
+    """A warning on stderr (shown even with ``--quiet``), credentials redacted."""
+    print(redact(f"webds {command}: warning: {message}"), file=sys.stderr)
