@@ -25,8 +25,19 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from torch.utils.data import default_collate, default_convert
 
-from .base.ledger import PAD, Envelope, Ledger, Pass, Restored, ids_of, qualify, unqualify
+from .base.ledger import (
+    PAD,
+    Envelope,
+    Ledger,
+    NoSamples,
+    Pass,
+    Restored,
+    ids_of,
+    qualify,
+    unqualify,
+)
 from .base.saved import PipelineState, StreamState
+from .errors import NoSamplesError
 from .stages.batchbuffers import Packed, SlotPool, Unpacker
 from .stages.batchmemory import BatchMemory, default_collate_into
 
@@ -130,6 +141,10 @@ class WorkerChannel:
                 current = self.current_pass
                 note(current.ledger.current if current is not None else None)
                 yield item
+            current = self.current_pass
+            if not pending and not self.sent and current is not None:
+                if current.ledger.no_samples is not None:  # (nothing read, nothing resumed)
+                    yield NoSamples(current.ledger.no_samples)
         finally:
             memory.release()
             if self.batch_memory is memory:
@@ -201,8 +216,8 @@ class EnvelopeCollate:
         channel: WorkerChannel = dataset.channel
         worker = info.id if info is not None else 0
         first = data[0] if isinstance(data, list) and data else data
-        if first is PAD:
-            return Envelope(PAD, worker, None, _NO_DELTA, 0, 0)
+        if first is PAD or type(first) is NoSamples:
+            return Envelope(first, worker, None, _NO_DELTA, 0, 0)
         current = channel.current_pass
         if type(first) is Restored:
             # Each sample the main process held, collated as a batch of one, as it was split.
@@ -344,12 +359,18 @@ class WorkerMirrors:
         (as :func:`~webds.base.ledger.qualify` makes them) in ``ledger``."""
         self.last_worker = None  # the DataLoader's turns start at worker 0
         restored: List[Tuple[Any, Any]] = []
+        came, empty = False, {}  # whether an item came; the workers that found no samples
         for x in it:
             if type(x) is not Envelope:  # not tracked (see EnvelopeCollate): nothing to note
+                came = True
                 yield x
                 continue
             if x.item is PAD:
                 continue  # only keeps the DataLoader's turn order
+            if type(x.item) is NoSamples:
+                empty[x.worker] = x.item.message
+                continue
+            came = True
             if self.restoring and type(x.item) is not Restored:
                 self.restoring = 0  # a worker sent none: go on with what came
                 yield from self._take_back(restored, ledger, keeps)
@@ -380,6 +401,8 @@ class WorkerMirrors:
                     unpacker = self._unpackers[it] = Unpacker()
                 item = unpacker.unpack(x.worker, item)
             yield item
+        if not came and len(empty) >= self.workers:  # (as one process would raise)
+            raise NoSamplesError(f"{empty[min(empty)]} (in each of {self.workers} workers)")
 
     def _restored_from(
         self, x: Envelope, restored: List[Tuple[Any, Any]], ledger: Ledger, keeps: bool

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 from .base.saved import PipelineState
 from .base.stage import Count, Length, resume_kind
-from .errors import LengthError, NoSamplesError, ResumeError
+from .errors import ArgumentError, LengthError, NoSamplesError, ResumeError
 from .shards.elastic import every_rank, plan_elsewhere
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "own_state",
     "with_topology",
     "restore_entropy",
+    "fit_state",
     "resume_elsewhere",
     "gather_states",
     "random_parts",
@@ -247,6 +248,46 @@ def restore_entropy(pipeline: Any, state: PipelineState) -> None:
             part._entropy = int(value)
 
 
+def fit_state(pipeline: Any, state: PipelineState, strict: bool) -> None:
+    """Check what only the pipeline can judge of its own ``state`` (read, so well-formed; its
+    configuration checked): each stream's pass is one of its epoch's (:func:`check_passes`) and,
+    ``strict``, there is an entropy for each random part; then restore that entropy."""
+    check_passes(pipeline, state)
+    parts = list(random_parts(pipeline))
+    if strict and len(state.entropy) != len(parts):
+        raise ArgumentError(
+            f"not a webds pipeline state (from state_dict()): state['entropy'] is "
+            f"{state.entropy!r}, not the entropy of this pipeline's {len(parts)} random "
+            "part(s) (the pipeline and the datasets inside it)"
+        )
+    restore_entropy(pipeline, state)
+
+
+def check_passes(pipeline: Any, state: PipelineState) -> None:
+    """Raise :class:`~webds.errors.ArgumentError` naming the field when a stream of ``state``
+    (its own, its DataLoader workers') is in a pass that its epoch does not read: the passes of
+    epoch ``e`` are ``e`` to ``e + repetitions - 1`` (one, unless ``repeat``); resuming another
+    would read passes until it got there (an epoch of 10**15 never ends). A ``with_epoch``
+    stream runs across passes, so any pass may be its epoch's."""
+    source = pipeline.pipeline[0] if pipeline.pipeline else None
+    inner = getattr(getattr(source, "loader", None), "dataset", None)
+    streams = [(pipeline, state, "state")]
+    if hasattr(inner, "repetitions") and hasattr(inner, "nsamples"):
+        streams += [(inner, s, f"state['workers'][{str(w)!r}]") for w, s in state.streams()]
+    for owner, s, path in streams:
+        reps = owner.repetitions
+        if s.pass_ is None or (owner.nsamples is not None and reps == sys.maxsize):
+            continue
+        if s.epoch <= s.pass_ < s.epoch + reps:
+            continue
+        last = "on" if reps == sys.maxsize else f"to {s.epoch + reps - 1}"
+        raise ArgumentError(
+            f"not a webds pipeline state (from state_dict()): {path}['stream'] is {s.pass_}, "
+            f"not a pass of its epoch ({path}['epoch'] is {s.epoch}; this pipeline reads "
+            f"passes {s.epoch} {last} in it)"
+        )
+
+
 def with_topology(mine: Dict[str, Any], saved: Dict[str, Any]) -> Dict[str, Any]:
     """``mine`` (a configuration) with the saved one's world size and worker count: what must
     still match when a resume is planned anew for another topology."""
@@ -267,6 +308,8 @@ def resume_elsewhere(pipeline: Any, state: Any, strict: bool, plan: Any, granule
     mine = pipeline._resume_config()
     for saved in states:
         check_state(saved, with_topology(mine, saved.config), strict)
+    for saved in states:
+        check_passes(pipeline, saved)
     epoch = plan_elsewhere(plan, states, granule)
     restore_entropy(pipeline, states[0])
     return epoch

@@ -162,11 +162,14 @@ def _require_samples(src: Iterable[Any], urls: Any, *, ledger: Any = None) -> It
         yield sample
     if n == 0 and not (ledger is not None and ledger.resuming):
         where = worker_info()
+        why = (
+            f"no samples found in {urls!r}: every shard was empty or skipped. Check the "
+            "shards (and the handler's warnings), or pass empty_check=False"
+        )
         if where.num_workers == 1 and where.world_size == 1:
-            raise NoSamplesError(
-                f"no samples found in {urls!r}: every shard was empty or skipped. Check the "
-                "shards (and the handler's warnings), or pass empty_check=False"
-            )
+            raise NoSamplesError(why)
+        if ledger is not None:  # a WebLoader's main process raises if every worker found none
+            ledger.ledger.no_samples = why
         log.warning(
             "webds: rank %d worker %d got no samples from %r; with fewer shards than "
             "ranks x workers some processes have nothing to read",

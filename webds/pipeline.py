@@ -52,13 +52,13 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
     _exactly,
     check_state,
     exact_count,
+    fit_state,
     forward_counts,
     gather_states,
     own_state,
     random_parts,
     refuse_unresumable,
     repeated,
-    restore_entropy,
     resume_elsewhere,
     source_counts,
 )
@@ -331,7 +331,7 @@ class DataPipeline(IterableDataset):
         else:
             mine = own_state(states, where.rank, where.world_size, strict)
             check_state(mine, self._resume_config(), strict)
-            restore_entropy(self, mine)
+            fit_state(self, mine, strict)
             self.set_epoch(mine.epoch)
             self._resume = mine
             self._carry = self._pass = None  # the next iter() starts from the resume

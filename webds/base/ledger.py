@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+from ..errors import ArgumentError
 from .saved import LedgerState, Runs, SlotState
 from .slots import BEYOND, RestorePlan, Slot, StageLedger, ids_of
 
@@ -41,6 +42,7 @@ __all__ = [
     "Envelope",
     "PAD",
     "Restored",
+    "NoSamples",
     "BEYOND",
 ]
 
@@ -75,6 +77,9 @@ class Ledger:
         #: Why a resumed pass could not put every buffer back as it was (it then goes on with the
         #: same samples, each once, in another order); None while it could.
         self.unordered: Optional[str] = None
+        #: Why the pass found no samples at all (set by the empty check in a DataLoader worker,
+        #: which cannot know whether the other workers found any: the main process judges).
+        self.no_samples: Optional[str] = None
         self._slots: Dict[int, Slot] = {}  # by the position of the stage that holds the items
         # Tracking (a DataLoader worker's ledger): changes since the last take_delta(); the
         # slots' operations go to one log (kept: slots append to it), which the main process
@@ -91,6 +96,10 @@ class Ledger:
         self._old_partial: Dict[int, int] = {}
         self._holes: Set[int] = set()
         self._hole_shards: Set[int] = set()
+        # The last sample number the tar stage came to in each shard begun before the resume,
+        # to judge the saved sample number against the shard's (see finish()).
+        self._seen: Dict[int, int] = {}
+        self._path = resume.path if resume is not None else "state['ledger']"
         if resume is not None:
             self.complete, self.partial, self._holes = resume.reads()
             self._old_complete = Runs(self.complete)
@@ -138,6 +147,12 @@ class Ledger:
         """Record that every sample of source item ``k`` has been read."""
         if self.reading[0] == k:
             self.reading[0] = self.reading[1] = -1
+        if self.resuming and self._seen.get(k, LEAF) < self._old_partial.get(k, -1):
+            raise ArgumentError(
+                f"not a webds pipeline state for this data: {self._path}['partial'][{str(k)!r}] "
+                f"is {self._old_partial[k]}, the last sample read of source item {k}, and it "
+                f"has {self._seen[k] + 1} (the shards changed, or the state is not theirs)"
+            )
         self.complete.add(k)
         self.partial.pop(k, None)
         if self._track:
@@ -146,9 +161,13 @@ class Ledger:
 
     def consumed(self, i: Any) -> bool:
         """Whether id ``i`` was consumed before the resume (so it must not be read again)."""
-        if not self.resuming or type(i) is not int or i in self._plan.holes:
-            return False  # (all held at the checkpoint: produce() forgets those read again)
+        if not self.resuming or type(i) is not int:
+            return False
         k = i >> _SHIFT
+        if (i & LEAF) > self._seen.get(k, -1) and k in self._old_partial:
+            self._seen[k] = i & LEAF
+        if i in self._plan.holes:
+            return False  # (all held at the checkpoint: produce() forgets those read again)
         return k in self._old_complete or (i & LEAF) <= self._old_partial.get(k, -1)
 
     def first_unconsumed(self, k: int, first: int = 0) -> int:
@@ -368,6 +387,14 @@ class Restored(NamedTuple):
 
     items: List[Any]
     ids: List[Any]
+
+
+class NoSamples(NamedTuple):
+    """What a DataLoader worker whose epoch found no samples at all yields, alone, at its end
+    (the empty check said why: ``message``); when every worker sent one and no item came, the
+    main process raises :class:`~webds.errors.NoSamplesError`, as one process would."""
+
+    message: str
 
 
 class _Pad:

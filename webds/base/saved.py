@@ -56,19 +56,46 @@ def _missing(path: str) -> _Malformed:
     return _Malformed(f"{_HEAD}: {path} is missing (state_dict() writes every field)")
 
 
-def _to_int(value: Any, path: str) -> int:
-    if isinstance(value, bool) or value is None:
+#: The ids of one stream's items are below 2**64 (``shard << 32 | sample``); a WebLoader's main
+#: process puts the worker's number above them (:func:`webds.base.ledger.qualify`).
+_ID_BITS = 64
+#: A sample number (below ``LEAF``, which stands for a whole source item).
+_SAMPLES = (1 << 32) - 1
+#: The most random words a stage's slot may say it drew in one pass: about 3 billion shuffled
+#: samples of one stream. Resuming skips that many words (about 20 s); a larger count is not one
+#: a pass drew, and skipping it would not end.
+MAX_DRAWS = 1 << 32
+
+
+def _to_int(value: Any, path: str, lo: Optional[int] = None, hi: Optional[int] = None) -> int:
+    """``value``, an int (not a bool, not a float) in ``lo <= value < hi`` (None: unbounded)."""
+    if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(path, value, "an int")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise _bad(path, value, "an int") from None
+    if (lo is not None and value < lo) or (hi is not None and value >= hi):
+        wanted = f"an int >= {lo}" if hi is None else f"an int in [{lo or 0}, {hi})"
+        raise _bad(path, value, wanted if lo is not None else f"an int below {hi}")
+    return int(value)
 
 
-def _ints(value: Any, path: str) -> List[int]:
+def _ints(value: Any, path: str, lo: Optional[int] = None, hi: Optional[int] = None) -> List[int]:
     if not isinstance(value, list):
         raise _bad(path, value, "a list of ints")
-    return [_to_int(x, f"{path}[{n}]") for n, x in enumerate(value)]
+    return [_to_int(x, f"{path}[{n}]", lo, hi) for n, x in enumerate(value)]
+
+
+def _ids(value: Any, path: str, bound: int, depth: int = 0) -> Any:
+    """An item's ids: an id in ``[0, bound)``, or a bundle (nested lists of them)."""
+    if isinstance(value, list) and depth < 32:
+        for n, x in enumerate(value):
+            _ids(x, f"{path}[{n}]", bound, depth + 1)
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < bound:
+        raise _bad(
+            path,
+            value,
+            f"an item's ids (ints in [0, 2**{bound.bit_length() - 1}), or lists of them)",
+        )
+    return value
 
 
 class _Fields:
@@ -93,9 +120,11 @@ class _Fields:
             raise _missing(self.at(key))
         return default
 
-    def int(self, key: str, default: Any = _NEEDED, none: bool = False) -> Any:
+    def int(
+        self, key: str, default: Any = _NEEDED, none: bool = False, lo: Any = None, hi: Any = None
+    ) -> Any:
         value = self.raw(key, default)
-        return None if value is None and none else _to_int(value, self.at(key))
+        return None if value is None and none else _to_int(value, self.at(key), lo, hi)
 
     def text(self, key: str) -> Optional[str]:
         value = self.raw(key, None)
@@ -115,14 +144,18 @@ class _Fields:
             raise _bad(self.at(key), value, "a list")
         return value
 
-    def numbered(self, key: str) -> Dict[int, Any]:
-        """A dict keyed by numbers written as strings (``{"3": ...}``)."""
+    def numbered(self, key: str, hi: Optional[int] = None) -> Dict[int, Any]:
+        """A dict keyed by numbers ``>= 0`` (below ``hi``) written as strings (``{"3": ...}``)."""
         out = {}
         for k, value in self.map(key).items():
             try:
-                out[int(k)] = value
+                n = int(k)
             except (TypeError, ValueError):
-                raise _bad(f"{self.at(key)}[{k!r}]", k, "a number's key") from None
+                n = -1
+            if n < 0 or (hi is not None and n >= hi) or str(n) != k:
+                within = "" if hi is None else f" below {hi}"
+                raise _bad(f"{self.at(key)}[{k!r}]", k, f"a number's key (>= 0{within})")
+            out[n] = value
         return out
 
 
@@ -207,14 +240,18 @@ def _runs(ks: Set[int]) -> List[List[int]]:
     return out
 
 
-def _read_runs(value: List[Any], path: str) -> "Runs":
-    """The runs, kept as runs (never expanded into one entry per id)."""
+def _read_runs(value: List[Any], path: str, items: int) -> "Runs":
+    """The runs, kept as runs (never expanded into one entry per id): sorted, each
+    ``[first, last + 1]`` with ``0 <= first < last + 1 <= items``, none overlapping another."""
     out = Runs()
+    end = 0
     for n, pair in enumerate(value):
         bounds = _ints(pair, f"{path}[{n}]")
-        if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
-            raise _bad(f"{path}[{n}]", pair, "a run [first, last + 1] of source items >= 0")
+        if len(bounds) != 2 or not end <= bounds[0] < bounds[1] <= items:
+            wanted = f"a run [first, last + 1] of source items, after {end - 1} (the last one)"
+            raise _bad(f"{path}[{n}]", pair, wanted if n else "a run [first, last + 1], first >= 0")
         out.add_run(bounds[0], bounds[1])
+        end = bounds[1]
     return out
 
 
@@ -240,6 +277,8 @@ class LedgerState:
     slots: Dict[int, SlotState] = field(default_factory=dict)
     held_after: List[Any] = field(default_factory=list)
     unordered: Optional[str] = None
+    #: Where it was read from (``state['ledger']``), for errors found when the data is read.
+    path: str = field(default="state['ledger']", compare=False, repr=False)
 
     def reads(self) -> Tuple[Set[int], Dict[int, int], Set[int]]:
         """(the source items read entirely, the last sample read of each item begun, every id
@@ -264,24 +303,30 @@ class LedgerState:
         return out
 
     @classmethod
-    def from_dict(cls, d: Any, path: str = "ledger", complete: bool = True) -> "LedgerState":
-        """The record at ``path`` of a saved state (see :class:`_Fields` for ``complete``)."""
+    def from_dict(
+        cls, d: Any, path: str = "ledger", complete: bool = True, ids: int = 1 << _ID_BITS
+    ) -> "LedgerState":
+        """The record at ``path`` of a saved state (see :class:`_Fields` for ``complete``);
+        ``ids``: the bound of its ids (a WebLoader's main process qualifies them)."""
         f = _Fields(d, path, complete)
+        items = ids >> 32  # (the source items: an id is ``item << 32 | sample``)
         partial = {
-            k: _to_int(j, f"{f.at('partial')}[{str(k)!r}]")
-            for k, j in f.numbered("partial").items()
+            k: _to_int(j, f"{f.at('partial')}[{str(k)!r}]", 0, _SAMPLES)
+            for k, j in f.numbered("partial", items).items()
         }
         slots = {}
         for pos, s in f.numbered("slots").items():
             slot = _Fields(s, f"{f.at('slots')}[{str(pos)!r}]", True)
-            slots[pos] = SlotState(slot.list("ids"), slot.int("draws"))
+            held = _ids(slot.list("ids"), slot.at("ids"), ids)
+            slots[pos] = SlotState(held, slot.int("draws", lo=0, hi=MAX_DRAWS + 1))
         return cls(
-            _read_runs(f.list("complete"), f.at("complete")),
+            _read_runs(f.list("complete"), f.at("complete"), items),
             partial,
-            set(_ints(f.list("holes"), f.at("holes"))),
+            set(_ints(f.list("holes"), f.at("holes"), 0, ids)),
             slots,
-            f.list("held_after", []),
+            _ids(f.list("held_after", []), f.at("held_after"), ids),
             f.text("unordered"),
+            path,
         )
 
 
@@ -309,10 +354,13 @@ class StreamState:
         return self._fields()
 
     @classmethod
-    def from_dict(cls, d: Any, path: str = "state", complete: bool = True) -> "StreamState":
-        """The record at ``path`` of a saved state (see :class:`_Fields` for ``complete``)."""
+    def from_dict(
+        cls, d: Any, path: str = "state", complete: bool = True, ids: int = 1 << _ID_BITS
+    ) -> "StreamState":
+        """The record at ``path`` of a saved state (see :class:`_Fields` for ``complete``;
+        ``ids``: :meth:`LedgerState.from_dict`'s)."""
         f = _Fields(d, path, complete)
-        pass_ = f.int("stream", None, none=True)
+        pass_ = f.int("stream", None, none=True, lo=0)
         reading = _NEEDED if pass_ is not None else None  # (version 2: all four, or none)
         ledger = f.raw("ledger", reading)
         if pass_ is None and ledger is not None:
@@ -321,14 +369,15 @@ class StreamState:
             raise _bad(f.at("ledger"), ledger, f"the ledger of the pass being read ({pass_})")
         f.raw("problem", reading)
         if ledger is not None:
-            ledger = LedgerState.from_dict(ledger, f.at("ledger"), complete)
+            ledger = LedgerState.from_dict(ledger, f.at("ledger"), complete, ids)
+        last = f.raw("last", reading)
         return cls(
-            epoch=f.int("epoch"),
-            items=f.int("items"),
+            epoch=f.int("epoch", lo=0),
+            items=f.int("items", lo=0),
             pass_=pass_,
             ledger=ledger,
             problem=f.text("problem"),
-            last=f.raw("last", reading),
+            last=None if last is None else _ids(last, f.at("last"), ids),
         )
 
 
@@ -415,21 +464,25 @@ def read_state(d: Any) -> PipelineState:
     if version not in READS:
         raise ResumeError(_unknown_version(d))
     complete = version >= 3
-    stream = StreamState.from_dict(d, "state", complete)
     f = _Fields(d, "state", complete)
     config = f.map("config")
+    given = config.get("num_workers")
+    n = given if isinstance(given, int) and not isinstance(given, bool) and given > 1 else 1
+    # A WebLoader's main process holds its workers' items, their number above each id.
+    stream = StreamState.from_dict(d, "state", complete, n << _ID_BITS)
     workers = f.raw("workers", None)
     if workers is not None:
         workers = _read_workers(f, config)
+    world_size = f.int("world_size", lo=1)
     return PipelineState(
         **vars(stream),
-        rank=f.int("rank"),
-        world_size=f.int("world_size"),
+        rank=f.int("rank", lo=0, hi=world_size),
+        world_size=world_size,
         seed=f.int("seed", none=True),
         config=config,
         entropy=_ints(f.list("entropy"), f.at("entropy")),
         workers=workers,
-        next_worker=f.int("next_worker", None, none=True),
+        next_worker=f.int("next_worker", None, none=True, lo=0, hi=n),
     )
 
 
