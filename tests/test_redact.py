@@ -14,7 +14,7 @@ import logging
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 from urllib.parse import quote
 
 import pytest
@@ -57,7 +57,25 @@ SECRET_KEYS = [
     "sas_token",
     "account_key",
     "credentials",
+    "passphrase",
+    "secretAccessKey",
+    "sessionToken",
+    "apiKey",
+    "clientSecret",
+    "accessKey",
 ]
+# Where a URL's fragment carries a token (OAuth's implicit flow).
+FRAGMENT_PARAMS = ["token", "access_token", "id_token"]
+_TOKEN_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
+# A whole user info that is a token: GitHub's, GitLab's and Slack's prefixes, or 20+ characters.
+user_tokens = st.one_of(
+    st.text(_TOKEN_CHARS, min_size=20, max_size=60),
+    st.builds(
+        lambda prefix, rest: prefix + rest,
+        st.sampled_from(["ghp_", "gho_", "ghs_", "github_pat_", "glpat-", "xoxb-", "xoxp-"]),
+        st.text(_TOKEN_CHARS, min_size=1, max_size=40),
+    ),
+)
 
 _SECRET_CHARS = "ABCDEFGHJKLMNPQRSTUVWXYZabcdefghjkmnpqrstuvwxyz23456789+/=_-.~!$&'()*,;:@?#%"
 secrets = st.text(_SECRET_CHARS, min_size=8, max_size=40)
@@ -77,22 +95,31 @@ def _case(name: str, flips: List[bool]) -> str:
 
 @st.composite
 def secret_urls(draw: Any) -> Dict[str, Any]:
-    """A URL with one secret in userinfo and/or a credential query parameter, and the parts
-    that must stay readable."""
-    secret = draw(secrets)
+    """A URL with one secret in userinfo (a password, or a token as the whole user info), a
+    credential query parameter or a token in the fragment, and the parts that must stay
+    readable."""
+    places = ["userinfo", "token_userinfo", "fragment"] + CREDENTIAL_PARAMS
+    place = draw(st.sampled_from(places))
+    secret = draw(user_tokens if place == "token_userinfo" else secrets)
     host, scheme = draw(hosts), draw(schemes)
     path = "/".join(draw(segments))
     shard = f"shard-{draw(shard_numbers):06d}.tar"
-    place = draw(st.sampled_from(["userinfo"] + CREDENTIAL_PARAMS))
     encoded = quote(secret, safe="")
     user = draw(st.sampled_from(["user", "AKIA", "me.name"]))
-    netloc = f"{user}:{{0}}@{host}" if place == "userinfo" else host
+    netloc = {"userinfo": f"{user}:{{0}}@{host}", "token_userinfo": f"{{0}}@{host}"}.get(
+        place, host
+    )
     query = [f"part={draw(st.integers(0, 9))}"]
-    if place != "userinfo":
+    fragment = ""
+    if place == "fragment":
+        name = draw(st.sampled_from(FRAGMENT_PARAMS))
+        fragment = f"#{_case(name, draw(st.lists(st.booleans(), max_size=len(name))))}={{0}}"
+        fragment += draw(st.sampled_from(["", "&token_type=bearer", "&expires_in=3600"]))
+    elif place in CREDENTIAL_PARAMS:
         name = _case(place, draw(st.lists(st.booleans(), max_size=len(place))))
         query.insert(draw(st.integers(0, 1)), f"{name}={{0}}")
     full_path = f"/{path}/{shard}" if path else f"/{shard}"
-    template = f"{scheme}://{netloc}{full_path}?{'&'.join(query)}"
+    template = f"{scheme}://{netloc}{full_path}?{'&'.join(query)}{fragment}"
     return {
         "url": template.format(encoded),
         "readable": template.format(""),
@@ -116,6 +143,51 @@ def test_a_secret_in_any_credential_place_never_comes_out(case: Dict[str, Any], 
     assert case["encoded"] not in out and case["secret"] not in out, out
     assert MASK in out
     assert case["host"] in out and case["path"] in out and "part=" in out
+
+
+# A secret in each place of a shell command that carries one (shlex-quoted as a shell needs it:
+# without quotes or backslashes, which a repr would escape), and how messages show the command.
+SHELL_PLACES = [
+    ("-u {}", "user:{}"),
+    ("--user={}", "me:{}"),
+    ("-u{}", "me:{}"),
+    ("-H {}", "X-Api-Key: {}"),
+    ("--header {}", "Authorization: Bearer {}"),
+    ("-H {}", "Cookie: session={}"),
+    ("-H {}", "Private-Token:{}"),
+    ("--oauth2-bearer {}", "{}"),
+    ("--password {}", "{}"),
+    ("--password={}", "{}"),
+    ("AWS_SECRET_ACCESS_KEY={}", "{}"),
+    ("env TOKEN={}", "{}"),
+    ("GITHUB_TOKEN={}", "{}"),
+]
+shell_secrets = st.text(_SECRET_CHARS.replace("'", "").replace('"', ""), min_size=8, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(SHELL_PLACES),
+    shell_secrets,
+    hosts,
+    shard_numbers,
+    st.sampled_from(["pipe:{}", "command {!r} exited with status 22", "<Pipe {}>", "[{}]"]),
+)
+def test_a_secret_in_any_shell_place_of_a_pipe_command_never_comes_out(
+    place: Tuple[str, str], secret: str, host: str, number: int, frame: str
+) -> None:
+    import shlex
+
+    shard = f"shard-{number:06d}.tar"
+    word = place[0].format(shlex.quote(place[1].format(secret)))  # as shlex.join writes it
+    url = f"https://{host}/d/{shard}"
+    # An option goes after the program, an environment variable before it.
+    command = f"curl -s {word} {url}" if word[0] == "-" else f"{word} curl -s {url}"
+    assume(secret not in command.replace(secret, "", 1))  # one copy: the one to hide
+    shown = frame.format(shlex.split(command) if frame == "<Pipe {}>" else command)
+    out = redact(shown)
+    assert secret not in out and shlex.quote(secret) not in out, out
+    assert MASK in out and f"{host}/d/{shard}" in out, out
 
 
 @settings(max_examples=200, deadline=None)
@@ -173,13 +245,61 @@ def test_a_secret_in_any_mapping_key_never_comes_out(
             "s3://bucket/train/shard-{000000..000099}.tar",
             "s3://bucket/train/shard-{000000..000099}.tar",
         ),
-        ("pipe:curl -s -u me:pw https://h/x.tar", "pipe:curl -s -u me:pw https://h/x.tar"),
+        ("pipe:curl -s -u me:pw https://h/x.tar", "pipe:curl -s -u me:*** https://h/x.tar"),
         ("pipe:curl -s https://me:pw@h/x.tar", "pipe:curl -s https://me:***@h/x.tar"),
         ("/data/shards/train-0001.tar", "/data/shards/train-0001.tar"),
         ("Authorization: Bearer abc.def", "Authorization: ***"),
         ("BasicAuth(login='u', password='pw')", "BasicAuth(login='u', password='***')"),
         ("{'token': 'anon', 'project': 'p'}", "{'token': 'anon', 'project': 'p'}"),
         ("{'__key__': '0001', 'cls': b'3'}", "{'__key__': '0001', 'cls': b'3'}"),
+        # A token in the fragment (OAuth's implicit flow), or as the whole user info (GitHub).
+        ("https://h/s.tar#token=abc", "https://h/s.tar#token=***"),
+        (
+            "https://h/cb#access_token=abc&token_type=bearer&expires_in=60",
+            "https://h/cb#access_token=***&token_type=bearer&expires_in=60",
+        ),
+        ("https://ghp_0123456789abcdefghijABCDEFGHIJ@github.com/o/r", "https://***@github.com/o/r"),
+        ("https://glpat-x1y2@gitlab.com/g/s.tar", "https://***@gitlab.com/g/s.tar"),
+        ("https://xoxb-12-34@h/x.tar", "https://***@h/x.tar"),
+        ("https://Ab0_Cd1-Ef2_Gh3-Ij4_@h/x.tar", "https://***@h/x.tar"),  # 20 token characters
+        ("https://gho_abc:x-oauth-basic@github.com/o/r", "https://***:***@github.com/o/r"),
+        ("https://alice@host/x.tar", "https://alice@host/x.tar"),  # a plain name stays readable
+        ("https://me.name_99@host/x.tar", "https://me.name_99@host/x.tar"),
+        # pipe: commands: options, headers and environment variables that carry secrets.
+        ("pipe:curl -u user:S3 https://h/x.tar", "pipe:curl -u user:*** https://h/x.tar"),
+        ("pipe:curl --user=me:S3 https://h/x", "pipe:curl --user=me:*** https://h/x"),
+        ("pipe:curl -ume:S3 https://h/x", "pipe:curl -ume:*** https://h/x"),
+        ("pipe:curl -u me https://h/x.tar", "pipe:curl -u me https://h/x.tar"),  # prompts
+        ("pipe:python -u f.py h/x.tar", "pipe:python -u f.py h/x.tar"),
+        (
+            "pipe:curl -H 'X-Api-Key: S3' -H 'Accept: */*' https://h/x",
+            "pipe:curl -H 'X-Api-Key: ***' -H 'Accept: */*' https://h/x",
+        ),
+        ('pipe:curl --header "Cookie: a=b; c=d" h/x', 'pipe:curl --header "Cookie: ***" h/x'),
+        ("pipe:curl -H Private-Token:S3 h/x", "pipe:curl -H Private-Token:*** h/x"),
+        ("pipe:curl --oauth2-bearer S3 https://h/x", "pipe:curl --oauth2-bearer *** https://h/x"),
+        ("pipe:wget --password=S3 -O - https://h/x", "pipe:wget --password=*** -O - https://h/x"),
+        ("pipe:curl --password 'a b' h/x", "pipe:curl --password '***' h/x"),
+        (
+            "pipe:AWS_SECRET_ACCESS_KEY=S3 aws s3 cp s3://b/x.tar -",
+            "pipe:AWS_SECRET_ACCESS_KEY=*** aws s3 cp s3://b/x.tar -",
+        ),
+        (
+            "pipe:env TOKEN=S3 AWS_REGION=eu-1 hf download x.tar",
+            "pipe:env TOKEN=*** AWS_REGION=eu-1 hf download x.tar",
+        ),
+        (
+            "<Pipe ['curl', '-u', 'me:S3', '-H', 'X-Api-Key: S3', 'https://h/x.tar']>",
+            "<Pipe ['curl', '-u', 'me:***', '-H', 'X-Api-Key: ***', 'https://h/x.tar']>",
+        ),
+        (
+            "command \"curl -H 'Token: S3' h/x.tar\" exited with status 22",
+            "command \"curl -H 'Token: ***' h/x.tar\" exited with status 22",
+        ),
+        (
+            "{'passphrase': 'pw', 'secretAccessKey': 'S3'}",
+            "{'passphrase': '***', 'secretAccessKey': '***'}",
+        ),
     ],
 )
 def test_redact_shapes(url: str, expected: str) -> None:
@@ -214,6 +334,36 @@ def test_redact_mappings_and_other_values() -> None:
     )
     assert is_secret_name("X-Amz-Security-Token") and is_secret_name("Proxy-Authorization")
     assert not is_secret_name("endpoint_url") and not is_secret_name("__key__")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "passphrase",
+        "accessKey",
+        "secretAccessKey",
+        "sessionToken",
+        "apiKey",
+        "APIKey",
+        "clientSecret",
+        "accessKeyId",
+        "SAS_TOKEN",
+        "X-Api-Key",
+        "Cookie",
+        "oauth2Bearer",
+    ],
+)
+def test_camel_case_and_sftp_secret_names(name: str) -> None:
+    assert is_secret_name(name)
+    assert redact({name: "S3CR3T"}) == {name: MASK}
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["endpointUrl", "regionName", "userName", "username", "__key__", "tokenType", "keyPrefix"],
+)
+def test_names_that_are_no_secret(name: str) -> None:
+    assert not is_secret_name(name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """Hiding credentials in what webds shows: error messages, reprs and log lines.
 
-URLs carry secrets (``https://user:password@host/...``, presigned ``?X-Amz-Signature=...``, an
-Azure SAS ``&sig=...``) and so do ``storage_options`` and headers (``{"secret": ...}``,
-``{"Authorization": "Bearer ..."}``). Anything webds prints goes through :func:`redact`, which
-replaces the secret parts with ``***`` and leaves the rest readable (scheme, host, path, the shard
-and member names), so an error still says which shard failed. Code that must reopen a URL keeps
-the raw one (``WebdsError.url``, the stages' arguments); only what is displayed is redacted.
+URLs carry secrets (``https://user:password@host/...``, ``https://TOKEN@github.com/...``,
+presigned ``?X-Amz-Signature=...``, an Azure SAS ``&sig=...``, ``#access_token=...``) and so do
+``storage_options`` and headers (``{"secret": ...}``, ``{"Authorization": "Bearer ..."}``) and
+``pipe:`` commands (``curl -u user:pw``, ``-H 'X-Api-Key: ...'``, ``TOKEN=... cmd``). Anything
+webds prints goes through :func:`redact`, which replaces the secret parts with ``***`` and
+leaves the rest readable (scheme, host, path, the shard and member names), so an error still
+says which shard failed. Code that must reopen a URL keeps the raw one (``WebdsError.url``, the
+stages' arguments); only what is displayed is redacted.
 
 This module imports nothing of webds: :mod:`webds.errors` uses it, and everything uses errors.
 """
@@ -22,12 +24,14 @@ __all__ = ["MASK", "redact", "is_secret_name", "redact_exception", "RedactedErro
 #: What a hidden value is shown as.
 MASK = "***"
 
-# Names (of a mapping key, a query parameter, a keyword) whose values are secrets, compared in
-# lower case with "-" read as "_": storage_options of s3fs/gcsfs/adlfs/sftp, HTTP headers,
-# presigned-URL parameters (AWS SigV4 X-Amz-*, GCS X-Goog-*, Azure SAS ``sig``).
+# Names (of a mapping key, a query parameter, a keyword, a header, an environment variable, a
+# command-line option) whose values are secrets, compared in snake case: lower case, "-" read as
+# "_", camelCase split (secretAccessKey: secret_access_key): storage_options of
+# s3fs/gcsfs/adlfs/sftp, HTTP headers, presigned-URL parameters (AWS SigV4 X-Amz-*, GCS
+# X-Goog-*, Azure SAS ``sig``).
 _SECRET_NAMES = frozenset(
-    """key secret token password passwd pwd sig signature auth authorization
-    proxy_authorization cookie credential credentials client_secret api_key apikey
+    """key secret token password passwd pwd passphrase sig signature auth authorization
+    proxy_authorization cookie set_cookie credential credentials client_secret api_key apikey
     access_token refresh_token id_token session_token security_token sas_token account_key
     aws_access_key_id aws_secret_access_key aws_session_token connection_string private_key
     """.split()
@@ -44,7 +48,13 @@ _SECRET_SUFFIXES = (
     "credentials",
     "_key",
     "apikey",
+    "accesskey",
+    "passphrase",
+    "bearer",
+    "access_key_id",
 )
+# Word boundaries inside camelCase names: "secretAccessKey", "APIKey".
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 # Values of a secret-named field that are settings, not secrets (gcsfs's token="anon", ...):
 # shown as they are, so a repr still says how the backend authenticates.
 _PUBLIC_VALUES = frozenset({"anon", "google_default", "cache", "cloud", "browser", ""})
@@ -52,9 +62,14 @@ _PUBLIC_VALUES = frozenset({"anon", "google_default", "cache", "cloud", "browser
 
 def is_secret_name(name: str) -> bool:
     """Whether a field called ``name`` holds a secret (``"secret"``, ``"X-Amz-Signature"``,
-    ``"Authorization"``, ``"aws_session_token"``: yes; ``"endpoint_url"``, ``"region"``: no)."""
-    norm = name.strip().lower().replace("-", "_")
-    return norm in _SECRET_NAMES or norm.endswith(_SECRET_SUFFIXES)
+    ``"Authorization"``, ``"aws_session_token"``, ``"secretAccessKey"``, ``"passphrase"``: yes;
+    ``"endpoint_url"``, ``"region"``: no)."""
+    name = name.strip()
+    # As written ("aPikey", "SAS_TOKEN") and with camelCase split ("secretAccessKey").
+    for norm in {name.lower().replace("-", "_"), _CAMEL.sub("_", name).lower().replace("-", "_")}:
+        if norm in _SECRET_NAMES or norm.endswith(_SECRET_SUFFIXES):
+            return True
+    return False
 
 
 # -- text -----------------------------------------------------------------------------------------
@@ -62,8 +77,11 @@ def is_secret_name(name: str) -> bool:
 # scheme://userinfo@ : the userinfo runs to the last "@" before the host's end ("/?#", a quote, a
 # space), as urllib splits it.
 _USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.\-]*://)([^/?#\s'\"<>@]*(?:@[^/?#\s'\"<>@]*)*)@")
-# ?name=value or &name=value (or ;) in a URL's query.
-_QUERY = re.compile(r"([?&;])([^=&#;\s'\"?]+)=([^&#;\s'\"]*)")
+# A whole user info that is a token (GitHub's https://TOKEN@github.com/...): GitHub's, GitLab's
+# and Slack's prefixes, or 20 and more token characters. A plain user name stays readable.
+_TOKEN_USER = re.compile(r"(?:gh[pousr]_|github_pat_|glpat-|xox[a-z]-)\S*|[\w\-]{20,}", re.ASCII)
+# ?name=value or &name=value (or ;) in a URL's query, #name=value in its fragment.
+_QUERY = re.compile(r"([?&;#])([^=&#;\s'\"?]+)=([^&#;\s'\"]*)")
 _QUOTED = r"""[bBrRuU]{0,2}(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""
 # 'name': value in the repr of a mapping (value quoted, or bare up to the next item).
 _MAPPING_ITEM = re.compile(
@@ -74,10 +92,31 @@ _KEYWORD = re.compile(r"\b([A-Za-z_][\w\-]{0,63})(\s*=\s*)(" + _QUOTED + ")")
 # Authorization: Basic ... in a dump of HTTP headers.
 _HEADER = re.compile(r"(?im)\b((?:proxy-)?authorization)(\s*:\s*)(?!\s*['\"])([^\r\n,}'\"]+)")
 
+# -- shell commands (pipe:) ---------------------------------------------------------------------
+# One shell word as a message shows it: quoted; bare, then quoted, then white space
+# (user:'p w'); or bare up to white space or a quote (so "'-u', 'user:pw'" in the repr of an
+# argument list is two words).
+_WORD = r"""(?:'[^']*'|"(?:[^"\\]|\\.)*"|[^\s'"]*(?:'[^']*'|"(?:[^"\\]|\\.)*")(?=\s|$)|[^\s'"]+)"""
+# An option and its value: "-u user:pw", "--user=user:pw", "-uuser:pw", "-H 'Name: value'",
+# "--oauth2-bearer X", and in the repr of an argument list "'-u', 'user:pw'".
+_OPTION = re.compile(
+    r"(?<![\w\-])(-[uUH]|--[A-Za-z][\w\-]*)(=|\s+|['\"],\s*|(?<=-[uUH])(?=[^\s'\"]|['\"][^,]))("
+    + _WORD
+    + ")"
+)
+# NAME=VALUE where a shell word starts: "TOKEN=x cmd", "env TOKEN=x cmd", "pipe:TOKEN=x cmd".
+_ASSIGNMENT = re.compile(r"""(?<![^\s'"(\[|`:])([A-Za-z_]\w*)=(""" + _WORD + ")")
+_USER_OPTIONS = {"-u", "-U", "--user", "--proxy-user"}  # USER:PASSWORD
+_HEADER_OPTIONS = {"-H", "--header", "--proxy-header"}  # 'Name: value'
+_SECRET_OPTIONS = {"--pass"}  # curl's passphrase of a private key; and any secret name
+
 
 def _userinfo(m: Match[str]) -> str:
     user, colon, password = m.group(2).partition(":")
-    return f"{m.group(1)}{user}:{MASK}@" if colon and password else m.group(0)
+    shown = MASK if _TOKEN_USER.fullmatch(unquote(user)) else user
+    if colon and password:
+        return f"{m.group(1)}{shown}:{MASK}@"
+    return f"{m.group(1)}{shown}{colon}@"
 
 
 def _query(m: Match[str]) -> str:
@@ -103,6 +142,38 @@ def _header(m: Match[str]) -> str:
     return f"{m.group(1)}{m.group(2)}{MASK}"
 
 
+def _option(m: Match[str]) -> str:
+    option, sep, word = m.groups()
+    quote = _quote_of(word)
+    inner = word[1:-1] if quote else word
+    if option in _USER_OPTIONS or option in _HEADER_OPTIONS:
+        # user:password; or Name: value, of a header whose name is secret-looking.
+        name, colon, rest = inner.partition(":")
+        if option in _HEADER_OPTIONS and not is_secret_name(name.strip("'\"")):
+            return m.group(0)
+        if not rest.strip() or rest.strip().strip("'\"") == MASK:
+            return m.group(0)
+        blank = rest[: len(rest) - len(rest.lstrip())]
+        return f"{option}{sep}{quote}{name}{colon}{blank}{MASK}{quote}"
+    secret = option in _SECRET_OPTIONS or is_secret_name(option.lstrip("-"))
+    if not sep or not secret or inner == MASK:
+        return m.group(0)
+    return f"{option}{sep}{quote}{MASK}{quote}"
+
+
+def _quote_of(word: str) -> str:
+    """The quote around a whole shell word (``'a b'``: ``'``), or ``""``."""
+    return word[0] if len(word) > 1 and word[0] in "'\"" and word[-1] == word[0] else ""
+
+
+def _assignment(m: Match[str]) -> str:
+    name, word = m.groups()
+    if not is_secret_name(name) or _shown_as_is(word) or word.startswith("<"):
+        return m.group(0)  # key=<function f> in a repr is no secret
+    quote = _quote_of(word)
+    return f"{name}={quote}{MASK}{quote}"
+
+
 def _shown_as_is(value: str) -> bool:
     """A displayed value that is no secret: None, a bool, ``'anon'``, or already masked."""
     if value in ("None", "True", "False"):
@@ -112,6 +183,9 @@ def _shown_as_is(value: str) -> bool:
 
 
 _TEXT_RULES = (
+    # Commands first: a secret option's value is hidden whole, whatever it looks like.
+    (_OPTION, _option),
+    (_ASSIGNMENT, _assignment),
     (_USERINFO, _userinfo),
     (_QUERY, _query),
     (_MAPPING_ITEM, _item),
@@ -122,7 +196,7 @@ _TEXT_RULES = (
 
 def _redact_text(text: str) -> str:
     # The cheap test first: most messages name no URL with secrets and no mapping.
-    if "@" not in text and "=" not in text and ":" not in text:
+    if "@" not in text and "=" not in text and ":" not in text and "--" not in text:
         return text
     for pattern, replace in _TEXT_RULES:
         text = pattern.sub(replace, text)
