@@ -252,6 +252,9 @@ def test_a_secret_in_any_mapping_key_never_comes_out(
         ("BasicAuth(login='u', password='pw')", "BasicAuth(login='u', password='***')"),
         ("{'token': 'anon', 'project': 'p'}", "{'token': 'anon', 'project': 'p'}"),
         ("{'__key__': '0001', 'cls': b'3'}", "{'__key__': '0001', 'cls': b'3'}"),
+        ("--storage-option takes KEY=VALUE, got 'x'", "--storage-option takes KEY=VALUE, got 'x'"),
+        ('pipe:TOKEN="$T" curl -H "Token: $T" h', 'pipe:TOKEN="***" curl -H "Token: ***" h'),
+        ("sort(key=<function f at 0x1>)", "sort(key=<function f at 0x1>)"),
         # A token in the fragment (OAuth's implicit flow), or as the whole user info (GitHub).
         ("https://h/s.tar#token=abc", "https://h/s.tar#token=***"),
         (

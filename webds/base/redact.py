@@ -109,6 +109,9 @@ _ASSIGNMENT = re.compile(r"""(?<![^\s'"(\[|`:])([A-Za-z_]\w*)=(""" + _WORD + ")"
 _USER_OPTIONS = {"-u", "-U", "--user", "--proxy-user"}  # USER:PASSWORD
 _HEADER_OPTIONS = {"-H", "--header", "--proxy-header"}  # 'Name: value'
 _SECRET_OPTIONS = {"--pass"}  # curl's passphrase of a private key; and any secret name
+# What an assignment's value shows that is no secret: a repr (key=<function f>), the placeholder
+# of a usage text (KEY=VALUE). A variable ($TOKEN) is hidden too: in an argument list it is text.
+_NOT_A_VALUE = re.compile(r"<|(?:VALUE|\.\.\.),?$")
 
 
 def _userinfo(m: Match[str]) -> str:
@@ -168,10 +171,9 @@ def _quote_of(word: str) -> str:
 
 def _assignment(m: Match[str]) -> str:
     name, word = m.groups()
-    if not is_secret_name(name) or _shown_as_is(word) or word.startswith("<"):
-        return m.group(0)  # key=<function f> in a repr is no secret
-    quote = _quote_of(word)
-    return f"{name}={quote}{MASK}{quote}"
+    if not is_secret_name(name) or _shown_as_is(word) or _NOT_A_VALUE.match(word):
+        return m.group(0)
+    return f"{name}={MASK}" if not _quote_of(word) else f"{name}={word[0]}{MASK}{word[0]}"
 
 
 def _shown_as_is(value: str) -> bool:
