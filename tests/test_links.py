@@ -210,6 +210,44 @@ def test_a_sparse_member_claiming_a_huge_size_is_bounded(tmp_path: Path) -> None
         list(read_members(open(shard, "rb"), max_member_size=9))
 
 
+def test_links_and_sparse_members_count_in_the_sample_budget(tmp_path: Path) -> None:
+    """A link's bytes and a sparse member's real size are not the bytes on disk at their place:
+    they count in their sample's budget, in a plain shard too (against the default 512 MiB
+    where max_sample_bytes is not given), before they are read; other members of a plain shard
+    count only where max_sample_bytes is given. A link or sparse member of another sample starts
+    the count afresh."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "a.f0.bin").write_bytes(bytes(range(256)) * 4096)  # 1 MiB
+    for i in range(1, 6):
+        os.link(folder / "a.f0.bin", folder / f"a.f{i}.bin")
+    with open(folder / "b.f0.bin", "wb") as f:
+        f.truncate(3 << 20)  # sparse, 3 MiB of holes
+    (folder / "b.cls").write_bytes(b"1")
+    with open(folder / "b.f1.bin", "wb") as f:
+        f.truncate(3 << 20)
+    names = [f"a.f{i}.bin" for i in range(6)] + ["b.f0.bin", "b.cls", "b.f1.bin"]
+    shard = tmp_path / "budget.tar"
+    gnu_tar(shard, folder, names, "--format=gnu", "--sparse")
+    got = [s for s in tarfile_samples([{"url": str(shard)}], readahead=False)]
+    assert [len(s) - 3 for s in got] == [6, 3] and got[0]["f5.bin"] == got[0]["f0.bin"]
+    with pytest.raises(webds.SampleTooLargeError, match="'a.f4.bin'") as info:
+        list(tarfile_samples([{"url": str(shard)}], max_sample_bytes=(5 << 20) - 1))
+    assert info.value.key == "a"
+    with pytest.raises(webds.SampleTooLargeError, match="'b.f1.bin'") as info:
+        list(tarfile_samples([{"url": str(shard)}], max_sample_bytes=6 << 20))
+    # Without max_sample_bytes: the sparse members alone, against the default.
+    (folder / "b.f1.bin").unlink()
+    with open(folder / "b.f1.bin", "wb") as f:
+        f.truncate(510 << 20)
+    gnu_tar(shard, folder, names, "--format=gnu", "--sparse")
+    if shard.stat().st_size > 64 << 20:
+        pytest.skip("this filesystem reports no holes: GNU tar wrote plain members")
+    with pytest.raises(webds.SampleTooLargeError, match="max_sample_bytes=536,870,912") as info:
+        list(read_members(open(shard, "rb"), str(shard)))
+    assert info.value.member == "b.f1.bin" and info.value.key == "b"
+
+
 def test_a_corrupt_first_header_is_one_error_with_or_without_an_index(tmp_path: Path) -> None:
     """With a skipping handler, a shard whose first header is corrupt leaves nothing to yield:
     NoSamplesError (a ValueError) whether or not an index plans the epoch (it was a

@@ -43,7 +43,17 @@ def read_document(stream: IO[bytes], limit: int, what: str) -> bytes:
     bounded) when they came gzip-coded: webds reads HTTP bodies as sent (a shard's gzip coding
     is bounded by the tar reader), servers send JSON with ``Content-Encoding: gzip``, and no
     JSON or YAML document starts with gzip's magic bytes."""
-    data = stream.read(limit + 1)
+    # In pieces: read(limit + 1) sizes its buffer by the limit (1 GiB for an index), whatever
+    # the document's size.
+    parts: List[bytes] = []
+    have = 0
+    while have <= limit:
+        part = stream.read(min(limit + 1 - have, 1 << 20))
+        if not part:
+            break
+        parts.append(part)
+        have += len(part)
+    data = b"".join(parts)
     if data[:2] == b"\x1f\x8b":
         inflate = zlib.decompressobj(wbits=31)
         try:

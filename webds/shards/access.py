@@ -87,6 +87,7 @@ class ShardListDataset:
         self.ends: List[int] = []
         total = 0
         for shard in self.index.shards:
+            _check_count(shard.url, shard.samples, shard.bytes)
             total += shard.samples
             self.ends.append(total)
         self._offsets: Dict[int, "array.array[int]"] = {}
@@ -143,6 +144,8 @@ class ShardListDataset:
             return known  # from the index: no scan
         url = self.urls[k]
         path = self.paths[k] if self.cache is None else self._cached(k)
+        if path is not None and os.path.exists(path):
+            self._check_size(k, os.path.getsize(path))
         try:
             with open(path, "rb") if path is not None else self._stream(k) as f:
                 found = sample_offsets(f, url)
@@ -230,14 +233,28 @@ class ShardListDataset:
             raise NotFoundError(
                 f"no such file {path!r}; check the index", url=self.urls[k]
             ) from None
-        expected = self.index.shards[k].bytes
         size = os.fstat(fd).st_size
-        if expected is not None and size != expected:
+        try:
+            self._check_size(k, size)
+        except ShardReadError:
             os.close(fd)
-            raise stale_index(
-                self.urls[k], f"the shard is {size} bytes but the index says {expected}"
-            )
+            raise
         return _MappedShard(fd, size)
+
+    def _check_size(self, k: int, size: int) -> None:
+        """Shard ``k``'s file is ``size`` bytes: the index's size, and enough for its count
+        (an index without ``bytes`` is checked here, at the shard's first touch)."""
+        shard = self.index.shards[k]
+        if shard.bytes is not None and size != shard.bytes:
+            raise stale_index(
+                self.urls[k], f"the shard is {size} bytes but the index says {shard.bytes}"
+            )
+        if shard.samples * _MIN_SAMPLE_BYTES > size:
+            raise stale_index(
+                self.urls[k],
+                f"the shard is {size:,} bytes: too small for the {shard.samples} samples the "
+                f"index says (a sample takes at least {_MIN_SAMPLE_BYTES} bytes of tar)",
+            )
 
     def close(self) -> None:
         """Close the shard files held open (they reopen on the next access)."""
@@ -284,6 +301,23 @@ class _MappedShard:
         if isinstance(self.map, mmap.mmap):
             self.map.close()
         os.close(self.fd)
+
+
+#: The fewest bytes of tar a sample takes: one member's header. The shards read here are
+#: uncompressed, so a count over ``bytes / 512`` is impossible.
+_MIN_SAMPLE_BYTES = 512
+
+
+def _check_count(url: str, samples: int, size: Optional[int]) -> None:
+    """Refuse an index entry whose uncompressed shard of ``size`` bytes cannot hold its
+    ``samples``, before anything (a sampler's order) is sized by the count."""
+    if size is not None and samples * _MIN_SAMPLE_BYTES > size:
+        raise ArgumentError(
+            f"the index's entry for this shard has 'samples': {samples}, more than its {size:,} "
+            f"bytes can hold: ShardListDataset reads uncompressed tars, where a sample takes at "
+            f"least {_MIN_SAMPLE_BYTES} bytes; re-create the index with webds index",
+            url=url,
+        )
 
 
 def _shorter(url: str, start: int, end: int) -> ShardReadError:

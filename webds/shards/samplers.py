@@ -18,6 +18,7 @@ picks the epoch, ``state_dict()`` / ``load_state_dict()`` resume in the middle o
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from typing import Any, Dict, Iterator, List, Optional, Sequence
@@ -56,22 +57,33 @@ def chunked_order(
     """The epoch's order of all sample indices: chunks of consecutive samples within a shard,
     the chunks and the samples inside each shuffled by ``(seed, epoch)`` (in order without
     ``shuffle``)."""
+    return list(iter_chunked_order(ends, chunksize, shuffle, seed, epoch))
+
+
+def iter_chunked_order(
+    ends: Sequence[int], chunksize: int, shuffle: bool, seed: int, epoch: int
+) -> Iterator[int]:
+    """:func:`chunked_order`, one index at a time: it holds the chunks (one small ``range``
+    per chunk, made as they are needed without ``shuffle``) and one chunk's list, never the
+    whole order (10**9 indices would take 8 GB and more)."""
+    if not shuffle:
+        start = 0
+        for end in ends:
+            yield from range(start, end)
+            start = end
+        return
     chunks: List[range] = []
     start = 0
     for end in ends:
         for lo in range(start, end, chunksize):
             chunks.append(range(lo, min(lo + chunksize, end)))
         start = end
-    if not shuffle:
-        return [i for chunk in chunks for i in chunk]
     rng = random.Random(f"webds-chunks-{seed}-{epoch}")
     rng.shuffle(chunks)
-    order: List[int] = []
     for chunk in chunks:
         part = list(chunk)
         rng.shuffle(part)
-        order += part
-    return order
+        yield from part
 
 
 class ChunkedSampler:
@@ -105,20 +117,20 @@ class ChunkedSampler:
         """Use ``epoch``'s order from the next ``iter()`` on."""
         self.epoch = _check_int("epoch", epoch, 0)
 
-    def _order(self) -> List[int]:
-        return chunked_order(self.ends, self.chunksize, self.shuffle, self.seed, self.epoch)
+    def _order(self) -> Iterator[int]:
+        return iter_chunked_order(self.ends, self.chunksize, self.shuffle, self.seed, self.epoch)
 
-    def _mine(self) -> List[int]:
+    def _mine(self) -> Iterator[int]:
         return self._order()
 
     def __len__(self) -> int:
-        return len(self._mine())
+        return self.ends[-1] if self.ends else 0
 
     def __iter__(self) -> Iterator[int]:
         mine = self._mine()
         start, self._start = self._start, 0
         self._given = start
-        for i in mine[start:]:
+        for i in itertools.islice(mine, start, None):
             self._given += 1
             yield i
 
@@ -167,13 +179,24 @@ class DistributedChunkedSampler(ChunkedSampler):
             raise ArgumentError(f"rank {rank} is not below num_replicas {num_replicas}")
         self.drop_last = bool(drop_last)
 
-    def _mine(self) -> List[int]:
-        order = self._order()
-        n, r = len(order), self.num_replicas
-        per = n // r if self.drop_last else math.ceil(n / r)
-        if not self.drop_last and per * r > n and n:
-            order = order + (order * math.ceil((per * r - n) / n))[: per * r - n]
-        return order[self.rank * per : (self.rank + 1) * per]
+    def _per(self) -> int:
+        n, r = super().__len__(), self.num_replicas
+        return n // r if self.drop_last else math.ceil(n / r)
+
+    def __len__(self) -> int:
+        return self._per()
+
+    def _mine(self) -> Iterator[int]:
+        # The order, padded with its start again (as often as it takes) to num_replicas slices
+        # of one length; this rank's slice, taken lazily.
+        n, per = super().__len__(), self._per()
+        padded: Iterator[int] = self._order()
+        if per * self.num_replicas > n and n:
+            again = itertools.chain.from_iterable(
+                self._order() for _ in range(math.ceil((per * self.num_replicas - n) / n))
+            )
+            padded = itertools.chain(padded, again)
+        return itertools.islice(padded, self.rank * per, (self.rank + 1) * per)
 
 
 def _distributed() -> tuple:

@@ -4,7 +4,8 @@ one sample (``0001.jpg``, ``0001.cls``) into a sample dict.
 - :mod:`~webds.tar.compression`: sniffing and decompressing gzip, bzip2 and xz shards.
 - :mod:`~webds.tar.fields`: decoding header fields, checksums and extended headers (pax, GNU).
 - :mod:`~webds.tar.reader`: ``read_members``, the streaming reader of tar members, and
-  :mod:`~webds.tar.ending`: how a stream ends (``EndWithoutMarker``).
+  :mod:`~webds.tar.ending`: how a stream ends (``EndWithoutMarker``); :mod:`~webds.tar.budget`:
+  its memory bounds (the largest member, a sample's budget, the longest name).
 - :mod:`~webds.tar.writing`: encoding headers and writing members (``encode_header``,
   ``header_encoder``, ``member_bytes``, ``write_member``, ``END_OF_ARCHIVE``).
 - :mod:`~webds.tar.grouper`: the grouping rules (``base_plus_ext``) in one generator,

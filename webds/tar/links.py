@@ -6,19 +6,22 @@
   of the member its target names inside the archive. The member named comes before the link,
   maybe in an earlier sample that a streaming read has passed: :class:`Earlier` finds it by a
   walk over the shard's headers from its start (a bounded record of names and data offsets,
-  extended from link to link) and reads it again. That needs an uncompressed local shard; any
+  extended from link to link) and reads it again; its bytes count in its sample's budget as a
+  sparse member's do (below), before they are read. That needs an uncompressed local shard; any
   other link is refused loudly, naming the link, its target and the fix (``tar
   --hard-dereference``, ``tar --dereference``), never dropped.
 - A **GNU sparse member** (old GNU type ``S``; pax formats 0.0, 0.1 and 1.0) reads as its real
   size of bytes, the holes as zeros (:func:`read_sparse`), as ``tar x`` and webdataset read it.
   A sparse member expands like a compressed one, so its real size is bounded as a compressed
-  shard's members are (1 GiB by default, ``max_member_size``).
+  shard's members are (1 GiB by default, ``max_member_size``), and counts in its sample's
+  budget (``max_sample_bytes``, 512 MiB by default) in every shard, plain ones too, before it
+  is expanded.
 """
 
 from __future__ import annotations
 
 import posixpath
-from typing import Any, BinaryIO, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 from ..errors import ShardReadError
 from .fields import (
@@ -66,9 +69,16 @@ class Earlier:
     uncompressed local shard, where the member it names is read again at its offset."""
 
     def __init__(
-        self, url: Optional[str], path: Optional[str], compression: Optional[str], limit: int
+        self,
+        url: Optional[str],
+        path: Optional[str],
+        compression: Optional[str],
+        limit: int,
+        charge: Optional[Callable[[str, int, int], None]] = None,
     ) -> None:
         self.url, self.path, self.compression, self.limit = url, path, compression, limit
+        # Counts a link's bytes in its sample's budget before they are read: (name, size, hoff).
+        self.charge = charge
         self.record: Dict[str, Tuple[int, int, int, str]] = {}  # name -> (type, at, size, link)
         self.pending = _Pending()
         self.walked = 0  # the offset of the next header the walk reads
@@ -125,6 +135,8 @@ class Earlier:
                 member=name,
                 offset=hoff,
             )
+        if self.charge is not None:
+            self.charge(name, size, hoff)
         f.seek(at)
         data = f.read(size)
         if len(data) != size:
@@ -256,6 +268,7 @@ def read_sparse(
         segments = list(zip(numbers[::2], numbers[1::2]))
     _bound(len(segments), real, limit, url, name, hoff)
     _bound(0, size, limit, url, name, hoff)
+    scan.charge_expanded(name, real, hoff)  # its real size, in its sample's budget, always
     stored, buf, pos, base = scan.read(buf, at, base, size, name, hoff)
     view = memoryview(stored)
     if not segments and pax.get("GNU.sparse.major") == b"1":

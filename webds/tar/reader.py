@@ -19,8 +19,19 @@ import re
 import zlib
 from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..errors import SampleTooLargeError, ShardReadError
+from ..errors import ShardReadError
 from ..io.urls import local_path as url_local_path
+from .budget import (
+    _MAX_MEMBER_SIZE,
+    DEFAULT_MAX_MEMBER_SIZE,
+    DEFAULT_MAX_SAMPLE_BYTES,
+    MAX_NAME,
+    _long_name,
+    _member_limit,
+    _sample_held,
+    _sample_limit,
+    _too_large,
+)
 from .compression import sniffed_chunks
 from .ending import EndWithoutMarker, _end_of_stream, _end_or_damage
 from .fields import (
@@ -48,21 +59,10 @@ __all__ = [
     "DEFAULT_MAX_SAMPLE_BYTES",
 ]
 
-# No real member is this large; a size beyond it means a corrupt header, not a big file.
-_MAX_MEMBER_SIZE = 1 << 46
 # Extended headers (pax records, GNU long names) are held whole in memory, so cap them.
 _MAX_EXTENDED_SIZE = 1 << 26
 _MAX_UNSIGNED_CHKSUM = 512 * 255
 _SPARSE_TYPES = (_REG, _AREG, _CONT, _GNU_SPARSE)
-#: The largest member read out of a compressed shard (.tar.gz, .tar.bz2, .tar.xz) by default. A
-#: plain tar's members are bounded by the file itself; a compressed one can claim (and expand to)
-#: any size from a few KB, and every member is held whole in memory.
-DEFAULT_MAX_MEMBER_SIZE = 1 << 30
-#: The most bytes the members of one sample of a compressed shard may hold together, by default
-#: (and decode's budget for a sample's decompressed fields: ``webds.stages.limits``): 512 MiB.
-#: A sample is held whole in memory; a few KB of gzip can hold six members of 200 MB each, all
-#: under the member limit. Checked on each member's header, before a byte of it is read.
-DEFAULT_MAX_SAMPLE_BYTES = 512 << 20
 
 
 def read_members(
@@ -97,19 +97,21 @@ def read_members(
     read); it applies to plain streams only when given. ``max_sample_bytes`` bounds the members
     of one sample together (consecutive members with one key, as samples are grouped), the same
     way: default :data:`DEFAULT_MAX_SAMPLE_BYTES` for a compressed stream, checked on the header
-    of the member that would pass it (:class:`~webds.errors.SampleTooLargeError`).
+    of the member that would pass it (:class:`~webds.errors.SampleTooLargeError`), counting its
+    extended headers too. A sparse member's real size counts always, in a plain stream without
+    ``max_sample_bytes`` too (against the default; the other members of a plain stream then
+    count nothing). A member name over :data:`MAX_NAME` characters is refused.
     """
     compression, chunks = sniffed_chunks(stream, url)
     limit = _member_limit(max_member_size, compression)
-    budget = _sample_limit(max_sample_bytes, compression)
-    held, held_key = 0, ""  # the bytes of the sample in flight (budget), and its key
+    budget = _sample_limit(max_sample_bytes, compression)  # (None: sparse members only count)
     # One generator, not two: a `yield from` layer costs ~10% on small members. The members most
     # shards are made of (a plain header; one after a pax header that changes nothing) are read
     # in this loop; headers off that path by a _Scan, which is handed the buffer and gives it back.
     try:
         adler32 = zlib.adler32
         scan = _Scan(chunks.__next__, url, start)
-        scan.links = (local_path, compression, limit, max_member_size)
+        scan.setup(local_path, compression, limit, max_member_size, budget)
         buf, pos, nbuf, base = b"", 0, 0, start  # pos: the next header in buf, which starts at base
         # slow: scan.pending.active(), kept in a local for the fast path; xoff: the offset of a
         # pax header skipped on the fast path, awaiting its member (-1: none); paxes: see _Scan.
@@ -170,7 +172,8 @@ def read_members(
                 continue
             else:
                 name, size, moff, buf, pos, base, xoff = scan.other(hdr, hoff, buf, pos, base, xoff)
-                nbuf, slow, paxes = len(buf), scan.pending.active(), scan.paxes
+                # (budget: on from a sparse member or a link on, in a plain stream)
+                nbuf, slow, paxes, budget = len(buf), scan.pending.active(), scan.paxes, scan.cap
                 if name is None:
                     if scan.made is not None:  # a link or a sparse member, read by scan.other
                         made, scan.made = scan.made, None
@@ -178,8 +181,8 @@ def read_members(
                     continue  # (else nothing to read: pos is past the entry)
             if size < 0 or size > limit:
                 raise _too_large(size, limit, compression, url, name, hoff)
-            if budget is not None:
-                held, held_key = _sample_held(name, size, held, held_key, budget, url, hoff)
+            if budget is not None:  # (plain members count 0 where only sparse ones count)
+                scan.charge(name, size if scan.every else 0, hoff)
             dstart = pos + 512
             dend = dstart + size
             if dend <= nbuf:
@@ -194,48 +197,6 @@ def read_members(
         raise _out_of_memory(url) from None
     finally:
         chunks.close()
-
-
-def _member_limit(max_member_size: Optional[int], compression: Optional[str]) -> int:
-    """The largest member to read: ``max_member_size``, else that of a compressed or a plain
-    stream."""
-    if max_member_size is not None:
-        return max_member_size
-    return DEFAULT_MAX_MEMBER_SIZE if compression else _MAX_MEMBER_SIZE
-
-
-def _sample_limit(max_sample_bytes: Optional[int], compression: Optional[str]) -> Optional[int]:
-    """The most bytes one sample's members may hold together (None: no limit)."""
-    if max_sample_bytes is not None:
-        return max_sample_bytes
-    return DEFAULT_MAX_SAMPLE_BYTES if compression else None
-
-
-def _sample_held(
-    name: str, size: int, held: int, key: str, budget: int, url: Optional[str], hoff: int
-) -> Tuple[int, str]:
-    """``(held, key)`` once member ``name`` of ``size`` bytes is read: the bytes its sample
-    holds and its key; raise SampleTooLargeError past ``budget``. A name without a key (no
-    sample holds it) counts for none."""
-    slash = name.rfind("/")
-    dot = name.find(".", slash + 1)
-    if dot <= 0:
-        return held, key
-    this = name[:dot]
-    held = held + size if this == key else size
-    if held > budget:
-        raise SampleTooLargeError(
-            f"sample {this!r} holds more than max_sample_bytes={budget:,} ({budget >> 20} MiB) "
-            f"in its members (this one, {size:,} bytes, would bring it to {held:,}): a sample is "
-            "held whole in memory, and one in a compressed shard may be a decompression bomb. "
-            "If such samples are genuine, raise the limit: max_sample_bytes=N "
-            "(tarfile_to_samples, WebDataset)",
-            url=url,
-            member=name,
-            key=this,
-            offset=hoff,
-        )
-    return held, this
 
 
 class _Scan:
@@ -267,6 +228,12 @@ class _Scan:
         "links",
         "earlier",
         "made",
+        "budget",
+        "every",
+        "held",
+        "held_key",
+        "tracking",
+        "extended",
     )
 
     def __init__(self, nextchunk: Callable[[], bytes], url: Optional[str], start: int) -> None:
@@ -291,6 +258,34 @@ class _Scan:
         self.links: Tuple[Optional[str], Optional[str], int, Optional[int]] = (None, None, 0, None)
         self.earlier: Optional[Earlier] = None
         self.made: Optional[Tuple[str, bytes, int]] = None
+        # The sample budget (webds.tar.budget): its bytes, whether every member's bytes count
+        # (else only sparse members' and links': a plain stream without max_sample_bytes); the
+        # sample in flight's bytes and key; whether keys are tracked (a sparse member or a link
+        # seen: the members after it are counted, as 0); the extended header bytes awaiting
+        # their member.
+        self.budget, self.every = DEFAULT_MAX_SAMPLE_BYTES, False
+        self.held, self.held_key, self.tracking, self.extended = 0, "", False, 0
+
+    def setup(
+        self,
+        path: Optional[str],
+        compression: Optional[str],
+        limit: int,
+        max_member_size: Optional[int],
+        budget: Optional[int],
+    ) -> None:
+        """The stream's links (see ``links``) and its sample budget (None: only sparse members
+        and links count, against the default)."""
+        self.links = (path, compression, limit, max_member_size)
+        self.budget, self.every = (
+            DEFAULT_MAX_SAMPLE_BYTES if budget is None else budget,
+            bool(budget),
+        )
+
+    @property
+    def cap(self) -> Optional[int]:
+        """The budget every member read is charged to (:meth:`charge`), None where none is."""
+        return self.budget if self.every or self.tracking else None
 
     @property
     def sparse_limit(self) -> int:
@@ -323,8 +318,14 @@ class _Scan:
             data, buf, pos, base = self.read(buf, pos + 512, base, size, None, hoff)
             self.last_name, self.last_data_end = None, hoff + 512 + size
             pending.add(typ, data, self.url, hoff)
+            self.extended += size if self.every else 0
             return None, 0, 0, buf, pos, base, xoff
         name, size, moff = pending.resolve(hdr, self.url, hoff)
+        if len(name) > MAX_NAME:
+            raise _long_name(name, self.url, moff)
+        if self.extended:  # its extended headers count in its sample's budget
+            extended, self.extended = self.extended, 0
+            self.charge(name, extended, hoff)
         if typ == _AREG and name.endswith("/"):
             typ = 0x35  # a v7 directory
         if typ in _SPARSE_TYPES and pending.sparse(hdr):
@@ -351,13 +352,26 @@ class _Scan:
         self.last_name, self.last_data_end = name, hoff + 512 + size
         return None, 0, 0, buf, pos + 512 + ((size + 511) & -512), base, xoff
 
+    def charge(self, name: str, size: int, hoff: int) -> None:
+        """Count ``size`` bytes of member ``name`` in its sample's budget (before they are
+        held), or raise SampleTooLargeError."""
+        self.held, self.held_key = _sample_held(
+            name, size, self.held, self.held_key, self.budget, self.url, hoff
+        )
+
+    def charge_expanded(self, name: str, size: int, hoff: int) -> None:
+        """:meth:`charge` the real size of a sparse member or the bytes of a link, which count
+        always (the bytes on disk say nothing of them); keys are tracked from then on."""
+        self.charge(name, size, hoff)
+        self.tracking = True
+
     def _linked(self, typ: int, name: str, target: str, hoff: int, hdr: bytes) -> bytes:
         """The bytes of link ``name`` to ``target`` (:class:`~webds.tar.links.Earlier`)."""
         if self.earlier is None:
             path, compression, limit, _ = self.links
             if path is None and self.url:
                 path = url_local_path(self.url)
-            self.earlier = Earlier(self.url, path, compression, limit)
+            self.earlier = Earlier(self.url, path, compression, limit, self.charge_expanded)
         return self.earlier.data(typ, name, target, hoff, hdr)
 
     def harmless(self, hdr: bytes, hoff: int, buf: bytes, pos: int) -> bool:
@@ -512,19 +526,3 @@ def _out_of_memory(url: Optional[str]) -> ShardReadError:
     return ShardReadError(
         "out of memory while reading the shard (a member too large for this machine?)", url=url
     )
-
-
-def _too_large(
-    size: int, limit: int, compression: Optional[str], url: Optional[str], name: str, hoff: int
-) -> ShardReadError:
-    if size < 0 or size > _MAX_MEMBER_SIZE:
-        message = f"corrupt header: member claims {size} bytes, which is impossible; re-create it"
-    else:
-        where = f"a {compression}-compressed shard" if compression else "this shard"
-        message = (
-            f"member is {size} bytes, more than the {limit} bytes allowed for a member of "
-            f"{where} (each member is held whole in memory; a compressed one may be a "
-            "decompression bomb); if it is genuine, raise the limit with "
-            "max_member_size= (tarfile_to_samples, WebDataset)"
-        )
-    return ShardReadError(message, url=url, member=name, offset=hoff)
