@@ -167,7 +167,7 @@ sys.exit(1)
     assert peak < 200 * MB, peak
 
 
-def test_a_ledger_run_of_1e10_items_is_kept_as_a_run(tmp_path):
+def test_a_ledger_run_past_the_id_space_is_refused_and_the_largest_kept_as_a_run(tmp_path):
     url = str(tmp_path / "a.tar")
     with webds.TarWriter(url) as w:
         for i in range(5):
@@ -177,8 +177,13 @@ def test_a_ledger_run_of_1e10_items_is_kept_as_a_run(tmp_path):
     for _ in range(7):
         next(it)
     state = pipeline.state_dict()
+    # Past the id space (2**32 source items) a run is refused where it is read...
     state["ledger"]["complete"] = [[0, 10**10]]  # 384 bytes of JSON
     state["ledger"]["partial"] = {}
+    with pytest.raises(webds.ArgumentError, match=r"state\['ledger'\]\['complete'\]\[0\]"):
+        read_state(state)
+    # ... and the largest run in it is kept as a run (expanded, it allocated until MemoryError)
+    state["ledger"]["complete"] = [[0, 2**32]]
     code = f"""
 import json, webds
 state = json.loads({json.dumps(json.dumps(state))})
@@ -192,8 +197,8 @@ print("resumed", len(list(pipeline)))
     from webds.base.saved import Runs
 
     ledger = read_state(state).ledger
-    assert isinstance(ledger.complete, Runs) and 10**10 - 1 in ledger.complete
-    assert ledger.to_dict()["complete"] == [[0, 10**10]]
+    assert isinstance(ledger.complete, Runs) and 2**32 - 1 in ledger.complete
+    assert ledger.to_dict()["complete"] == [[0, 2**32]]
     state["ledger"]["complete"] = [[-3, 2]]
     with pytest.raises(webds.ArgumentError, match=r"state\['ledger'\]\['complete'\]\[0\]"):
         read_state(state)
