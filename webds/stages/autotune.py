@@ -18,6 +18,9 @@ from typing import Any, Callable, Iterable, Optional, Tuple
 from ..base.stage import Stage
 from ..errors import ArgumentError
 from ..io.urls import local_path, registered_opener
+from ..shards.datasets import ResampledShards, SimpleShardList
+from ..shards.plan import PlannedShards
+from ..shards.specs import MultiShardSample
 
 __all__ = [
     "LoaderChoice",
@@ -151,22 +154,21 @@ def measure_loader(
 def settled_by_running(choice: LoaderChoice, workers: Rate, threads: Rate) -> LoaderChoice:
     """``choice`` (workers, by an estimate) checked against the loader run for real with those
     workers and with a thread per core instead: threads win when they yielded at least
-    1 / ``THREADS_GAIN`` as many items a second (a tie goes to them). An estimate of what crossing between processes costs is right on one
-    machine and wrong on the next (a float batch of 38 MB, a slower shared memory); the run
-    is not. A run that ended before its time, or yielded too few items to tell: the estimate
-    stands."""
+    1 / ``THREADS_GAIN`` as many items a second (a tie goes to them). An estimate of what
+    crossing between processes costs is right on one machine and wrong on the next (a float
+    batch of 38 MB, a slower shared memory); the run is not. A run that ended before its time,
+    or yielded too few items to tell: the estimate stands."""
+    ran = replace(choice, ran=(workers, threads))
     if any(r.ended or r.items < 3 for r in (workers, threads)):
-        return replace(choice, ran=(workers, threads))
-    ran = f"run for real: {workers}, {threads}"
-    n = int(workers.setting.rpartition("=")[2])
+        return ran
+    why = f"{choice.reason}; run for real: {workers}, {threads}"
     # A tie goes to the threads: no process to start, nothing to send, one copy in memory.
-    if threads.per_second * THREADS_GAIN >= workers.per_second:
-        if choice.num_workers == 0:  # the estimate's own choice, in this process, stands
-            return replace(choice, reason=f"{choice.reason}; {ran}: not workers", ran=(workers, threads))
-        why = f"{choice.reason}; {ran}: threads"
-        return replace(choice, num_workers=0, threads=choice.cores, reason=why, ran=(workers, threads))
-    why = f"{choice.reason}; {ran}: workers"
-    return replace(choice, num_workers=n, threads=0, reason=why, ran=(workers, threads))
+    if threads.per_second * THREADS_GAIN < workers.per_second:
+        n = int(workers.setting.rpartition("=")[2])
+        return replace(ran, num_workers=n, threads=0, reason=f"{why}: workers")
+    if choice.num_workers == 0:  # the estimate's own choice, in this process, stands
+        return replace(ran, reason=f"{why}: not workers")
+    return replace(ran, num_workers=0, threads=choice.cores, reason=f"{why}: threads")
 
 
 def contested(choice: LoaderChoice) -> bool:
@@ -270,10 +272,11 @@ def _effect(obj: Any, depth: int) -> Optional[str]:
         return _effect(pipeline[0], depth + 1) if pipeline else None
     if isinstance(getattr(obj, "datasets", None), list) and hasattr(obj, "set_epoch"):
         return _first(_effect(d, depth + 1) for d in obj.datasets)  # a mix of datasets
-    if name in _SHARD_LISTS and type(obj).__module__.startswith("webds."):
-        urls = getattr(obj, "urls", None)
-        if urls is None:  # MultiShardSample: the urls of each of its sources
-            urls = [u for source in getattr(obj, "sources", ()) for u in source.urls]
+    if type(obj) in _SHARD_LISTS:  # exactly these: a subclass may read otherwise
+        if isinstance(obj, MultiShardSample):  # the urls of each of its sources
+            urls = [u for source in obj.sources for u in source.urls]
+        else:
+            urls = obj.urls
         return _first(_url_effect(u) for u in urls)
     return (
         f"the source {name} is not a webds shard list, and webds can't tell what reading it "
@@ -282,7 +285,7 @@ def _effect(obj: Any, depth: int) -> Optional[str]:
 
 
 # webds's own shard sources, which only yield their shards' URLs.
-_SHARD_LISTS = frozenset(("SimpleShardList", "ResampledShards", "PlannedShards", "MultiShardSample"))
+_SHARD_LISTS = (SimpleShardList, ResampledShards, PlannedShards, MultiShardSample)
 
 
 def _url_effect(url: Any) -> Optional[str]:
