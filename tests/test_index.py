@@ -484,7 +484,6 @@ def test_file_url_location(dataset: Path) -> None:
     assert index.location == dataset.as_uri() + "/index.json"
 
 
-
 def test_an_index_and_a_spec_served_gzip_coded_are_read(tmp_path, http_server):
     # Bodies are read as sent (a shard's gzip coding is bounded by the tar reader): an index or
     # a spec a server sends with Content-Encoding: gzip arrived as gzip bytes, not JSON.

@@ -152,7 +152,7 @@ def resumes_exactly(make, points=(0.1, 0.5, 0.8)) -> None:
 
 @pytest.mark.parametrize("name", STAGES)
 @pytest.mark.parametrize("through", ["shards", "index"])
-def test_a_stage_from_the_docs_resumes_exactly(data, name, through):
+def test_a_stage_from_the_docs_resumes_exactly(data, name, through):  # noqa: F811
     spec, index = data
     stage = recipes()[name]
 
@@ -166,7 +166,7 @@ def test_a_stage_from_the_docs_resumes_exactly(data, name, through):
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("workers,persistent", [(0, False), (2, False), (2, True)])
 @pytest.mark.parametrize("where", ["workers", "main"])
-def test_the_stages_from_the_docs_resume_exactly_in_a_loader(data, workers, persistent, where):
+def test_the_stages_from_the_docs_resume_exactly_in_a_loader(data, workers, persistent, where):  # noqa: F811
     spec, index = data
     made = recipes()
 
@@ -203,19 +203,25 @@ def shards(root: Path) -> str:
 def shuffles(spec: str):
     """(name, make) of the pipelines whose order the golden file keeps."""
     for seed in (0, 1, 7):
-        yield f"dataset-{seed}", lambda seed=seed: (
-            webds.WebDataset(spec, shardshuffle=True, seed=seed).shuffle(6, seed=seed).listed(2)
+        yield (
+            f"dataset-{seed}",
+            lambda seed=seed: (
+                webds.WebDataset(spec, shardshuffle=True, seed=seed).shuffle(6, seed=seed).listed(2)
+            ),
         )
     for workers in (0, 2):
-        yield f"loader-{workers}", lambda workers=workers: (
-            webds.WebLoader(
-                webds.WebDataset(spec, shardshuffle=True, seed=4).shuffle(5, seed=5).listed(2),
-                batch_size=None,
-                num_workers=workers,
-            )
-            .unlisted()
-            .shuffle(4, seed=9)
-            .listed(3)
+        yield (
+            f"loader-{workers}",
+            lambda workers=workers: (
+                webds.WebLoader(
+                    webds.WebDataset(spec, shardshuffle=True, seed=4).shuffle(5, seed=5).listed(2),
+                    batch_size=None,
+                    num_workers=workers,
+                )
+                .unlisted()
+                .shuffle(4, seed=9)
+                .listed(3)
+            ),
         )
 
 

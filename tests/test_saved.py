@@ -4,9 +4,9 @@ errors for a malformed state; a WebLoader speaks to its pipeline only through it
 from __future__ import annotations
 
 import copy
-import re
 import json
 import pickle
+import re
 
 import pytest
 from conftest import sample_members, write_tar
@@ -175,7 +175,7 @@ def fields(d: dict, path: tuple = ()):
     ledger's shards and slots by number: their records' fields are paths here)."""
     for key, value in d.items():
         here = path + (key,)
-        if key != "config" and not (path[-1:] in (("partial",), ("slots",))):
+        if key != "config" and path[-1:] not in (("partial",), ("slots",)):
             yield here
         if isinstance(value, dict) and key != "config":
             yield from fields(value, here)

@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 
 import fsspec
-from fsspec.registry import known_implementations
 import pytest
 from clitools import cli_env, run_webds
 from conftest import sample_members, write_tar
+from fsspec.registry import known_implementations
 
 import webds
 from webds.errors import SecureModeError

@@ -398,9 +398,9 @@ def test_program_transport_and_asf_streams_give_the_frames_they_are_stamped_with
 def test_a_matroska_stream_that_starts_late_is_not_called_truncated():
     # Matroska's Duration counts from 0: a stream starting at 5 s was "truncated" (declared
     # 5 + 7 s, ending at 7 s).
-    import av
     from fractions import Fraction
 
+    import av
     from media import frame_pixels
 
     buf = io.BytesIO()

@@ -46,7 +46,6 @@ from .base.stage import (  # noqa: F401
     stateless,
 )
 from .base.workers import worker_info
-from .io import security
 from .channel import StreamKeeper, is_worker_dataset, release_free_heap
 from .counting import (  # noqa: F401  (source_counts, _exactly: importable from here too)
     _exactly,
@@ -65,6 +64,7 @@ from .counting import (  # noqa: F401  (source_counts, _exactly: importable from
 from .counting import stage_name as _stage_name
 from .epochs import carries, carry_start, dropping
 from .errors import ArgumentError, LengthError
+from .io import security
 from .shards.elastic import topology_changed
 from .stages.probe import Probe
 

@@ -149,7 +149,8 @@ def url_protocols(url: str, options: Optional[Dict[str, Any]] = None) -> List[st
         known = set(fsspec.available_protocols())
         # As fsspec: a bare word is a protocol ("simplecache::"), a path keeps its own.
         links = [
-            link if link not in known and ("://" in link or _NOT_A_PROTOCOL.match(link))
+            link
+            if link not in known and ("://" in link or _NOT_A_PROTOCOL.match(link))
             else link + "://"
             for link in links
         ]
@@ -203,8 +204,11 @@ def _check_protocol(protocol: str, url: str) -> None:
 
 
 _ALLOWED_WORDS = (
-    "the remote protocols " + ", ".join(sorted(REMOTE_PROTOCOLS)) + " (and fsspec's caches "
-    + ", ".join(sorted(CACHE_PROTOCOLS)) + " over them), and schemes with an opener registered "
+    "the remote protocols "
+    + ", ".join(sorted(REMOTE_PROTOCOLS))
+    + " (and fsspec's caches "
+    + ", ".join(sorted(CACHE_PROTOCOLS))
+    + " over them), and schemes with an opener registered "
     "in webds.io.urls.SCHEMES"
 )
 
