@@ -9,8 +9,10 @@ under 2 levels for CenterCropDecoder against Resize(256) + CenterCrop(224).
 """
 
 import io
+import pickle
 import random
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -449,3 +451,65 @@ def test_a_resumed_epoch_draws_the_crops_it_would_have(tmp_path):
     assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(rest, whole[2:]))
     assert all(np.array_equal(x, y) for (_, x), (_, y) in zip(after, next_epoch))
     assert not all(np.array_equal(x, y) for (_, x), (_, y) in zip(after, whole))
+
+
+def spin(seconds: float) -> None:
+    """Burn CPU in this thread (the race measures CPU time, which a sleep does not use)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.mark.parametrize("slow", ["torch", "pil"])
+def test_auto_resizer_measures_both_and_keeps_the_faster(jpeg_path, slow, monkeypatch):
+    """resizer="auto" where torch runs one thread (a worker): neither resizer is assumed the
+    faster (torch's kernel is ~3x Pillow's with AVX2, slower without): the first images are
+    resized both ways, and the one that spent less CPU resizes the rest."""
+    from webds.stages import crop as crop_mod
+
+    monkeypatch.setattr(crop_mod, "_torch_single_thread", lambda: True)
+    calls = {"torch": 0, "pil": 0}
+    real = {"torch": crop_mod._resize_torch, "pil": crop_mod._resize_pil}
+
+    def counted(name):
+        def resize(*args):
+            calls[name] += 1
+            if name == slow:
+                spin(0.004)
+            return real[name](*args)
+
+        return resize
+
+    monkeypatch.setattr(crop_mod, "_resize_torch", counted("torch"))
+    monkeypatch.setattr(crop_mod, "_resize_pil", counted("pil"))
+    data = encode(coffee().resize((300, 200)), quality=90)  # under 2x160: no DCT scaling
+    decoder = webds.RandomResizedCropDecoder(160, seed=0, resizer="auto")
+    bound = decoder.bind_pass(None, 0)
+    rounds = crop_mod._ResizerRace.ROUNDS
+    for i in range(rounds):
+        assert bound(".jpg", data, sample_of(data, f"{i:04d}")).shape == (160, 160, 3)
+    assert calls == {"torch": rounds, "pil": rounds}
+    assert decoder._race.torch is (slow == "pil")  # a pass's copy shares the verdict
+    for i in range(5):
+        bound(".jpg", data, sample_of(data, f"x{i}"))
+    fast = "pil" if slow == "torch" else "torch"
+    assert calls[fast] == rounds + 5 and calls[slow] == rounds
+    # a spawned worker gets the decoder pickled: it measures on its own machine and threads
+    assert pickle.loads(pickle.dumps(decoder))._race.torch is None
+
+
+def test_auto_resizer_races_only_where_torch_runs_one_thread(monkeypatch):
+    """With torch's intra-op threads (the main process) "auto" keeps Pillow, unmeasured; a
+    set resizer is never raced."""
+    from webds.stages import crop as crop_mod
+
+    data = encode(coffee().resize((300, 200)), quality=90)
+    monkeypatch.setattr(crop_mod, "_torch_single_thread", lambda: False)
+    auto = webds.RandomResizedCropDecoder(96, seed=0, resizer="auto")
+    auto(".jpg", data)
+    assert auto._race.times == []
+    monkeypatch.setattr(crop_mod, "_torch_single_thread", lambda: True)
+    for resizer in ("torch", "pil"):
+        fixed = webds.RandomResizedCropDecoder(96, seed=0, resizer=resizer)
+        fixed(".jpg", data)
+        assert fixed._race.times == []
