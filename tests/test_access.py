@@ -6,6 +6,7 @@ compressed and remote shards are refused, saying why."""
 from __future__ import annotations
 
 import io
+import os
 import random
 import subprocess
 import sys
@@ -445,7 +446,7 @@ def test_s3_shards_by_ranged_requests(s3):
 
 def test_threads_never_read_through_a_descriptor_closed_under_them(tmp_path):
     """One open file for 8 threads over 4 shards: each read evicts another thread's file; a
-    descriptor is closed only once no read uses it, so no read sees another file's bytes."""
+    mapping is closed only once no read holds it, so no read sees another file's bytes."""
     urls = []
     for k in range(4):
         path = tmp_path / f"s{k}.tar"
@@ -470,7 +471,7 @@ def test_threads_never_read_through_a_descriptor_closed_under_them(tmp_path):
     for t in threads:
         t.join()
     assert not errors, errors[0]
-    assert not ds._users and not ds._retired and len(ds._files) == 1
+    assert len(ds._files) == 1
     ds.close()
 
 
@@ -525,3 +526,38 @@ def test_spawned_workers_open_their_own_files(tmp_path):
         ds, batch_size=None, num_workers=1, multiprocessing_context="spawn"
     )
     assert sorted(s["__key__"] for s in loader) == sorted(s["__key__"] for s in streamed(urls))
+
+
+def mapped(paths) -> int:
+    """How many of this process's memory mappings and open descriptors are of ``paths``."""
+    targets = {os.path.realpath(p) for p in paths}
+    maps = sum(line.split()[-1] in targets for line in open("/proc/self/maps") if "/" in line)
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}") in targets
+        except OSError:
+            pass  # the listing's own descriptor, gone
+    return maps + fds
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux /proc")
+def test_open_files_bounds_what_stays_mapped_and_close_lets_go_of_everything(tmp_path):
+    """At most ``open_files`` shards stay mapped (one descriptor each, the mapping's own) while
+    reading across more shards; close() and dropping the dataset unmap them all."""
+    urls = []
+    for k in range(5):
+        path = tmp_path / f"s{k}.tar"
+        write_tar(path, [(f"s{k}-{j:03d}.bin", bytes([k]) * 700) for j in range(10)])
+        urls.append(str(path))
+    ds = webds.ShardListDataset(indexed(tmp_path, urls), open_files=2)
+    want = streamed(urls)
+    for i in random.Random(1).sample(range(len(want)), len(want)):
+        assert ds[i] == want[i]
+        assert mapped(urls) <= 2 * 2  # a mapping and its descriptor, per open shard
+    assert mapped(urls) > 0
+    ds.close()
+    assert mapped(urls) == 0
+    assert ds[7] == want[7] and mapped(urls) > 0  # reopened on the next access
+    del ds
+    assert mapped(urls) == 0

@@ -25,7 +25,7 @@ import collections
 import mmap
 import os
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from ..errors import ArgumentError, NotFoundError, OpenError, ShardReadError
 from ..io.cache import ShardCache
@@ -93,8 +93,6 @@ class ShardListDataset:
         self._offsets: Dict[int, "array.array[int]"] = {}
         self._files: "collections.OrderedDict[int, _MappedShard]" = collections.OrderedDict()
         self._open_files = open_files
-        self._users: Dict[_MappedShard, int] = {}  # open shard -> reads using it now
-        self._retired: Set[_MappedShard] = set()  # out of the open set, closed when reads end
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
@@ -102,27 +100,34 @@ class ShardListDataset:
         return self.ends[-1] if self.ends else 0
 
     def __getitem__(self, i: int) -> Any:
-        if isinstance(i, bool) or not isinstance(i, int):
-            try:
-                i = i.__index__()  # numpy and torch integers
-            except AttributeError:
-                raise TypeError(f"indices must be integers, not {type(i).__name__}") from None
-        n = len(self)
+        if type(i) is not int:
+            if isinstance(i, bool) or not hasattr(i, "__index__"):
+                raise TypeError(f"indices must be integers, not {type(i).__name__}")
+            i = i.__index__()  # numpy and torch integers
+        ends = self.ends
+        n = ends[-1] if ends else 0
         if i < 0:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sample index out of range (the dataset has {n} samples)")
-        k = bisect.bisect_right(self.ends, i)
-        j = i - (self.ends[k - 1] if k else 0)
-        offsets = self._shard_offsets(k)
+        k = bisect.bisect_right(ends, i)
+        j = i - (ends[k - 1] if k else 0)
+        offsets = self._offsets.get(k) or self._shard_offsets(k)
         start, end = offsets[j], offsets[j + 1]
         path = self.paths[k] if self.cache is None else self._cached(k)
         if path is not None:
-            shard = self._acquire(k)
-            try:
-                sample = shard.sample(start, end, self.urls[k], self.local_paths[k])
-            finally:
-                self._release(shard)
+            # The shard held by this frame: one another thread evicts meanwhile stays mapped
+            # until this read lets go of it.
+            files = self._files
+            shard = files.get(k)
+            if shard is None:
+                shard = self._open_shard(k)
+            else:
+                try:
+                    files.move_to_end(k)  # least recently used is dropped first
+                except KeyError:
+                    pass  # dropped by another thread meanwhile: this read still holds it
+            sample = shard.sample(start, end, self.urls[k], self.local_paths[k])
         else:
             data = read_range(self.urls[k], start, end, self.storage_options)
             if len(data) != end - start:
@@ -185,44 +190,23 @@ class ShardListDataset:
         self.paths[k] = done
         return done
 
-    def _acquire(self, k: int) -> "_MappedShard":
-        """Shard ``k``'s open file, counted as in use until :meth:`_release`: one that leaves
-        the open set meanwhile (another thread opened more shards) is closed only once no read
-        uses it."""
+    def _open_shard(self, k: int) -> "_MappedShard":
+        """Shard ``k`` mapped and put in the open set, the least recently opened mapping
+        dropped past ``open_files``. A dropped mapping is not closed here: a read in another
+        thread may hold it, and it closes when the last holder lets go (its own reference
+        count), so no read sees a closed or reused descriptor, and no read takes a lock."""
         if self._pid != os.getpid():
             # A forked worker: the parent's mappings work (nothing moves a file position), but
             # the lock may have been held by another thread at the fork: this process's own.
             self._lock = threading.Lock()
-            self._files = collections.OrderedDict(self._files)
-            self._users = {}
-            self._retired = set()
             self._pid = os.getpid()
         with self._lock:
             shard = self._files.get(k)
-            if shard is not None:
-                self._files.move_to_end(k)
-            else:
-                shard = self._open(k)
-                self._files[k] = shard
+            if shard is None:
+                shard = self._files[k] = self._open(k)
                 while len(self._files) > self._open_files:
-                    _, old = self._files.popitem(last=False)
-                    if self._users.get(old):
-                        self._retired.add(old)  # closed by the last read using it
-                    else:
-                        old.close()
-            self._users[shard] = self._users.get(shard, 0) + 1
+                    self._files.popitem(last=False)
             return shard
-
-    def _release(self, shard: "_MappedShard") -> None:
-        with self._lock:
-            n = self._users.get(shard, 1) - 1
-            if n > 0:
-                self._users[shard] = n
-                return
-            self._users.pop(shard, None)
-            if shard in self._retired:
-                self._retired.discard(shard)
-                shard.close()
 
     def _open(self, k: int) -> "_MappedShard":
         path = self.paths[k]
@@ -233,13 +217,12 @@ class ShardListDataset:
             raise NotFoundError(
                 f"no such file {path!r}; check the index", url=self.urls[k]
             ) from None
-        size = os.fstat(fd).st_size
         try:
+            size = os.fstat(fd).st_size
             self._check_size(k, size)
-        except ShardReadError:
-            os.close(fd)
-            raise
-        return _MappedShard(fd, size)
+            return _MappedShard(fd, size)
+        finally:
+            os.close(fd)  # the mapping keeps a descriptor of its own
 
     def _check_size(self, k: int, size: int) -> None:
         """Shard ``k``'s file is ``size`` bytes: the index's size, and enough for its count
@@ -257,20 +240,15 @@ class ShardListDataset:
             )
 
     def close(self) -> None:
-        """Close the shard files held open (they reopen on the next access)."""
+        """Close the shard files held open (they reopen on the next access; a read in another
+        thread finishes on the mapping it holds, closed when it lets go)."""
         with self._lock:
-            while self._files:
-                shard = self._files.popitem()[1]
-                if self._users.get(shard):
-                    self._retired.add(shard)
-                else:
-                    shard.close()
+            self._files.clear()
 
     def __getstate__(self) -> Dict[str, Any]:
         # To a spawned worker: no files, no lock (each process opens its own).
         state = dict(self.__dict__)
         state["_files"] = collections.OrderedDict()
-        state["_users"], state["_retired"] = {}, set()
         state["_lock"] = None
         return state
 
@@ -281,26 +259,22 @@ class ShardListDataset:
 
 
 class _MappedShard:
-    """A local shard file, open and mapped into memory: a sample's fields are copied straight
-    out of the page cache (one copy, no system call), which reading the range with ``pread``
-    and then cutting the fields out of it would do twice."""
+    """A local shard file mapped into memory: a sample's fields are copied straight out of the
+    page cache (one copy), which reading the range with ``pread`` and then cutting the fields
+    out of it would do twice. The mapping holds a descriptor of its own (``mmap`` duplicates
+    the one it is given) and closes it, and itself, when the object is freed."""
 
     def __init__(self, fd: int, size: int) -> None:
-        self.fd = fd
-        self.map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
+        self.map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
 
     def sample(self, start: int, end: int, url: str, local: Optional[str]) -> Dict[str, Any]:
         # A mapped file cut shorter under us would kill the process (SIGBUS) when its lost
-        # pages are touched: look at its size first, so that a shard truncated in place (cp
-        # over it) is an error instead.
-        if os.fstat(self.fd).st_size < end or len(self.map) < end:
+        # pages are touched: look at its size first (size(): an fstat of the mapping's
+        # descriptor), so that a shard truncated in place (cp over it) is an error instead.
+        m = self.map
+        if m is None or len(m) < end or m.size() < end:
             raise _shorter(url, start, end)
-        return read_sample_in(self.map, start, end, url, local)
-
-    def close(self) -> None:
-        if isinstance(self.map, mmap.mmap):
-            self.map.close()
-        os.close(self.fd)
+        return read_sample_in(m, start, end, url, local)
 
 
 #: The fewest bytes of tar a sample takes: one member's header. The shards read here are
