@@ -146,7 +146,8 @@ class ShardListDataset:
             return offsets
         known = self.index.shards[k].offsets
         if known is not None:
-            return known  # from the index: no scan
+            self._offsets[k] = known  # from the index: no scan
+            return known
         url = self.urls[k]
         path = self.paths[k] if self.cache is None else self._cached(k)
         if path is not None and os.path.exists(path):
