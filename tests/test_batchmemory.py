@@ -27,21 +27,63 @@ DTYPES = [torch.float32, torch.uint8, torch.int64, torch.bool, torch.float16, to
 NP_DTYPES = [np.float32, np.uint8, np.int16, np.float64]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """torch's own kernels (stack, clone, equal) on one thread: on a loaded two-core machine two
+    intra-op threads made each small stack ten times slower. Batch memory does not depend on it
+    (workers run one thread anyway)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def collections_of_this_modules_objects():
+    """The gc.collect() calls of these tests look at the objects made since this module began:
+    what was alive before (the session's modules, every test file's) is set aside with
+    gc.freeze(), after one collection, so each collect here is quick (it was 0.1 s or more).
+    At the end, the value patterns are let go too."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+    _period.cache_clear()
+
+
+@functools.cache
+def _period(n, dtype, period):
+    """``arange(n + period) % period`` as ``dtype``, computed once: its ``n`` values from ``s``
+    on are ``(arange(n) + s) % period``, for every ``s`` under ``period``."""
+    if isinstance(dtype, torch.dtype):
+        base = torch.arange(n + period, dtype=torch.int64) % period
+        return base.bool() if dtype == torch.bool else base.to(dtype)
+    pattern = (np.arange(n + period) % period).astype(dtype)
+    pattern.setflags(write=False)
+    return pattern
+
+
 def values(i, shape, dtype):
-    """Sample ``i``'s tensor: distinct in every element, derived from ``i``."""
+    """Sample ``i``'s tensor: distinct in every element, derived from ``i``:
+    ``(arange(n) + 7 * i) % 200`` (``% 2`` for bool) as ``dtype``, shaped. A read-only view of a
+    cached pattern: :func:`fields` gives samples a copy."""
     n = int(np.prod(shape))
-    base = torch.arange(n, dtype=torch.int64).reshape(shape) + 7 * i
-    return (base % 2).bool() if dtype == torch.bool else (base % 200).to(dtype)
+    period = 2 if dtype == torch.bool else 200
+    start = 7 * i % period
+    return _period(n, dtype, period)[start : start + n].reshape(shape)
 
 
 def array_values(i, shape, dtype):
+    """``(arange(n) + 3 * i) % 100`` as ``dtype``, shaped (a view of a cached pattern)."""
     n = int(np.prod(shape))
-    return ((np.arange(n).reshape(shape) + 3 * i) % 100).astype(dtype)
+    start = 3 * i % 100
+    return _period(n, np.dtype(dtype), 100)[start : start + n].reshape(shape)
 
 
 def fields(sample, shape, dtype, ashape, adtype):
     i = int(sample["__key__"][1:])
-    return {"i": i, "t": values(i, shape, dtype), "a": array_values(i, ashape, adtype)}
+    t, a = values(i, shape, dtype).clone(), array_values(i, ashape, adtype).copy()
+    return {"i": i, "t": t, "a": a}
 
 
 def shards(tmp_path, n, per=10):
