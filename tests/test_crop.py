@@ -9,10 +9,8 @@ under 2 levels for CenterCropDecoder against Resize(256) + CenterCrop(224).
 """
 
 import io
-import pickle
 import random
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -453,63 +451,59 @@ def test_a_resumed_epoch_draws_the_crops_it_would_have(tmp_path):
     assert not all(np.array_equal(x, y) for (_, x), (_, y) in zip(after, whole))
 
 
-def spin(seconds: float) -> None:
-    """Burn CPU in this thread (the race measures CPU time, which a sleep does not use)."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
-
-
-@pytest.mark.parametrize("slow", ["torch", "pil"])
-def test_auto_resizer_measures_both_and_keeps_the_faster(jpeg_path, slow, monkeypatch):
-    """resizer="auto" where torch runs one thread (a worker): neither resizer is assumed the
-    faster (torch's kernel is ~3x Pillow's with AVX2, slower without): the first images are
-    resized both ways, and the one that spent less CPU resizes the rest."""
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512", "DEFAULT", "SVE256"])
+def test_auto_resizer_takes_torch_only_where_its_fast_kernel_is(capability, monkeypatch):
+    """resizer="auto" in a process where torch runs one thread: torch's kernel where torch has
+    its AVX2/AVX-512 uint8 path, Pillow's elsewhere (torch's generic path is slower)."""
     from webds.stages import crop as crop_mod
 
-    monkeypatch.setattr(crop_mod, "_torch_single_thread", lambda: True)
-    calls = {"torch": 0, "pil": 0}
-    real = {"torch": crop_mod._resize_torch, "pil": crop_mod._resize_pil}
-
-    def counted(name):
-        def resize(*args):
-            calls[name] += 1
-            if name == slow:
-                spin(0.004)
-            return real[name](*args)
-
-        return resize
-
-    monkeypatch.setattr(crop_mod, "_resize_torch", counted("torch"))
-    monkeypatch.setattr(crop_mod, "_resize_pil", counted("pil"))
-    data = encode(coffee().resize((300, 200)), quality=90)  # under 2x160: no DCT scaling
-    decoder = webds.RandomResizedCropDecoder(160, seed=0, resizer="auto")
-    bound = decoder.bind_pass(None, 0)
-    rounds = crop_mod._ResizerRace.ROUNDS
-    for i in range(rounds):
-        assert bound(".jpg", data, sample_of(data, f"{i:04d}")).shape == (160, 160, 3)
-    assert calls == {"torch": rounds, "pil": rounds}
-    assert decoder._race.torch is (slow == "pil")  # a pass's copy shares the verdict
-    for i in range(5):
-        bound(".jpg", data, sample_of(data, f"x{i}"))
-    fast = "pil" if slow == "torch" else "torch"
-    assert calls[fast] == rounds + 5 and calls[slow] == rounds
-    # a spawned worker gets the decoder pickled: it measures on its own machine and threads
-    assert pickle.loads(pickle.dumps(decoder))._race.torch is None
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    crop_mod._torch_resizes_fast.cache_clear()
+    try:
+        fast = capability in ("AVX2", "AVX512")
+        assert crop_mod._torch_single_thread() is fast
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        assert crop_mod._torch_single_thread() is False  # intra-op threads: Pillow always
+    finally:
+        crop_mod._torch_resizes_fast.cache_clear()
 
 
-def test_auto_resizer_races_only_where_torch_runs_one_thread(monkeypatch):
-    """With torch's intra-op threads (the main process) "auto" keeps Pillow, unmeasured; a
-    set resizer is never raced."""
-    from webds.stages import crop as crop_mod
+AUTO_PIXELS = """
+import sys, numpy as np, torch, webds
+torch.set_num_threads(1)  # as in a DataLoader worker
+data = open(sys.argv[1], "rb").read()
+def crop(resizer):
+    d = webds.RandomResizedCropDecoder(160, seed=4, resizer=resizer).bind_pass(None, 0)
+    return [d(".jpg", data, {"__key__": f"{i}", "__url__": "s.tar"}) for i in range(6)]
+auto, torch_px, pil_px = crop("auto"), crop("torch"), crop("pil")
+print(torch.backends.cpu.get_cpu_capability(),
+      all(np.array_equal(a, t) for a, t in zip(auto, torch_px)),
+      all(np.array_equal(a, p) for a, p in zip(auto, pil_px)))
+"""
 
-    data = encode(coffee().resize((300, 200)), quality=90)
-    monkeypatch.setattr(crop_mod, "_torch_single_thread", lambda: False)
-    auto = webds.RandomResizedCropDecoder(96, seed=0, resizer="auto")
-    auto(".jpg", data)
-    assert auto._race.times == []
-    monkeypatch.setattr(crop_mod, "_torch_single_thread", lambda: True)
-    for resizer in ("torch", "pil"):
-        fixed = webds.RandomResizedCropDecoder(96, seed=0, resizer=resizer)
-        fixed(".jpg", data)
-        assert fixed._race.times == []
+
+def test_auto_resizer_in_a_torch_without_its_fast_kernel_gives_pillows_pixels(tmp_path):
+    """For real: in a process where torch runs one thread, "auto" gives torch's pixels where
+    torch has its vectorized kernel, and Pillow's under ATEN_CPU_CAPABILITY=default."""
+    import os
+    import subprocess
+
+    path = tmp_path / "img.jpg"
+    path.write_bytes(encode(coffee().resize((300, 200)), quality=90))  # under 2x160: no DCT
+    runs = {}
+    for env in ({}, {"ATEN_CPU_CAPABILITY": "default"}):
+        out = subprocess.run(
+            [sys.executable, "-c", AUTO_PIXELS, str(path)],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        capability, is_torch, is_pil = out.stdout.split()
+        runs[capability] = (is_torch == "True", is_pil == "True")
+    assert runs["DEFAULT"] == (False, True)
+    native = [c for c in runs if c != "DEFAULT"]
+    if native and native[0] in ("AVX2", "AVX512"):
+        assert runs[native[0]] == (True, False)

@@ -19,20 +19,8 @@ import functools
 import math
 import numbers
 import random
-import time
 import zlib
-from typing import (
-    Any,
-    Callable,
-    Dict,
-    Iterable,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    Tuple,
-    Union,
-)
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import ArgumentError
 from . import fastjpeg
@@ -257,15 +245,31 @@ def _convert(image: Any, output: str) -> Any:
 
 
 def _torch_single_thread() -> bool:
-    """``resizer="auto"``: torch's kernel where torch runs one thread per process (DataLoader
-    workers; ``torch.set_num_threads(1)``), Pillow elsewhere: spread over intra-op threads, one
-    small image costs more CPU in waiting than it saves (2x slower on a busy 2-core machine),
-    and a loader's other workers or threads want those cores."""
-    if not _torch_resizes_uint8():
+    """``resizer="auto"``: torch's kernel where it is the fast one (:func:`_torch_resizes_fast`)
+    and torch runs one thread per process (DataLoader workers; ``torch.set_num_threads(1)``),
+    Pillow elsewhere: spread over intra-op threads, one small image costs more CPU in waiting
+    than it saves (2x slower on a busy 2-core machine), and a loader's other workers or threads
+    want those cores."""
+    if not _torch_resizes_fast():
         return False
     import torch
 
     return torch.get_num_threads() == 1
+
+
+@functools.cache
+def _torch_resizes_fast() -> bool:
+    """Whether torch runs its vectorized uint8 resize here: torch writes it for AVX2 and
+    AVX-512 only (about 3x Pillow's on a 224 crop); its generic path, on ARM, older x86 or
+    under ``ATEN_CPU_CAPABILITY=default``, measured 1.8x slower than Pillow's (the whole
+    decoder 1.6x). A fact of the process (torch picks its kernels once, at start), not a
+    timing: the same seed gives the same pixels in every run on one machine."""
+    if not _torch_resizes_uint8():
+        return False
+    import torch
+
+    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    return capability is None or capability() in ("AVX2", "AVX512")
 
 
 @functools.cache
@@ -280,44 +284,6 @@ def _torch_resizes_uint8() -> bool:
     except Exception:  # ImportError, or RuntimeError "not implemented for 'Byte'"
         return False
     return True
-
-
-class _ResizerRace:
-    """Which resizer ``"auto"`` takes where torch runs one thread, measured on the first images
-    a process decodes rather than assumed: each of them is decoded and resized both ways and the
-    calling thread's CPU time compared. torch's uint8 kernel is about 3x Pillow's where it has
-    AVX2; its generic path (ARM, older x86) can be slower than Pillow's, and then a DataLoader
-    worker, where torch runs one thread, would lose to threads in one process that use Pillow.
-    Lock-free (appends under the GIL: a round lost to a race is one more round), so a fork
-    taken mid-measure inherits no held lock; pickled (spawned workers), it starts over."""
-
-    ROUNDS = 8
-
-    def __init__(self) -> None:
-        self.times: List[Tuple[float, float]] = []  # (torch's, Pillow's) CPU seconds
-        self.torch: Optional[bool] = None  # the verdict, once ROUNDS are in
-
-    def __getstate__(self) -> Dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__init__()  # type: ignore[misc]
-
-    def run(self, crop: Callable[[bool], Any]) -> Any:
-        """One round: ``crop(True)`` (torch) and ``crop(False)`` (Pillow), in turns first;
-        torch's result is returned, as before the verdict."""
-        order = (True, False) if len(self.times) % 2 else (False, True)
-        spent = {}
-        for torch in order:
-            t0 = time.thread_time()
-            out = crop(torch)
-            spent[torch] = time.thread_time() - t0
-            if torch:
-                result = out
-        self.times.append((spent[True], spent[False]))
-        if len(self.times) >= self.ROUNDS:
-            self.torch = sum(t for t, _ in self.times) <= sum(p for _, p in self.times)
-        return result
 
 
 class _CropDecoder:
@@ -348,7 +314,6 @@ class _CropDecoder:
                 "use resizer='pil' or 'auto'"
             )
         self.resizer = resizer
-        self._race = _ResizerRace()  # shared by the copies bind_pass makes; anew per process
         if isinstance(extensions, str):
             extensions = extensions.split()
         self.extensions = frozenset(e.lower().lstrip(".") for e in extensions)
@@ -362,29 +327,13 @@ class _CropDecoder:
             return None
         width, height, lazy = _header(data, self.max_pixels)
         box = self._box(width, height, key, data, sample)
-        f = _scale_factor(box, self.size[1], self.size[0])
+        out_h, out_w = self.size
+        f = _scale_factor(box, out_w, out_h)
         fast = self.resizer == "torch" or (self.resizer == "auto" and _torch_single_thread())
         # torch's kernel resizes whole pixels only: a box between pixels (DCT scaling, centre
         # crops) goes to Pillow, which takes fractional boxes (rounding would shift the crop by
         # up to half a decoded pixel, a visible shift in detailed images)
         fast = fast and all(c % f == 0 for c in box)
-        if fast and self.resizer == "auto":
-            race = self._race
-            if race.torch is None:  # each of the two decodes from a fresh lazy image
-
-                def crop(torch: bool) -> Any:
-                    fresh = lazy if lazy is None else open_image(data, None)
-                    return self._crop(data, width, height, fresh, box, f, torch)
-
-                return race.run(crop)
-            fast = race.torch
-        return self._crop(data, width, height, lazy, box, f, fast)
-
-    def _crop(
-        self, data: bytes, width: int, height: int, lazy: Any, box: Box, f: int, fast: bool
-    ) -> Any:
-        """The box of the image, resized by torch's kernel (``fast``) or Pillow's, as output."""
-        out_h, out_w = self.size
         pixels, scale = _decode_scaled(data, width, height, lazy, f, "RGB" if fast else "RGBX")
         sbox = [c / scale for c in box]
         if fast and all(c == int(c) for c in sbox):
