@@ -179,7 +179,7 @@ def test_a_stale_index_names_the_shard(tmp_path):
 
 
 def test_a_shard_cut_in_place_while_open_is_an_error_not_a_crash(tmp_path):
-    # Shards are mapped into memory; touching pages a truncation took away would kill the
+    # Were shards mapped into memory, touching pages a truncation took away would kill the
     # process with SIGBUS. In a subprocess, so that such a crash fails this test alone.
     path = tmp_path / "s.tar"
     write_tar(path, [(f"k{j:03d}.bin", bytes([j]) * 5000) for j in range(200)])
@@ -201,6 +201,50 @@ except ShardReadError as e:
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "shorter than its offsets say" in out.stdout
     assert str(path) in out.stdout
+
+
+def test_a_shard_rewritten_in_place_while_threads_read_it_never_crashes(tmp_path):
+    """`cp` over a shard in a loop while threads read it: the truncation can land between any
+    two instructions of a read (a size check before touching a mapping cannot close that
+    window; a mapped file's lost pages kill the process with SIGBUS). Every read either gives
+    a sample or raises ShardReadError; the process lives. In a subprocess, so that a crash
+    fails this test alone."""
+    path = tmp_path / "s.tar"
+    write_tar(path, [(f"k{j:03d}.bin", bytes([j]) * 20000) for j in range(60)])
+    copy = tmp_path / "copy.tar"
+    copy.write_bytes(path.read_bytes())
+    index = indexed(tmp_path, [str(path)])
+    code = f"""
+import shutil, threading, time, webds
+from webds.errors import ShardReadError
+ds = webds.ShardListDataset({index!r})
+ds[0]
+stop = time.monotonic() + 1.5
+counts = {{"read": 0, "refused": 0}}
+def read(seed):
+    i = seed
+    while time.monotonic() < stop:
+        i = (i * 7 + 3) % 60
+        try:
+            assert ds[i]["bin"] == bytes([i]) * 20000
+            counts["read"] += 1
+        except ShardReadError:
+            counts["refused"] += 1
+threads = [threading.Thread(target=read, args=(t,)) for t in range(3)]
+for t in threads:
+    t.start()
+cps = 0
+while time.monotonic() < stop:
+    shutil.copyfile({str(copy)!r}, {str(path)!r})  # truncates, then writes, in place
+    cps += 1
+for t in threads:
+    t.join()
+print("alive", counts["read"], counts["refused"], cps)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    alive, read, refused, cps = out.stdout.split()
+    assert alive == "alive" and int(read) > 0 and int(cps) > 10, out.stdout
 
 
 def test_compressed_shards_are_refused(tmp_path):
@@ -561,3 +605,21 @@ def test_open_files_bounds_what_stays_mapped_and_close_lets_go_of_everything(tmp
     assert ds[7] == want[7] and mapped(urls) > 0  # reopened on the next access
     del ds
     assert mapped(urls) == 0
+
+
+def test_a_damaged_header_is_named_at_its_offset_in_the_shard(tmp_path):
+    """A header damaged after indexing: the error names the byte offset in the shard (where
+    `dd` or a hex editor finds it), not in the sample's range."""
+    path = tmp_path / "s.tar"
+    write_tar(path, [(f"k{j}.{ext}", b"x" * 600) for j in range(6) for ext in ("a", "b")])
+    index = ShardIndex.build([str(path)])
+    start = index.shards[0].offsets[3]
+    second = start + 512 + 1024  # sample 3's second member's header
+    raw = bytearray(path.read_bytes())
+    raw[second + 148 : second + 156] = b"0000000\0"  # its checksum, wrong
+    path.write_bytes(bytes(raw))
+    ds = webds.ShardListDataset(index)
+    with pytest.raises(webds.ShardReadError) as info:
+        ds[3]
+    assert info.value.offset == second and f"byte offset {second}" in str(info.value)
+    assert ds[2]["a"] == b"x" * 600

@@ -4,9 +4,9 @@ A map-style dataset over the shards an index lists (see :mod:`webds.shards.index
 is sample ``j`` of the shard that holds it, counted as the index counts. Its bytes are found by
 the shard's sample offsets: the index's (``ShardWriter`` and ``webds index`` record them), or
 taken by reading the shard once on its first touch (:mod:`webds.tar.offsets`) and kept in
-memory (8 bytes a sample). Local shard files are mapped into memory (``mmap``), through a
-bounded set of open files that threads and forked DataLoader workers share safely, and each
-field is copied straight out of the mapping: one copy, no system call. ``ds[i]`` equals the
+memory (8 bytes a sample). Local shard files stay open, a bounded set that threads and forked
+DataLoader workers share safely, and a sample is one ``pread`` of its bytes, never a mapping (a
+file cut shorter under a mapping kills the process). ``ds[i]`` equals the
 sample the stream yields (``__key__``, ``__url__``, ``__local_path__``, fields as bytes), then
 goes through ``transform``.
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import array
 import bisect
 import collections
-import mmap
 import os
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
@@ -32,7 +31,7 @@ from ..io.cache import ShardCache
 from ..io.remote import read_range
 from ..io.urls import check_secure, local_path, open_url
 from ..tar.cached import complete_tar
-from ..tar.offsets import read_sample, read_sample_in, sample_offsets
+from ..tar.offsets import read_sample, sample_offsets
 from ..tar.windows import stale_index
 from .index import ShardIndex
 
@@ -91,7 +90,7 @@ class ShardListDataset:
             total += shard.samples
             self.ends.append(total)
         self._offsets: Dict[int, "array.array[int]"] = {}
-        self._files: "collections.OrderedDict[int, _MappedShard]" = collections.OrderedDict()
+        self._files: "collections.OrderedDict[int, _OpenShard]" = collections.OrderedDict()
         self._open_files = open_files
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -116,7 +115,7 @@ class ShardListDataset:
         start, end = offsets[j], offsets[j + 1]
         path = self.paths[k] if self.cache is None else self._cached(k)
         if path is not None:
-            # The shard held by this frame: one another thread evicts meanwhile stays mapped
+            # The shard held by this frame: one another thread drops meanwhile stays open
             # until this read lets go of it.
             files = self._files
             shard = files.get(k)
@@ -132,7 +131,7 @@ class ShardListDataset:
             data = read_range(self.urls[k], start, end, self.storage_options)
             if len(data) != end - start:
                 raise _shorter(self.urls[k], start, end)
-            sample = read_sample(data, self.urls[k], self.local_paths[k])
+            sample = read_sample(data, self.urls[k], self.local_paths[k], start)
         return sample if self.transform is None else self.transform(sample)
 
     def __repr__(self) -> str:
@@ -191,11 +190,11 @@ class ShardListDataset:
         self.paths[k] = done
         return done
 
-    def _open_shard(self, k: int) -> "_MappedShard":
-        """Shard ``k`` mapped and put in the open set, the least recently opened mapping
-        dropped past ``open_files``. A dropped mapping is not closed here: a read in another
-        thread may hold it, and it closes when the last holder lets go (its own reference
-        count), so no read sees a closed or reused descriptor, and no read takes a lock."""
+    def _open_shard(self, k: int) -> "_OpenShard":
+        """Shard ``k`` opened and put in the open set, the least recently used file dropped
+        past ``open_files``. A dropped file is not closed here: a read in another thread may
+        hold it, and it closes when the last holder lets go (its own reference count), so no
+        read sees a closed or reused descriptor, and no read takes a lock."""
         if self._pid != os.getpid():
             # A forked worker: the parent's mappings work (nothing moves a file position), but
             # the lock may have been held by another thread at the fork: this process's own.
@@ -209,21 +208,21 @@ class ShardListDataset:
                     self._files.popitem(last=False)
             return shard
 
-    def _open(self, k: int) -> "_MappedShard":
+    def _open(self, k: int) -> "_OpenShard":
         path = self.paths[k]
         assert path is not None
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            file = open(path, "rb", buffering=0)  # close-on-exec, as Python opens files
         except FileNotFoundError:
             raise NotFoundError(
                 f"no such file {path!r}; check the index", url=self.urls[k]
             ) from None
         try:
-            size = os.fstat(fd).st_size
-            self._check_size(k, size)
-            return _MappedShard(fd, size)
-        finally:
-            os.close(fd)  # the mapping keeps a descriptor of its own
+            self._check_size(k, os.fstat(file.fileno()).st_size)
+        except BaseException:
+            file.close()
+            raise
+        return _OpenShard(file)
 
     def _check_size(self, k: int, size: int) -> None:
         """Shard ``k``'s file is ``size`` bytes: the index's size, and enough for its count
@@ -242,7 +241,7 @@ class ShardListDataset:
 
     def close(self) -> None:
         """Close the shard files held open (they reopen on the next access; a read in another
-        thread finishes on the mapping it holds, closed when it lets go)."""
+        thread finishes on the file it holds, closed when it lets go)."""
         with self._lock:
             self._files.clear()
 
@@ -259,23 +258,22 @@ class ShardListDataset:
         self._pid = os.getpid()
 
 
-class _MappedShard:
-    """A local shard file mapped into memory: a sample's fields are copied straight out of the
-    page cache (one copy), which reading the range with ``pread`` and then cutting the fields
-    out of it would do twice. The mapping holds a descriptor of its own (``mmap`` duplicates
-    the one it is given) and closes it, and itself, when the object is freed."""
+class _OpenShard:
+    """A local shard file open for reading at offsets: a sample's bytes in one ``pread`` (no
+    shared file position, so threads and forked workers read side by side), its fields cut
+    out of them. Not mapped into memory: a mapped file cut shorter under a read (``cp`` over
+    it) kills the process (SIGBUS) however recently its size was checked, where a read comes
+    back short and is an error. The file object closes its descriptor when it is freed, so a
+    read in another thread that holds it never sees the descriptor closed or reused."""
 
-    def __init__(self, fd: int, size: int) -> None:
-        self.map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+    def __init__(self, file: Any) -> None:
+        self.file = file
 
     def sample(self, start: int, end: int, url: str, local: Optional[str]) -> Dict[str, Any]:
-        # A mapped file cut shorter under us would kill the process (SIGBUS) when its lost
-        # pages are touched: look at its size first (size(): an fstat of the mapping's
-        # descriptor), so that a shard truncated in place (cp over it) is an error instead.
-        m = self.map
-        if m is None or len(m) < end or m.size() < end:
+        data = os.pread(self.file.fileno(), end - start, start)
+        if len(data) != end - start:
             raise _shorter(url, start, end)
-        return read_sample_in(m, start, end, url, local)
+        return read_sample(data, url, local, start)
 
 
 #: The fewest bytes of tar a sample takes: one member's header. The shards read here are

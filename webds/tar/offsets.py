@@ -67,19 +67,23 @@ class _Counted(io.RawIOBase):
         pass
 
 
-def read_sample(data: bytes, url: str, local: Optional[str] = None) -> Dict[str, Any]:
+def read_sample(
+    data: bytes, url: str, local: Optional[str] = None, at: int = 0
+) -> Dict[str, Any]:
     """The sample held by ``data``, the bytes of one sample's members cut out of shard ``url``
     at its offsets: the dict the stream yields for it (``__key__``, ``__url__``, fields).
-    ``local`` is the shard's local path (``__local_path__``), if it has one."""
-    return read_sample_in(data, 0, len(data), url, local)
+    ``local`` is the shard's local path (``__local_path__``), if it has one; ``at``, where
+    ``data`` starts in the shard (for the offsets errors name)."""
+    return read_sample_in(data, 0, len(data), url, local, at)
 
 
 def read_sample_in(
-    buf: Any, start: int, end: int, url: str, local: Optional[str] = None
+    buf: Any, start: int, end: int, url: str, local: Optional[str] = None, at: int = 0
 ) -> Dict[str, Any]:
     """:func:`read_sample` of the bytes ``buf[start:end]``, where ``buf`` slices to bytes (a
     ``bytes``, or a shard file's ``mmap``): each field is cut out of ``buf`` once, without a
-    copy of the whole range first."""
+    copy of the whole range first. ``at``: where ``buf[start]`` lies in the shard, for the
+    byte offsets errors name."""
     sample = _plain_sample(buf, start, end, url, local)
     if sample is not None:
         return sample
@@ -89,7 +93,12 @@ def read_sample_in(
         shard["local_path"] = local
     # A planned one-sample segment: the range ends at a member boundary without the shard's
     # end-of-archive marker, which the planned count vouches for.
-    samples = list(tarfile_samples([shard]))
+    try:
+        samples = list(tarfile_samples([shard]))
+    except ShardReadError as exn:
+        if exn.offset is not None:
+            exn.offset += at - start  # the reader counts from the range's first byte
+        raise
     if len(samples) != 1:
         raise ShardReadError(
             f"expected one sample at this offset, found {len(samples)}: the offsets are out of "
