@@ -532,3 +532,55 @@ def test_the_contest_is_settled_by_running_both(tmp_path, monkeypatch):
     assert loader.choice.num_workers == 0, loader.choice
     assert threads.per_second * autotune.THREADS_GAIN >= workers.per_second
     loader.close()
+
+
+def drawn(sample):
+    """A stage that draws from the process's generators, as a user's augmentation does."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return (sample["__key__"], random.random(), float(np.random.rand()), float(torch.rand(1)))
+
+
+@pytest.mark.parametrize("heavy", [False, True])
+def test_stages_drawing_from_the_global_generators_give_what_the_hand_given_setting_gives(
+    spec, heavy
+):
+    """Measuring runs your stages, and its DataLoaders draw their workers' seeds from torch's
+    generator: after the same seeding, auto yields what the chosen setting given by hand does,
+    and leaves the generators where they were."""
+    import random
+
+    import numpy as np
+    import torch
+
+    def run(workers):
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        ds = webds.WebDataset(spec, shardshuffle=False)
+        if heavy:
+            ds = ds.map(lambda s: (burn(s), s)[1])
+        ds = ds.map(drawn).listed(8)
+        loader = webds.WebLoader(ds, batch_size=None, num_workers=workers)
+        after = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+        with loader:
+            return list(loader), after, loader.choice
+
+    auto, auto_after, choice = run("auto")
+    hand, hand_after, _ = run(choice.num_workers)
+    # heavy: both settings were run for real, worker processes and all (whichever won)
+    assert bool(choice.ran) == heavy or choice.num_workers > 0
+    assert auto == hand and auto_after == hand_after
+
+
+def test_options_for_workers_only_are_dropped_where_auto_chose_none(spec):
+    """prefetch_factor and multiprocessing_context are valid with num_workers="auto" whatever
+    it chooses (DataLoader refuses them without workers)."""
+    ds = webds.WebDataset(spec, shardshuffle=False).map(lambda s: s["__key__"]).listed(3)
+    loader = webds.WebLoader(
+        ds, batch_size=None, num_workers="auto", prefetch_factor=4, multiprocessing_context="spawn"
+    )
+    assert loader.choice.num_workers == 0 and len(keys(loader)) == 48

@@ -42,6 +42,7 @@ from .stages.autotune import (
     Measured,
     choose_workers,
     contested,
+    generators_kept,
     measure_dataset,
     measure_loader,
     rereading_effect,
@@ -91,7 +92,8 @@ class WebLoader(DataPipeline, FluentMixin):
         self.choice: Optional[LoaderChoice] = None
         given = kwargs  # to make the DataLoader again with a loaded state's workers
         if kwargs.get("num_workers") == AUTO:
-            self.choice = _auto(args, kwargs, measure_threads=threads is None)
+            with generators_kept():
+                self.choice = _auto(args, kwargs, measure_threads=threads is None)
             kwargs = _with_workers(kwargs, self.choice.num_workers)
             threads = self.choice.threads or threads
         loader = DataLoader(*args, **kwargs)
@@ -197,12 +199,14 @@ def _auto(args: tuple, kwargs: Dict[str, Any], measure_threads: bool) -> LoaderC
 
 
 def _with_workers(kwargs: Dict[str, Any], n: int) -> Dict[str, Any]:
-    """The DataLoader's keyword arguments with ``n`` workers, persistent unless told not."""
+    """The DataLoader's keyword arguments with ``n`` workers, persistent unless told not
+    (without workers: none of the options DataLoader takes only with workers)."""
     kwargs = dict(kwargs, num_workers=n)
     if n > 0:
         kwargs.setdefault("persistent_workers", True)
     else:
-        kwargs.pop("persistent_workers", None)
+        for name in ("persistent_workers", "prefetch_factor", "multiprocessing_context"):
+            kwargs.pop(name, None)
     return kwargs
 
 

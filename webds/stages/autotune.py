@@ -6,14 +6,16 @@ changes the data or its order (workers and threads both keep it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import stat
 import sys
 import time
 from copy import deepcopy
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Callable, Iterable, Optional, Tuple
+from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 from ..base.stage import Stage
 from ..errors import ArgumentError
@@ -28,6 +30,7 @@ __all__ = [
     "Rate",
     "choose_workers",
     "contested",
+    "generators_kept",
     "worker_count",
     "measure_dataset",
     "measure_loader",
@@ -312,6 +315,35 @@ def _url_effect(url: Any) -> Optional[str]:
 
 def _first(effects: Iterable[Optional[str]]) -> Optional[str]:
     return next((e for e in effects if e is not None), None)
+
+
+@contextlib.contextmanager
+def generators_kept() -> Iterator[None]:
+    """The process's random generators (``random``'s, numpy's and torch's, CUDA's where it was
+    started) as they were before the block: what ``auto`` measures runs your stages, which may
+    draw from them (``random.random()``, a flip by ``torch.rand``), and the DataLoaders it runs
+    draw their workers' seeds from torch's. Without this, the loader it chose would not yield
+    what the same loader given by hand yields after the same ``torch.manual_seed``."""
+    numpy = sys.modules.get("numpy")
+    torch = sys.modules.get("torch")
+    states = [random.getstate()]
+    if numpy is not None:
+        states.append(numpy.random.get_state())
+    if torch is not None:
+        states.append(torch.get_rng_state())
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            states.append(torch.cuda.get_rng_state_all())
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        if numpy is not None:
+            numpy.random.set_state(states[1])
+        if torch is not None:
+            torch.set_rng_state(states[-2] if cuda else states[-1])
+            if cuda:
+                torch.cuda.set_rng_state_all(states[-1])
 
 
 def measure_dataset(
