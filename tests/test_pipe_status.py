@@ -7,6 +7,7 @@ before the command has exited: closing the stream must still wait (bounded) for 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -40,11 +41,32 @@ def _keys(url_or_stream) -> list:
     return [s["__key__"] for s in _samples(url_or_stream)]
 
 
+def _running(pgid: int) -> bool:
+    """Whether a process of the group ``pgid`` still runs. A zombie does not: it has ended, and
+    only waits for its parent to collect its status (an orphan's is init's, which may take a
+    second or two in a container); where there is no /proc, any process counts."""
+    if not os.path.isdir("/proc/self"):
+        return group_alive(pgid)
+    if not group_alive(pgid):
+        return False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it has just gone
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def _gone(pgid: int) -> bool:
     deadline = time.monotonic() + 10
-    while group_alive(pgid) and time.monotonic() < deadline:
+    while _running(pgid) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return not group_alive(pgid)
+    return not _running(pgid)
 
 
 @pytest.mark.parametrize(
