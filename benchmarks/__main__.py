@@ -76,6 +76,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         epilog="workloads: " + ", ".join(WORKLOADS),
     )
     ap.add_argument("--quick", action="store_true", help="small data, 3 reps (under ~2 min)")
+    # The test suite's: tiny data (Config.smoke), to check that everything runs, not to measure.
+    ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
     ap.add_argument(
         "--out", default=str(ROOT / "benchmarks" / "results"), help="results.json, loaders.png"
@@ -184,7 +186,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         for name, title in WORKLOADS.items():
             print(f"{name:<17} {title}")
         return {}
-    config = Config.quick() if args.quick else Config()
+    config = Config.smoke() if args.smoke else Config.quick() if args.quick else Config()
     if args.reps is not None:
         config.reps = args.reps
     t0 = time.perf_counter()

@@ -24,8 +24,9 @@ def test_quick_run_measures_every_contestant(tmp_path: Path) -> None:
     out = tmp_path / "out"
     only = "read-small,read-images,loader-1,write-small"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # --smoke: --quick's run on tiny data (Config.smoke), which is all that this needs.
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--reps", "1", "--only", only]
+        [sys.executable, "-m", "benchmarks", "--quick", "--smoke", "--reps", "1", "--only", only]
         + ["--data", str(tmp_path / "data"), "--out", str(out)],
         cwd=ROOT,
         env=env,
