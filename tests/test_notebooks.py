@@ -1,11 +1,16 @@
 """Every notebook in notebooks/ runs top to bottom in a fresh kernel, as a user runs it.
 
 The notebooks are committed without outputs; this test executes each one with nbclient in a
-real IPython kernel (working directory: notebooks/, as when a user opens it from a checkout)
-and fails on the first cell that raises. The only help the kernel gets is the startup file of
-this project's torchvision workaround (tests/torchvision_cpu.py: the CUDA build of torchvision
-needs two op schemas declared on CPU-only torch), loaded through a temporary IPYTHONDIR so that
-the notebooks themselves stay free of it.
+real IPython kernel of its own (working directory: notebooks/, as when a user opens it from a
+checkout) and fails on the first cell that raises. The only help the kernel gets is the startup
+file of this project's torchvision workaround (tests/torchvision_cpu.py: the CUDA build of
+torchvision needs two op schemas declared on CPU-only torch), loaded through a temporary
+IPYTHONDIR so that the notebooks themselves stay free of it; it runs when a notebook first
+imports torchvision, so that the notebooks which never do start without it.
+
+Each notebook's kernel is started while the notebook before it runs (a kernel takes seconds to
+import what it needs, on a CPU the running notebook often leaves idle), and is killed once its
+notebook has run: every notebook still gets a new kernel that nothing ran in before.
 """
 
 from __future__ import annotations
@@ -43,23 +48,52 @@ def test_committed_without_outputs(path: Path):
     assert kernel.get("name") == "python3", f"{path.name}: kernel {kernel}"
 
 
+#: The startup file: on the first ``import torchvision`` (by a cell or by a library a cell
+#: uses), import it through tests/torchvision_cpu.py's workaround instead, once. It leaves no
+#: name behind in the notebook's namespace.
+STARTUP = f"""\
+def _torchvision_workaround_on_first_import():
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    class Workaround(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            if name != "torchvision":
+                return None
+            return importlib.machinery.ModuleSpec(name, self)
+
+        def create_module(self, spec):
+            sys.meta_path.remove(self)  # the import below, and every later one, is the usual one
+            sys.path.insert(0, {str(ROOT / "tests")!r})
+            try:
+                from torchvision_cpu import import_torchvision
+
+                module = import_torchvision()  # ImportError without torchvision, as usual
+            finally:
+                sys.path.pop(0)
+            self.spec = module.__spec__
+            return module
+
+        def exec_module(self, module):
+            module.__spec__ = self.spec  # the import machinery set ours: give the real one back
+
+    sys.meta_path.insert(0, Workaround())
+
+
+_torchvision_workaround_on_first_import()
+del _torchvision_workaround_on_first_import
+"""
+
+
 @pytest.fixture(scope="module")
 def kernel_env(tmp_path_factory):
-    """An IPYTHONDIR whose startup file declares the torchvision ops (see the module doc)."""
+    """The kernels' environment: an IPYTHONDIR whose startup file declares the torchvision ops
+    (see the module doc)."""
     ipython_dir = tmp_path_factory.mktemp("ipython")
     startup = ipython_dir / "profile_default" / "startup"
     startup.mkdir(parents=True)
-    (startup / "00-torchvision-cpu.py").write_text(
-        "import sys\n"
-        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-        "from torchvision_cpu import import_torchvision\n"
-        "try:\n"
-        "    import_torchvision()\n"
-        "except ImportError:\n"
-        "    pass  # no torchvision: notebooks that need it say so\n"
-        "finally:\n"
-        "    sys.path.pop(0)\n"
-    )
+    (startup / "00-torchvision-cpu.py").write_text(STARTUP)
     env = {
         "IPYTHONDIR": str(ipython_dir),
         # The kernel must import this checkout's webds, also when it is not installed.
@@ -70,27 +104,66 @@ def kernel_env(tmp_path_factory):
     return env
 
 
+class Kernels:
+    """A new kernel for each notebook, the next one started when a notebook takes its own."""
+
+    def __init__(self, env: dict, order: list) -> None:
+        self.env, self.order = env, order
+        self.started: dict = {}
+
+    def _start(self, path: Path) -> None:
+        km = _this_python_kernel_manager()(kernel_name="python3")
+        km.start_kernel(cwd=str(path.parent), env={**os.environ, **self.env})
+        self.started[path] = km
+
+    def take(self, path: Path):
+        """``path``'s kernel manager, with its kernel started (maybe still starting)."""
+        if path not in self.started:
+            self._start(path)
+        km = self.started.pop(path)
+        later = self.order[self.order.index(path) + 1 :] if path in self.order else []
+        if later and later[0] not in self.started:
+            self._start(later[0])
+        return km
+
+    def close(self) -> None:
+        while self.started:
+            _, km = self.started.popitem()
+            km.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernels(kernel_env, request):
+    """Kernels for the notebooks this session runs, in the order it runs them."""
+    order = [
+        item.callspec.params["path"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom"
+    ]
+    pool = Kernels(kernel_env, order)
+    yield pool
+    pool.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path: Path, kernel_env, monkeypatch):
-    for key, value in kernel_env.items():
-        monkeypatch.setenv(key, value)
+def test_notebook_runs_top_to_bottom(path: Path, kernels):
     nb = nbformat.read(str(path), as_version=4)
-    client = nbclient.NotebookClient(
-        nb,
-        timeout=CELL_TIMEOUT,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-    )
     # The kernel is this interpreter (ipykernel in the same environment), not whatever
     # "python3" kernel a user registered elsewhere.
-    client.kernel_manager_class = _this_python_kernel_manager()
+    km = kernels.take(path)
+    client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT, kernel_name="python3")
     started = time.monotonic()
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError as exn:
         pytest.fail(f"{path.name}: a cell failed:\n{exn}", pytrace=False)
+    finally:
+        # The notebook has run (its last cells clean up): no need to wait for a polite exit.
+        if client.kc is not None:
+            client.kc.stop_channels()
+        km.shutdown_kernel(now=True)
     elapsed = time.monotonic() - started
     # execute() raises only for errors it is not told to allow (a cell tagged
     # "raises-exception" gets through): judge the executed notebook itself.
