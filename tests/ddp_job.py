@@ -1,9 +1,11 @@
-"""One rank of the torch.distributed (gloo) test in test_ddp.py; run as a script.
+"""One rank of the torch.distributed (gloo) test in test_ddp.py (its ``main()`` is run by
+rank_forker.py, or run this as a script).
 
 It trains a tiny DistributedDataParallel model over a balanced WebLoader for two epochs (DDP
 all-reduces every step, so ranks with different batch counts would hang, which the process
-group's timeout turns into an error), records every batch's sample keys, then checks that a
-fresh loader loaded from a mid-epoch state_dict yields exactly the rest of that epoch.
+group's timeout turns into an error), records every batch's sample keys and, after ``--resume-at``
+batches of epoch 1, the loader's state_dict; then what a fresh loader loaded from that state
+yields (test_ddp.py checks that it is exactly the rest of that epoch).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import json
 
 import torch.distributed as dist
-from gloo_rank import TinyModel, join
+from gloo_rank import TinyModel, join, leave
 
 import webds
 
@@ -49,21 +51,19 @@ def main() -> None:
         for keys, labels in loader:
             model.step(labels)
             batches.append(list(keys))
+            if epoch == 1 and len(batches) == args.resume_at:
+                # Saved mid-epoch (the loader reads on): what a checkpoint there would hold.
+                state, length = loader.state_dict(), len(loader)
         epochs.append(batches)
-    # Interrupt epoch 1 after resume_at batches, then resume in a fresh loader.
-    loader = make_loader(args)
-    loader.set_epoch(1)
-    it = iter(loader)
-    head = [list(next(it)[0]) for _ in range(args.resume_at)]
-    state = loader.state_dict()
-    del it
+    # Resume from that state in a fresh loader: it reads the rest of epoch 1.
     fresh = make_loader(args)
     fresh.load_state_dict(json.loads(json.dumps(state)))  # a state survives JSON
     rest = [list(keys) for keys, _ in fresh]
     dist.barrier()
+    resumed = epochs[1][: args.resume_at] + rest
     with open(args.out, "w") as f:
-        json.dump({"len": len(loader), "epochs": epochs, "resumed": head + rest}, f)
-    dist.destroy_process_group()
+        json.dump({"len": length, "epochs": epochs, "resumed": resumed}, f)
+    leave(model)
 
 
 if __name__ == "__main__":

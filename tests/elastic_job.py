@@ -1,4 +1,5 @@
-"""One rank of the elastic gloo test in test_ddp.py; run as a script.
+"""One rank of the elastic gloo test in test_ddp.py (its ``main()`` is run by
+rank_forker.py, or run this as a script).
 
 ``--phase save``: train a tiny DistributedDataParallel model over ``--k`` batches of epoch 0, then
 gather every rank's loader state (``state_dict(all_ranks=True)``, a collective) and let rank 0
@@ -14,7 +15,7 @@ import argparse
 import json
 
 import torch.distributed as dist
-from gloo_rank import TinyModel, join
+from gloo_rank import TinyModel, join, leave
 
 import webds
 
@@ -65,7 +66,7 @@ def main() -> None:
     dist.barrier()
     with open(args.out, "w") as f:
         json.dump(out, f)
-    dist.destroy_process_group()
+    leave(model)
 
 
 if __name__ == "__main__":

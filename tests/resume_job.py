@@ -1,4 +1,5 @@
-"""One rank of the SIGKILL resume test in test_ddp.py; run as a script.
+"""One rank of the SIGKILL resume test in test_ddp.py (its ``main()`` is run by
+rank_forker.py, or run this as a script).
 
 Phase ``whole`` trains a tiny DistributedDataParallel model for ``--epochs`` epochs over a
 ``WebLoader(...).with_epoch(n)`` (2 DataLoader workers, an index, ``shuffle(100)``,
@@ -16,7 +17,7 @@ import os
 import signal
 
 import torch.distributed as dist
-from gloo_rank import TinyModel, join
+from gloo_rank import TinyModel, join, leave
 
 import webds
 
@@ -75,7 +76,7 @@ def main() -> None:
     dist.barrier()
     with open(args.out, "w") as f:
         json.dump({"epochs": epochs}, f)
-    dist.destroy_process_group()
+    leave(model)
 
 
 if __name__ == "__main__":

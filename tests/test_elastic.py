@@ -8,6 +8,7 @@ process, each with real DataLoader worker processes (tests/test_ddp.py runs real
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
 
@@ -22,13 +23,15 @@ SIZES = [7, 3, 11, 5, 9, 8, 6, 10, 4, 12]  # 75 samples
 ALL = {f"s{i}-{j:06d}" for i, n in enumerate(SIZES) for j in range(n)}
 
 
-@pytest.fixture
-def index(tmp_path):
+@pytest.fixture(scope="module")
+def index(tmp_path_factory):
+    """The shards and their index (read only: every test shares them)."""
+    root = tmp_path_factory.mktemp("elastic")
     urls = [
-        str(write_tar(tmp_path / f"shard-{i}.tar", sample_members(n, prefix=f"s{i}-")))
+        str(write_tar(root / f"shard-{i}.tar", sample_members(n, prefix=f"s{i}-")))
         for i, n in enumerate(SIZES)
     ]
-    path = tmp_path / "index.json"
+    path = root / "index.json"
     ShardIndex.build(urls).save(str(path))
     return str(path)
 
@@ -81,10 +84,20 @@ def resumed(monkeypatch, index, world, workers, states, balance="pad"):
     return rest, after, lengths
 
 
+@pytest.fixture(scope="module")
+def four_ranks_stopped(index):
+    """4 ranks x 2 workers stopped after 2 batches of epoch 1: what they read, and their states
+    (the same for every new topology below: made once)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return interrupted(monkeypatch, index, 4, 2, k=2)
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("new_world,new_workers", [(2, 3), (3, 1), (8, 2), (4, 2), (1, 0)])
-def test_four_ranks_of_two_workers_resume_elsewhere(index, monkeypatch, new_world, new_workers):
-    before, states = interrupted(monkeypatch, index, 4, 2, k=2)
+def test_four_ranks_of_two_workers_resume_elsewhere(
+    index, monkeypatch, four_ranks_stopped, new_world, new_workers
+):
+    before, states = copy.deepcopy(four_ranks_stopped)
     rest, after, lengths = resumed(monkeypatch, index, new_world, new_workers, states)
     if (new_world, new_workers) != (4, 2):  # planned anew: len() is the resumed epoch's
         assert [len(batches) for batches in rest] == lengths
@@ -109,7 +122,7 @@ def test_drop_balance_and_workers_only(index, monkeypatch):
     assert len(ALL - got_before - set(got_after)) < 3 + 3  # left out: only by "drop"
 
 
-def test_elastic_resume_needs_every_rank_and_an_index(index, monkeypatch, tmp_path):
+def test_elastic_resume_needs_every_rank_and_an_index(index, monkeypatch):
     _, states = interrupted(monkeypatch, index, 2, 1, k=1)
     as_rank(monkeypatch, 0, 3)
     with pytest.raises(ResumeError, match="every rank"):

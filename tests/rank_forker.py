@@ -1,0 +1,160 @@
+"""Start the gloo ranks of test_ddp.py by forking one process that has imported torch and webds.
+
+A rank started as ``python JOB.py`` spent about 5 s of CPU importing torch, torch.distributed,
+webds and (when it made its DistributedDataParallel model) torch._dynamo, and 1-2 s more tearing
+the interpreter down at exit; test_ddp.py starts some 40 ranks. This script makes those imports
+once, then, for each job the test asks for, forks one child per rank: each child is a rank as
+before (its own process and gloo process group, its own DataLoader workers, forked or spawned;
+SIGKILL still kills it), only its imports are done. A job module's ``main()`` reads
+``sys.argv`` as when the module runs as a script (each can still be run so, by hand).
+
+Protocol, one JSON object a line: the test writes ``{"job": "ddp_job", "argvs": [[...], ...],
+"logs": [...]}`` (one argv and one log file per rank; a rank's stdout and stderr go to its
+log); this process answers ``{"status": [...]}``, each rank's exit status as
+``subprocess.Popen.returncode`` gives it (``-9``: killed by SIGKILL). The test reads the answer
+with a timeout and kills this process's whole session (the ranks and their workers) on a hang.
+Only the standard library is imported at the top: a spawned DataLoader worker runs this file as
+``__mp_main__`` and imports no more than its dataset needs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from typing import Dict, List, Optional
+
+JOBS = ("ddp_job", "elastic_job", "resume_job")
+
+
+class Forker:
+    """The test's end: this script in a process of its own (a new session), started when first
+    asked and again after a hang killed it."""
+
+    def __init__(self, env: Dict[str, str]) -> None:
+        self.env = env
+        self.proc: Optional[subprocess.Popen] = None
+
+    def run(self, job: str, argvs: List[list], logs: List[str], timeout: float) -> Optional[list]:
+        """Every rank's exit status, or None if they had not all ended after ``timeout``
+        seconds (the ranks, their workers and this script are then killed)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self.env,
+                text=True,
+                start_new_session=True,
+            )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        request = {"job": job, "argvs": [list(map(str, a)) for a in argvs], "logs": logs}
+        request["timeout"] = max(timeout - 30, timeout / 2)  # each rank's, to dump its threads
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            self.kill()
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"rank_forker.py exited with status {self.proc.wait()}")
+        return json.loads(line)["status"]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal this script's session: it, the ranks and their DataLoader workers (a worker
+        whose rank died while it started never notices: it would outlive the test)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:  # it has just ended
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                if sig == signal.SIGKILL:
+                    raise
+                self.kill()
+
+    def close(self) -> None:
+        """End it all: between jobs nothing runs but what a failed job left behind. SIGTERM
+        lets each resource tracker (which ignores it) still clean up after its workers."""
+        self.kill(signal.SIGTERM)
+
+
+def rank(job: str, argv: list, log: str, timeout: float) -> int:
+    """In the forked child: run ``job``'s ``main()`` with ``argv``, as a script; its exit code.
+    A rank still running after ``timeout`` seconds writes where every thread is to its log and
+    exits (status 1), before the test's own timeout: the test then fails with that."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.modules["numpy.random"].seed()  # its own entropy, as a process started anew has
+    module = sys.modules[job]
+    sys.argv = [module.__file__, *argv]
+    code = 0
+    try:
+        module.main()
+    except SystemExit as exn:
+        code = exn.code if isinstance(exn.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    return code
+
+
+def leave(code: int) -> None:
+    """End the forked child as a script ends (threads joined, atexit handlers run:
+    multiprocessing's, weakref finalizers, torch's; garbage collected; output flushed), short of
+    tearing the interpreter down: that touches every object the factory imported, copying each
+    page shared with it (2.5 s of CPU per rank), and checks nothing."""
+    threading._shutdown()  # type: ignore[attr-defined]  (what the interpreter calls first)
+    atexit._run_exitfuncs()
+    gc.collect()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve() -> None:
+    # The imports every rank makes, done once: the jobs (torch, torch.distributed, gloo_rank),
+    # what DistributedDataParallel imports when first made (torch._dynamo: 2 s of CPU), the
+    # webds modules that webds's lazy attributes and a WebLoader's pass import, numpy.random.
+    for name in (*JOBS, "torch._dynamo", "numpy.random"):
+        importlib.import_module(name)
+    for name in ("loader", "fluent", "pipeline", "shards", "tar", "stages", "io"):
+        importlib.import_module(f"webds.{name}")
+    gc.freeze()  # the ranks' collections leave these objects (and the pages they share) alone
+    answers = sys.stdout
+    for line in sys.stdin:
+        request = json.loads(line)
+        pids = []
+        for argv, log in zip(request["argvs"], request["logs"]):
+            pid = os.fork()
+            if pid == 0:  # the rank: it never returns to this loop
+                code = 1
+                try:
+                    code = rank(request["job"], argv, log, request["timeout"])
+                finally:
+                    leave(code)
+            pids.append(pid)
+        status = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+        answers.write(json.dumps({"status": status}) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    serve()
