@@ -67,9 +67,7 @@ class _Counted(io.RawIOBase):
         pass
 
 
-def read_sample(
-    data: bytes, url: str, local: Optional[str] = None, at: int = 0
-) -> Dict[str, Any]:
+def read_sample(data: bytes, url: str, local: Optional[str] = None, at: int = 0) -> Dict[str, Any]:
     """The sample held by ``data``, the bytes of one sample's members cut out of shard ``url``
     at its offsets: the dict the stream yields for it (``__key__``, ``__url__``, fields).
     ``local`` is the shard's local path (``__local_path__``), if it has one; ``at``, where
