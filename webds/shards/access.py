@@ -196,8 +196,8 @@ class ShardListDataset:
         hold it, and it closes when the last holder lets go (its own reference count), so no
         read sees a closed or reused descriptor, and no read takes a lock."""
         if self._pid != os.getpid():
-            # A forked worker: the parent's mappings work (nothing moves a file position), but
-            # the lock may have been held by another thread at the fork: this process's own.
+            # A forked worker: the parent's open files work (a pread moves no file position),
+            # but the lock may have been held by another thread at the fork: this process's own.
             self._lock = threading.Lock()
             self._pid = os.getpid()
         with self._lock:

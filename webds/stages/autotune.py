@@ -326,24 +326,21 @@ def generators_kept() -> Iterator[None]:
     what the same loader given by hand yields after the same ``torch.manual_seed``."""
     numpy = sys.modules.get("numpy")
     torch = sys.modules.get("torch")
-    states = [random.getstate()]
-    if numpy is not None:
-        states.append(numpy.random.get_state())
-    if torch is not None:
-        states.append(torch.get_rng_state())
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        if cuda:
-            states.append(torch.cuda.get_rng_state_all())
+    cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    torch_state = torch.get_rng_state() if torch is not None else None
+    cuda_states = torch.cuda.get_rng_state_all() if cuda else None
     try:
         yield
     finally:
-        random.setstate(states[0])
+        random.setstate(python_state)
         if numpy is not None:
-            numpy.random.set_state(states[1])
+            numpy.random.set_state(numpy_state)
         if torch is not None:
-            torch.set_rng_state(states[-2] if cuda else states[-1])
-            if cuda:
-                torch.cuda.set_rng_state_all(states[-1])
+            torch.set_rng_state(torch_state)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda_states)
 
 
 def measure_dataset(
