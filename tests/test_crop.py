@@ -477,15 +477,23 @@ def crop(resizer):
     d = webds.RandomResizedCropDecoder(160, seed=4, resizer=resizer).bind_pass(None, 0)
     return [d(".jpg", data, {"__key__": f"{i}", "__url__": "s.tar"}) for i in range(6)]
 auto, torch_px, pil_px = crop("auto"), crop("torch"), crop("pil")
+class Crops(torch.utils.data.Dataset):  # "auto" in a real DataLoader worker (fork)
+    def __len__(self):
+        return 1
+    def __getitem__(self, i):
+        return crop("auto")
+worker = next(iter(torch.utils.data.DataLoader(Crops(), batch_size=None, num_workers=1)))
 print(torch.backends.cpu.get_cpu_capability(),
       all(np.array_equal(a, t) for a, t in zip(auto, torch_px)),
-      all(np.array_equal(a, p) for a, p in zip(auto, pil_px)))
+      all(np.array_equal(a, p) for a, p in zip(auto, pil_px)),
+      all(np.array_equal(w, a) for w, a in zip(worker, auto)))
 """
 
 
 def test_auto_resizer_in_a_torch_without_its_fast_kernel_gives_pillows_pixels(tmp_path):
-    """For real: in a process where torch runs one thread, "auto" gives torch's pixels where
-    torch has its vectorized kernel, and Pillow's under ATEN_CPU_CAPABILITY=default."""
+    """For real: in a process where torch runs one thread, and in its DataLoader worker, "auto"
+    gives torch's pixels where torch has its vectorized kernel, and Pillow's under
+    ATEN_CPU_CAPABILITY=default."""
     import os
     import subprocess
 
@@ -501,7 +509,8 @@ def test_auto_resizer_in_a_torch_without_its_fast_kernel_gives_pillows_pixels(tm
             timeout=120,
         )
         assert out.returncode == 0, out.stderr
-        capability, is_torch, is_pil = out.stdout.split()
+        capability, is_torch, is_pil, worker_alike = out.stdout.split()
+        assert worker_alike == "True"  # a worker decides as this process does
         runs[capability] = (is_torch == "True", is_pil == "True")
     assert runs["DEFAULT"] == (False, True)
     native = [c for c in runs if c != "DEFAULT"]
