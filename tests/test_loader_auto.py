@@ -175,6 +175,34 @@ def test_what_it_cannot_measure_is_refused(tmp_path, spec):
     assert (tmp_path / "q" / "a.tar").exists()  # not claimed
 
 
+def test_a_bare_mix_is_measured_and_read_as_given(tmp_path, spec):
+    # (A break attempt: a RandomMix of webds datasets was "not a webds dataset".)
+    half = spec.replace("{0..3}", "{0..1}"), spec.replace("{0..3}", "{2..3}")
+
+    def mixed(kind):
+        parts = [webds.WebDataset(h, shardshuffle=True, seed=3).map(burn) for h in half]
+        return webds.RandomMix(parts, seed=3) if kind == "random" else webds.RoundRobin(parts)
+
+    for kind in ("random", "round"):
+        auto = webds.WebLoader(mixed(kind), batch_size=None, num_workers="auto")
+        assert isinstance(auto.loader.dataset, (webds.RandomMix, webds.RoundRobin))
+        workers = auto.choice.num_workers
+        hand = webds.WebLoader(mixed(kind), batch_size=None, num_workers=workers)
+        assert sorted(map(str, auto)) == sorted(map(str, hand)) != []
+        auto.close()
+        hand.close()
+    # What is mixed is looked into: a claiming source one mix deep is refused, unclaimed.
+    (tmp_path / "q").mkdir()
+    write_tar(tmp_path / "q" / "a.tar", sample_members(3))
+    claiming = webds.DataPipeline(
+        DirectoryShardList(str(tmp_path / "q"), poll=None), webds.tarfile_to_samples()
+    )
+    mix = webds.RandomMix([webds.WebDataset(spec), claiming], seed=0)
+    with pytest.raises(ArgumentError, match="claims \\(or deletes\\) the files"):
+        webds.WebLoader(mix, batch_size=None, num_workers="auto")
+    assert (tmp_path / "q" / "a.tar").exists()
+
+
 def test_only_a_plain_shard_list_caps_the_workers_at_one_per_shard(tmp_path, monkeypatch):
     # (no worker starts: the loaders are only made)
     monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 4)
@@ -347,6 +375,44 @@ def test_a_loaded_state_resumes_threads_and_its_workers_win_over_them(spec, monk
     )
     got = keys(third)
     assert len(before + got) == 48 and sorted(before + got) == sorted(expected)
+
+
+def test_a_state_saved_with_threads_resumes_with_them_where_workers_were_measured(
+    spec, monkeypatch
+):
+    # (A break attempt: it resumed with no workers and no threads, the slowest setting.)
+    def make():
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=8).shuffle(4).map(burn).listed(3)
+        return webds.WebLoader(ds, batch_size=None, num_workers="auto")
+
+    hand = webds.WebDataset(spec, shardshuffle=True, seed=8).shuffle(4).map(burn).listed(3)
+    expected = keys(webds.WebLoader(hand, batch_size=None, num_workers=0))
+    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
+    monkeypatch.setattr(autotune, "THREADS_GAIN", 0.0)
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    first = make()
+    assert (first.choice.num_workers, first.choice.threads) == (0, 2)
+    before, state = stopped_after(first, 4)
+    assert state["config"]["threads"] == 2
+    monkeypatch.undo()  # measured anew: workers
+    second = make()
+    assert second.choice.num_workers > 0
+    second.load_state_dict(state)
+    assert second.loader.num_workers == 0 and second.loader.dataset.threads == 2
+    assert second.choice.threads == 2 and "the loaded state's" in str(second.choice)
+    assert before + keys(second) == expected
+
+
+def test_threads_are_how_fast_not_what_a_state_must_match(spec):
+    def make(threads):
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=9).shuffle(4).map(burn).listed(3)
+        return webds.WebLoader(ds, batch_size=None, num_workers=0, threads=threads)
+
+    expected = keys(make(2))
+    before, state = stopped_after(make(2), 5)
+    other = make(3)
+    other.load_state_dict(state)  # strict: the threads differ, the items do not
+    assert before + keys(other) == expected
 
 
 def test_threads_given_by_hand_are_kept_and_not_measured(spec):

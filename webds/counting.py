@@ -315,13 +315,19 @@ def resume_elsewhere(pipeline: Any, state: Any, strict: bool, plan: Any, granule
     return epoch
 
 
+#: Configuration a state records that changes how fast a pipeline runs, not what it yields: a
+#: WebLoader's threads (the samples, their order and a resume are the same with any number).
+SPEED_ONLY = frozenset({"threads"})
+
+
 def check_state(state: PipelineState, mine: Dict[str, Any], strict: bool) -> None:
     """Raise :class:`~webds.errors.ResumeError` unless ``state`` (from ``state_dict()``) can be
     resumed exactly by a pipeline whose configuration is ``mine``; ``strict=False`` lets
     everything through."""
     problems = state.problems()
     saved = state.config
-    changed = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+    keys = (set(saved) | set(mine)) - SPEED_ONLY
+    changed = sorted(k for k in keys if saved.get(k) != mine.get(k))
     if changed:
         diffs = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in changed)
         hint = f" ({_ELASTIC_HINT})" if "num_workers" in changed else ""

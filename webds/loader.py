@@ -50,6 +50,7 @@ from .stages.autotune import (
     threadable,
     worker_count,
 )
+from .stages.mix import RandomMix, RoundRobin
 from .stages.probe import PipelineStats, Probe, merged
 from .stages.threads import check_threads
 
@@ -91,6 +92,7 @@ class WebLoader(DataPipeline, FluentMixin):
         #: What ``num_workers="auto"`` chose (None: the workers were given).
         self.choice: Optional[LoaderChoice] = None
         given = kwargs  # to make the DataLoader again with a loaded state's workers
+        self._threads_chosen = threads is None  # auto's to choose (not given by hand)
         if kwargs.get("num_workers") == AUTO:
             with generators_kept():
                 self.choice = _auto(args, kwargs, measure_threads=threads is None)
@@ -117,8 +119,9 @@ class WebLoader(DataPipeline, FluentMixin):
 
     def load_state_dict(self, state: Any, strict: bool = True) -> None:
         """:meth:`DataPipeline.load_state_dict`; a loader that chose its workers
-        (``num_workers="auto"``) takes the number the state was saved with, so that it resumes
-        exactly whatever this process measured."""
+        (``num_workers="auto"``) takes the number the state was saved with, and the threads it
+        ran with them (unless ``threads=`` was given), so that it resumes exactly whatever this
+        process measured, at the speed the saving loader chose."""
         if self.choice is not None:
             states = read_states(state)
             first = states[0] if isinstance(states, list) else states
@@ -127,10 +130,14 @@ class WebLoader(DataPipeline, FluentMixin):
                 args, given, batch_buffers = self._made
                 kwargs = _with_workers(given, saved)
                 self.pipeline[0].close()
-                if self.choice.threads:
-                    self.loader.dataset.threads = 0  # the state's workers, without the threads
+                threads = self.loader.dataset.threads
+                if self._threads_chosen:
+                    # A state older than the record of threads: none (the workers' way).
+                    saved_threads = first.config.get("threads")
+                    threads = saved_threads if isinstance(saved_threads, int) else 0
+                    self.loader.dataset.threads = threads
                 self.pipeline[0] = LoaderSource(DataLoader(*args, **kwargs), batch_buffers)
-                self.choice = self.choice.taken(saved)
+                self.choice = self.choice.taken(saved, threads if self._threads_chosen else 0)
                 log.info("webds: WebLoader(num_workers='auto') took %s", self.choice)
         super().load_state_dict(state, strict)
 
@@ -157,6 +164,10 @@ def _auto(args: tuple, kwargs: Dict[str, Any], measure_threads: bool) -> LoaderC
     """What ``num_workers="auto"`` chooses for ``DataLoader(*args, **kwargs)`` (threads only
     if ``measure_threads``: not when they were given)."""
     dataset = args[0] if args else kwargs.get("dataset")
+    if isinstance(dataset, (RandomMix, RoundRobin)):
+        # webds's own mix of datasets (each looked into below): measured as a pipeline's
+        # source, the loader still reads it bare, as given.
+        dataset = DataPipeline(dataset)
     if not isinstance(dataset, DataPipeline):
         raise ArgumentError(
             "WebLoader(num_workers='auto') measures a webds dataset; "
@@ -300,6 +311,9 @@ class LoaderSource(StreamKeeper):
             config["dataset"] = self.dataset._resume_config()
         config["num_workers"] = self.loader.num_workers
         config["batch_size"] = self.loader.batch_size
+        if isinstance(self.dataset, DataPipeline):
+            # How fast, not what: not compared on loading (see SPEED_ONLY), read by auto.
+            config["threads"] = self.dataset.threads
         return config
 
     def planned(self) -> Optional[Tuple[Any, int, int]]:

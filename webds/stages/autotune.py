@@ -92,10 +92,10 @@ class LoaderChoice:
     #: The loader run for real with each contested setting (:func:`settled_by_running`).
     ran: Tuple["Rate", ...] = ()
 
-    def taken(self, num_workers: int) -> "LoaderChoice":
-        """This choice overridden by a loaded state's number of workers (and no threads)."""
+    def taken(self, num_workers: int, threads: int = 0) -> "LoaderChoice":
+        """This choice overridden by a loaded state's number of workers and threads."""
         why = f"the loaded state's ({self.setting} measured: {self.reason})"
-        return replace(self, num_workers=num_workers, reason=why, threads=0)
+        return replace(self, num_workers=num_workers, reason=why, threads=threads)
 
     @property
     def setting(self) -> str:
