@@ -98,6 +98,38 @@ def test_every_sample_by_index_equals_the_streamed_one(tmp_path, case):
         assert ds[-1] == want[-1] and ds[-len(want)] == want[0]
 
 
+@pytest.mark.parametrize("case", range(6))
+def test_large_samples_equal_the_streamed_ones(tmp_path, case):
+    """Samples of fields on both sides of the sizes a reader might treat apart (a header block,
+    a page, 8 KiB, tens of KB), large fields first, last or between small ones, PAX and GNU
+    long-name headers among them."""
+    rng = random.Random(100 + case)
+    fmt = FORMATS[case % 3]
+    sizes = [0, 1, 511, 512, 4096, 7680, 8191, 8192, 8193, 8704, 16391, 30000]
+    urls = []
+    for k in range(2):
+        members = []
+        for j in range(rng.randint(1, 12)):
+            key = f"s{k}-{j:04d}" + ("y" * rng.choice([0, 120 if fmt is not None else 0]))
+            for ext in rng.sample(["txt", "cls", "jpg", "seg.png", "json"], rng.randint(1, 4)):
+                members.append((f"{key}.{ext}", rng.randbytes(rng.choice(sizes))))
+        path = tmp_path / f"shard-{k}.tar"
+        if fmt is None:
+            write_tar(path, members)
+        else:
+            tarfile_shard(path, members, fmt, rng)
+        urls.append(str(path))
+    ds = webds.ShardListDataset(indexed(tmp_path, urls))
+    want = streamed(urls)
+    assert len(ds) == len(want) and any(
+        sum(len(v) for v in w.values() if isinstance(v, bytes)) > 8192 for w in want
+    )
+    order = list(range(len(want)))
+    rng.shuffle(order)
+    for i in order:
+        assert ds[i] == want[i]
+
+
 def test_the_peer_implementations_shards(peer_dir, tmp_path):
     urls = [str(peer_dir / name) for name in ("mpdata.tar", "tendata.tar")]
     ds = webds.ShardListDataset(indexed(tmp_path, urls))
@@ -178,20 +210,21 @@ def test_a_stale_index_names_the_shard(tmp_path):
     assert info.value.url == str(path)
 
 
-def test_a_shard_cut_in_place_while_open_is_an_error_not_a_crash(tmp_path):
+@pytest.mark.parametrize("size", [5000, 20000])
+def test_a_shard_cut_in_place_while_open_is_an_error_not_a_crash(tmp_path, size):
     # Were shards mapped into memory, touching pages a truncation took away would kill the
     # process with SIGBUS. In a subprocess, so that such a crash fails this test alone.
     path = tmp_path / "s.tar"
-    write_tar(path, [(f"k{j:03d}.bin", bytes([j]) * 5000) for j in range(200)])
+    write_tar(path, [(f"k{j:03d}.bin", bytes([j]) * size) for j in range(200)])
     index = indexed(tmp_path, [str(path)])
     code = f"""
 import os, webds
 from webds.errors import ShardReadError
 ds = webds.ShardListDataset({index!r})
-assert ds[0]["bin"] == bytes(5000) and ds[199]["bin"] == bytes([199]) * 5000
+assert ds[0]["bin"] == bytes({size}) and ds[199]["bin"] == bytes([199]) * {size}
 with open({str(path)!r}, "r+b") as f:  # as `cp other.tar s.tar` does to it, in place
     f.truncate(os.path.getsize({str(path)!r}) // 2)
-assert ds[3]["bin"] == bytes([3]) * 5000  # what is left is still read
+assert ds[3]["bin"] == bytes([3]) * {size}  # what is left is still read
 try:
     ds[150]
 except ShardReadError as e:
@@ -607,14 +640,15 @@ def test_open_files_bounds_what_stays_mapped_and_close_lets_go_of_everything(tmp
     assert mapped(urls) == 0
 
 
-def test_a_damaged_header_is_named_at_its_offset_in_the_shard(tmp_path):
+@pytest.mark.parametrize("size", [600, 20000])
+def test_a_damaged_header_is_named_at_its_offset_in_the_shard(tmp_path, size):
     """A header damaged after indexing: the error names the byte offset in the shard (where
     `dd` or a hex editor finds it), not in the sample's range."""
     path = tmp_path / "s.tar"
-    write_tar(path, [(f"k{j}.{ext}", b"x" * 600) for j in range(6) for ext in ("a", "b")])
+    write_tar(path, [(f"k{j}.{ext}", b"x" * size) for j in range(6) for ext in ("a", "b")])
     index = ShardIndex.build([str(path)])
     start = index.shards[0].offsets[3]
-    second = start + 512 + 1024  # sample 3's second member's header
+    second = start + 512 + (size + 511) // 512 * 512  # sample 3's second member's header
     raw = bytearray(path.read_bytes())
     raw[second + 148 : second + 156] = b"0000000\0"  # its checksum, wrong
     path.write_bytes(bytes(raw))
@@ -622,4 +656,4 @@ def test_a_damaged_header_is_named_at_its_offset_in_the_shard(tmp_path):
     with pytest.raises(webds.ShardReadError) as info:
         ds[3]
     assert info.value.offset == second and f"byte offset {second}" in str(info.value)
-    assert ds[2]["a"] == b"x" * 600
+    assert ds[2]["a"] == b"x" * size

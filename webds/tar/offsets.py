@@ -95,7 +95,7 @@ def read_sample_in(
         samples = list(tarfile_samples([shard]))
     except ShardReadError as exn:
         if exn.offset is not None:
-            exn.offset += at - start  # the reader counts from the range's first byte
+            exn.offset += at  # the reader counts from the range's first byte
         raise
     if len(samples) != 1:
         raise ShardReadError(
