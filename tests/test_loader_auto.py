@@ -29,6 +29,18 @@ from webds.stages.autotune import THREADS_GAIN, TRANSFER_SECONDS, WORTH_WORKERS
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")
 
 
+@pytest.fixture(autouse=True)
+def shorter_measurements():
+    """Each measurement reads for 0.2 s, each contested run for 0.4 s (0.5 and 1.0 by default):
+    these tests' stages are 3 ms of CPU or 20 ms of waiting an item, tens of items in that
+    time, and the settings they tell apart are 2x or more apart. (Not with monkeypatch: the
+    tests undo theirs midway.)"""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autotune, "MEASURE_SECONDS", 0.2)
+        patch.setattr(autotune, "RUN_SECONDS", 0.4)
+        yield
+
+
 @pytest.fixture
 def spec(tmp_path):
     return shards(tmp_path, [12] * 4)
@@ -37,6 +49,13 @@ def spec(tmp_path):
 def keys(loader):
     with loader:
         return [k for batch in loader for k in batch]
+
+
+def estimate_stands(monkeypatch):
+    """Workers chosen by the estimate (3 ms of CPU an item: workers) are not run against threads:
+    for tests where workers are where they start from, not what they check; a contest run on a
+    machine whose cores are busy elsewhere may rightly go to the threads."""
+    monkeypatch.setattr(webds.loader, "contested", lambda choice: False)
 
 
 def stopped_after(loader, batches):
@@ -127,6 +146,7 @@ def test_a_loaded_state_keeps_the_workers_it_was_saved_with(spec, monkeypatch):
         ds = webds.WebDataset(spec, shardshuffle=True, seed=4).map(burn).listed(3)
         return webds.WebLoader(ds, batch_size=None, num_workers="auto")
 
+    estimate_stands(monkeypatch)
     whole = make()
     workers = whole.choice.num_workers
     assert workers >= 1
@@ -155,6 +175,7 @@ def test_a_state_saved_without_workers_resumes_without_workers(spec, monkeypatch
     first = make()
     before, state = stopped_after(first, 4)
     monkeypatch.undo()  # measured anew: workers
+    estimate_stands(monkeypatch)
     second = make()
     assert second.choice.num_workers > 0
     second.load_state_dict(state)
@@ -361,6 +382,7 @@ def test_a_loaded_state_resumes_threads_and_its_workers_win_over_them(spec, monk
     assert before + keys(second) == expected
     # A state saved by workers: they win, and the threads go.
     monkeypatch.undo()
+    estimate_stands(monkeypatch)
     workers = make()
     assert workers.choice.num_workers > 0
     before, state = stopped_after(workers, 4)
@@ -395,6 +417,7 @@ def test_a_state_saved_with_threads_resumes_with_them_where_workers_were_measure
     before, state = stopped_after(first, 4)
     assert state["config"]["threads"] == 2
     monkeypatch.undo()  # measured anew: workers
+    estimate_stands(monkeypatch)
     second = make()
     assert second.choice.num_workers > 0
     second.load_state_dict(state)

@@ -344,13 +344,14 @@ def generators_kept() -> Iterator[None]:
 
 
 def measure_dataset(
-    dataset: Any, seconds: float = MEASURE_SECONDS, threads: int = 0, as_worker: bool = False
+    dataset: Any, seconds: Optional[float] = None, threads: int = 0, as_worker: bool = False
 ) -> Measured:
-    """Read a copy of ``dataset`` in this process for about ``seconds`` after its first item,
-    its stages that take ``threads=`` (and were not given it) on ``threads`` threads, and throw
-    it away: the dataset itself is not touched. ``as_worker``: with torch at one intra-op
-    thread meanwhile, as in a DataLoader worker (where the main process's torch threads would
-    spin beside the work, and size a worker's share of it wrong)."""
+    """Read a copy of ``dataset`` in this process for about ``seconds`` (default
+    :data:`MEASURE_SECONDS`) after its first item, its stages that take ``threads=`` (and were
+    not given it) on ``threads`` threads, and throw it away: the dataset itself is not touched.
+    ``as_worker``: with torch at one intra-op thread meanwhile, as in a DataLoader worker (where
+    the main process's torch threads would spin beside the work, and size a worker's share of
+    it wrong)."""
     try:
         copy = deepcopy(dataset)  # (lambdas and local functions too, which pickle refuses)
     except Exception as exn:
@@ -358,6 +359,7 @@ def measure_dataset(
             f"WebLoader(num_workers='auto') measures a copy of the dataset, and it can't be "
             f"copied ({type(exn).__name__}: {exn}): give num_workers yourself"
         ) from exn
+    seconds = MEASURE_SECONDS if seconds is None else seconds
     copy.threads, copy.probe = threads, None
     torch = sys.modules.get("torch") if as_worker else None
     before = torch.get_num_threads() if torch is not None else 1
