@@ -3,10 +3,10 @@ and img2dataset's own writer (vendored with their licences in tests/clients/), e
 webdataset 1.0.2 and once over webds, on whole and damaged shards, with 0 and 2 DataLoader
 workers, over 2 epochs.
 
-The shards: 6 x 50 samples (jpg, txt, json, cls) written by webdataset's TarWriter. Sample ``i``
+The shards: 6 x 20 samples (jpg, txt, json, cls) written by webdataset's TarWriter. Sample ``i``
 has the key ``sample{i:04d}``, that text as its caption and ``i`` as its class, so whatever a
 client yields (images and captions, or images and classes) names its sample. Two damaged copies:
-shard 2 cut inside the jpg of its sample 20 (a killed copy), and shard 4 ending after its last
+shard 2 cut inside the jpg of its sample 10 (a killed copy), and shard 4 ending after its last
 sample without the end-of-archive marker (a killed writer).
 
 What webds must give: where nothing shuffles, the very rows webdataset gives (sample, image
@@ -42,9 +42,11 @@ import webds
 
 wd = pytest.importorskip("webdataset")
 
-N_SHARDS, PER_SHARD = 6, 50
+# (20 a shard, a multiple of the clients' batch of 10, as 50 was: what the cut and the unmarked
+# end leave pending in a batch is the same; fewer samples only make each run shorter)
+N_SHARDS, PER_SHARD = 6, 20
 N = N_SHARDS * PER_SHARD
-CUT = 2 * PER_SHARD + 20  # shard 2 is cut inside this sample's jpg
+CUT = 2 * PER_SHARD + 10  # shard 2 is cut inside this sample's jpg (a multiple of 10)
 OPEN_SHARD = 4  # this shard ends without its end-of-archive marker
 LAST_OF_OPEN = OPEN_SHARD * PER_SHARD + PER_SHARD - 1  # the sample webds withholds from it
 SHAPE = (12, 16, 3)
@@ -288,7 +290,7 @@ def test_open_clip_train_loader(data, variant, workers):
     """get_wds_dataset(is_train=True) as open_clip runs it on the webdataset it pins (see
     :func:`pinned`): detshuffle2 and SharedEpoch, split_by_node/worker, tarfile_to_samples_nothrow,
     shuffle, batched, with_epoch(batches per worker), WebLoader with persistent workers. Per epoch
-    30 batches of 10; over both epochs whole shards give every sample twice with either library;
+    N / 10 batches of 10; over both epochs whole shards give every sample twice with either library;
     damaged ones only valid samples, webds seeing at least as many distinct ones. (With open_clip's
     own grouper the last sample of the shard without its marker is yielded: nothing marks it.)"""
     got = two_epochs_of_training(
@@ -357,7 +359,7 @@ def test_timm_eval_reader(data, variant, workers, monkeypatch):
 @pytest.mark.parametrize("variant", ["whole", "cut", "unterminated"])
 def test_timm_train_reader(data, variant, workers):
     """ReaderWds(is_training=True): detshuffle2 over SharedCount, its own split by node and
-    worker, shuffle, with_epoch(samples per worker) called on every __iter__: 300 samples per
+    worker, shuffle, with_epoch(samples per worker) called on every __iter__: N samples per
     epoch; whole shards give every sample twice over both epochs with either library; damaged
     ones only valid samples, webds seeing at least as many distinct ones (less the one it
     withholds)."""
@@ -405,7 +407,7 @@ def test_clip_benchmark_loader(data, variant, workers, monkeypatch):
         assert ds_epochs == wd_epochs and [len(r) for r in ds_epochs] == [N, N]
     elif variant == "cut":
         # webdataset's tarfile reads ahead and fails before the last whole sample is grouped:
-        # it loses the batch of samples 110-119, which webds yields before it raises.
+        # it loses the batch of samples CUT - 10 to CUT - 1, which webds yields before it raises.
         assert wd_err is not None and raised(ds_err, webds.ShardReadError)
         assert len(ds_epochs) == len(wd_epochs) == 1
         assert ds_epochs[0][: len(wd_epochs[0])] == wd_epochs[0]
@@ -418,7 +420,7 @@ def test_clip_benchmark_loader(data, variant, workers, monkeypatch):
         assert wd_err is None and [len(r) for r in wd_epochs] == [N, N]
         assert raised(ds_err, webds.tar.reader.EndWithoutMarker)
         assert len(ds_epochs) == 1 and ds_epochs[0] == wd_epochs[0][: len(ds_epochs[0])]
-        assert len(ds_epochs[0]) >= 200  # the shards read before shard 4 (whole batches)
+        assert len(ds_epochs[0]) >= 4 * PER_SHARD  # the shards read before shard 4 (whole batches)
         monkeypatch.setenv("WDS_ACCEPT_UNTERMINATED", "1")
         assert run_clip_benchmark(webds, root, workers) == (wd_epochs, None)
 
