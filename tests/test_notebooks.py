@@ -8,9 +8,13 @@ torchvision needs two op schemas declared on CPU-only torch), loaded through a t
 IPYTHONDIR so that the notebooks themselves stay free of it; it runs when a notebook first
 imports torchvision, so that the notebooks which never do start without it.
 
-Each notebook's kernel is started while the notebook before it runs (a kernel takes seconds to
-import what it needs, on a CPU the running notebook often leaves idle), and is killed once its
-notebook has run: every notebook still gets a new kernel that nothing ran in before.
+Each notebook runs in a thread of the test process (nbclient talking to the notebook's kernel),
+started when the test of the notebook before it starts: while one test waits for its notebook,
+the next notebook runs too, two at a time. A notebook alone leaves much of a 2-core machine idle
+(one process importing torch, a training loop in one thread, waits on a server or the disk);
+two at a time keep both cores busy. They share nothing: each has a new kernel that nothing ran
+in before (killed once its notebook has run), its own temporary folder, servers on ports of their
+own; what they print about speed is not checked. Each test still judges its own notebook only.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -104,43 +109,90 @@ def kernel_env(tmp_path_factory):
     return env
 
 
-class Kernels:
-    """A new kernel for each notebook, the next one started when a notebook takes its own."""
+class Run:
+    """One notebook executed in a new kernel, in a thread of its own."""
+
+    def __init__(self, path: Path, env: dict) -> None:
+        self.path, self.env = path, env
+        self.nb = nbformat.read(str(path), as_version=4)
+        self.km = None
+        self.failure = None  # the CellExecutionError, or any other exception of the run
+        self.elapsed = None
+        self.thread = threading.Thread(target=self._run, name=f"notebook {path.stem}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            started = time.monotonic()
+            # The kernel is this interpreter (ipykernel in the same environment), not whatever
+            # "python3" kernel a user registered elsewhere.
+            self.km = _this_python_kernel_manager()(kernel_name="python3")
+            self.km.start_kernel(cwd=str(self.path.parent), env={**os.environ, **self.env})
+            client = nbclient.NotebookClient(
+                self.nb, km=self.km, timeout=CELL_TIMEOUT, kernel_name="python3"
+            )
+            try:
+                client.execute()
+            finally:
+                # The notebook has run (its last cells clean up): no need to wait for a polite
+                # exit.
+                if client.kc is not None:
+                    client.kc.stop_channels()
+                self.km.shutdown_kernel(now=True)
+            self.elapsed = time.monotonic() - started
+        except BaseException as exn:  # judged by the notebook's test, in the main thread
+            self.failure = exn
+
+    def result(self):
+        """The executed notebook, once the run has ended; raises what the run raised."""
+        self.thread.join()
+        if self.failure is not None:
+            raise self.failure
+        return self.nb
+
+    def kill(self) -> None:
+        """End the run now if it is still going (its kernel dies; its thread ends with that)."""
+        if self.thread.is_alive() and self.km is not None:
+            try:
+                self.km.shutdown_kernel(now=True)
+            except Exception:
+                pass
+        self.thread.join(timeout=30)
+
+
+class Runs:
+    """The notebooks' runs, each started when the notebook before it is taken by its test:
+    while a test waits for its notebook, the next notebook runs too (two at a time)."""
 
     def __init__(self, env: dict, order: list) -> None:
         self.env, self.order = env, order
         self.started: dict = {}
 
-    def _start(self, path: Path) -> None:
-        km = _this_python_kernel_manager()(kernel_name="python3")
-        km.start_kernel(cwd=str(path.parent), env={**os.environ, **self.env})
-        self.started[path] = km
-
-    def take(self, path: Path):
-        """``path``'s kernel manager, with its kernel started (maybe still starting)."""
+    def take(self, path: Path) -> Run:
+        """``path``'s run, started if it was not (maybe still running)."""
         if path not in self.started:
-            self._start(path)
-        km = self.started.pop(path)
+            self.started[path] = Run(path, self.env)
+        run = self.started.pop(path)
         later = self.order[self.order.index(path) + 1 :] if path in self.order else []
         if later and later[0] not in self.started:
-            self._start(later[0])
-        return km
+            self.started[later[0]] = Run(later[0], self.env)
+        return run
 
     def close(self) -> None:
         while self.started:
-            _, km = self.started.popitem()
-            km.shutdown_kernel(now=True)
+            _, run = self.started.popitem()
+            run.kill()
 
 
 @pytest.fixture(scope="module")
-def kernels(kernel_env, request):
-    """Kernels for the notebooks this session runs, in the order it runs them."""
+def runs(kernel_env, request):
+    """Runs of the notebooks this session tests, in the order it tests them."""
     order = [
         item.callspec.params["path"]
         for item in request.session.items
         if getattr(item, "originalname", None) == "test_notebook_runs_top_to_bottom"
     ]
-    pool = Kernels(kernel_env, order)
+    pool = Runs(kernel_env, order)
     yield pool
     pool.close()
 
@@ -148,23 +200,14 @@ def kernels(kernel_env, request):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path: Path, kernels):
-    nb = nbformat.read(str(path), as_version=4)
-    # The kernel is this interpreter (ipykernel in the same environment), not whatever
-    # "python3" kernel a user registered elsewhere.
-    km = kernels.take(path)
-    client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT, kernel_name="python3")
-    started = time.monotonic()
+def test_notebook_runs_top_to_bottom(path: Path, runs):
+    run = runs.take(path)
     try:
-        client.execute()
+        nb = run.result()
     except nbclient.exceptions.CellExecutionError as exn:
         pytest.fail(f"{path.name}: a cell failed:\n{exn}", pytrace=False)
     finally:
-        # The notebook has run (its last cells clean up): no need to wait for a polite exit.
-        if client.kc is not None:
-            client.kc.stop_channels()
-        km.shutdown_kernel(now=True)
-    elapsed = time.monotonic() - started
+        run.kill()  # when this test is interrupted (its timeout) before the run has ended
     # execute() raises only for errors it is not told to allow (a cell tagged
     # "raises-exception" gets through): judge the executed notebook itself.
     code = [(i, c) for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()]
@@ -179,7 +222,7 @@ def test_notebook_runs_top_to_bottom(path: Path, kernels):
     ]
     assert not errors, f"{path.name}: cells raised {errors}"
     assert any(c.outputs for _, c in code), f"{path.name}: no cell showed anything"
-    print(f"{path.name}: {elapsed:.1f} s")
+    print(f"{path.name}: {run.elapsed:.1f} s")
 
 
 def _this_python_kernel_manager():
