@@ -499,6 +499,24 @@ def test_http_shards_one_ranged_request_per_sample(http_server):
     assert [bare[i] for i in order] == [want[i] for i in order]
 
 
+def test_a_server_that_ignores_ranges_is_named_with_what_to_do(http_server, tmp_path):
+    # (A break attempt: the whole shard sent for each sample read as "the shard is shorter than
+    # its offsets say ... rebuild the index".)
+    urls = remote_shards(http_server, [9, 4])
+    index = ShardIndex.build(urls)
+    want = streamed(urls)
+    http_server.unsized = True  # no Range, no Content-Length: the whole shard for every GET
+    try:
+        ds = webds.ShardListDataset(index)
+        with pytest.raises(webds.errors.OpenError, match="it ignores range requests") as info:
+            ds[3]
+        assert "cache_dir=" in str(info.value) and urls[0] in str(info.value)
+        cached = webds.ShardListDataset(index, cache_dir=str(tmp_path / "cache"))
+        assert [cached[i] for i in range(len(want))] == want  # the way it names
+    finally:
+        http_server.unsized = False
+
+
 def test_http_shards_through_the_cache(http_server, tmp_path):
     urls = remote_shards(http_server, [9, 4, 12])
     ds = webds.ShardListDataset(ShardIndex.build(urls), cache_dir=str(tmp_path / "cache"))

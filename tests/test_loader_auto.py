@@ -426,6 +426,31 @@ def test_a_state_saved_with_threads_resumes_with_them_where_workers_were_measure
     assert before + keys(second) == expected
 
 
+def test_a_state_saved_without_threads_resumes_without_them_where_threads_were_measured(
+    spec, monkeypatch
+):
+    # (A break attempt: the same workers (none) took the new measurement's threads.)
+    def make():
+        ds = webds.WebDataset(spec, shardshuffle=True, seed=8).shuffle(4).map(burn).listed(3)
+        return webds.WebLoader(ds, batch_size=None, num_workers="auto")
+
+    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(autotune, "THREADS_GAIN", 10.0**9)  # threads never gain: none
+    first = make()
+    assert (first.choice.num_workers, first.choice.threads) == (0, 0)
+    before, state = stopped_after(first, 4)
+    assert state["config"]["threads"] == 0
+    monkeypatch.setattr(autotune, "THREADS_GAIN", 0.0)  # measured anew: threads
+    second = make()
+    assert second.choice.threads == 2
+    second.load_state_dict(state)
+    assert second.loader.dataset.threads == 0 and second.choice.threads == 0
+    assert "the loaded state's" in str(second.choice)
+    hand = webds.WebDataset(spec, shardshuffle=True, seed=8).shuffle(4).map(burn).listed(3)
+    assert before + keys(second) == keys(webds.WebLoader(hand, batch_size=None, num_workers=0))
+
+
 def test_threads_are_how_fast_not_what_a_state_must_match(spec):
     def make(threads):
         ds = webds.WebDataset(spec, shardshuffle=True, seed=9).shuffle(4).map(burn).listed(3)
@@ -521,6 +546,20 @@ def test_a_pipe_command_is_refused_and_never_run(tmp_path):
     loader = webds.WebLoader(webds.WebDataset(spec), batch_size=None, num_workers=0)
     assert len(list(loader)) == 10
     assert runs.read_text().count("run") == 2  # once per shard per epoch
+
+
+def test_a_url_gopen_rewrite_makes_a_command_is_refused_and_not_run(tmp_path, monkeypatch):
+    # (A break attempt: the rewritten URL ran twice, once for the measurement.)
+    write_tar(tmp_path / "0.tar", sample_members(5))
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("GOPEN_REWRITE", f"/data/=pipe:echo run >> {runs} && cat {tmp_path}/")
+    refused(
+        webds.WebDataset("/data/0.tar"),
+        "is a command, which would run once more \\(GOPEN_REWRITE rewrote '/data/0.tar'",
+    )
+    assert not runs.exists()
+    loader = webds.WebLoader(webds.WebDataset("/data/0.tar"), batch_size=None, num_workers=0)
+    assert len(list(loader)) == 5 and runs.read_text().count("run") == 1
 
 
 @pytest.mark.parametrize("depth", [0, 1, 2])
@@ -666,10 +705,15 @@ def test_stages_drawing_from_the_global_generators_give_what_the_hand_given_sett
 
 
 def test_options_for_workers_only_are_dropped_where_auto_chose_none(spec):
-    """prefetch_factor and multiprocessing_context are valid with num_workers="auto" whatever
-    it chooses (DataLoader refuses them without workers)."""
+    """prefetch_factor, multiprocessing_context and timeout are valid with num_workers="auto"
+    whatever it chooses (DataLoader refuses them without workers)."""
     ds = webds.WebDataset(spec, shardshuffle=False).map(lambda s: s["__key__"]).listed(3)
     loader = webds.WebLoader(
-        ds, batch_size=None, num_workers="auto", prefetch_factor=4, multiprocessing_context="spawn"
+        ds,
+        batch_size=None,
+        num_workers="auto",
+        prefetch_factor=4,
+        multiprocessing_context="spawn",
+        timeout=60,
     )
     assert loader.choice.num_workers == 0 and len(keys(loader)) == 48

@@ -126,17 +126,23 @@ class WebLoader(DataPipeline, FluentMixin):
             states = read_states(state)
             first = states[0] if isinstance(states, list) else states
             saved = first.config.get("num_workers")
-            if isinstance(saved, int) and saved != self.loader.num_workers:
-                args, given, batch_buffers = self._made
-                kwargs = _with_workers(given, saved)
-                self.pipeline[0].close()
-                threads = self.loader.dataset.threads
-                if self._threads_chosen:
-                    # A state older than the record of threads: none (the workers' way).
-                    saved_threads = first.config.get("threads")
-                    threads = saved_threads if isinstance(saved_threads, int) else 0
+            pipeline = isinstance(self.loader.dataset, DataPipeline)  # (a bare mix has none)
+            now = threads = self.loader.dataset.threads if pipeline else 0
+            if self._threads_chosen and pipeline and isinstance(saved, int):
+                # A state older than the record of threads: none with workers, else as chosen.
+                recorded = first.config.get("threads")
+                if isinstance(recorded, int):
+                    threads = recorded
+                elif saved != self.loader.num_workers:
+                    threads = 0
+            if isinstance(saved, int) and (saved != self.loader.num_workers or threads != now):
+                if saved != self.loader.num_workers:
+                    args, given, batch_buffers = self._made
+                    self.pipeline[0].close()
+                    loader = DataLoader(*args, **_with_workers(given, saved))
+                    self.pipeline[0] = LoaderSource(loader, batch_buffers)
+                if pipeline:
                     self.loader.dataset.threads = threads
-                self.pipeline[0] = LoaderSource(DataLoader(*args, **kwargs), batch_buffers)
                 self.choice = self.choice.taken(saved, threads if self._threads_chosen else 0)
                 log.info("webds: WebLoader(num_workers='auto') took %s", self.choice)
         super().load_state_dict(state, strict)
@@ -218,6 +224,8 @@ def _with_workers(kwargs: Dict[str, Any], n: int) -> Dict[str, Any]:
     else:
         for name in ("persistent_workers", "prefetch_factor", "multiprocessing_context"):
             kwargs.pop(name, None)
+        if kwargs.get("timeout"):
+            kwargs["timeout"] = 0  # a worker's batch it waits for: DataLoader refuses it without
     return kwargs
 
 

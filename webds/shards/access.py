@@ -129,6 +129,14 @@ class ShardListDataset:
             sample = shard.sample(start, end, self.urls[k], self.local_paths[k])
         else:
             data = read_range(self.urls[k], start, end, self.storage_options)
+            if len(data) > end - start:
+                raise OpenError(
+                    f"asked for bytes {start}-{end - 1} of the shard, the server sent "
+                    f"{len(data):,} bytes: it ignores range requests. Give "
+                    "ShardListDataset(..., cache_dir=DIR) to download each shard once and read "
+                    "it locally, or serve the shards from a server that takes ranges",
+                    url=self.urls[k],
+                )
             if len(data) != end - start:
                 raise _shorter(self.urls[k], start, end)
             sample = read_sample(data, self.urls[k], self.local_paths[k], start)

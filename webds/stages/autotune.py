@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Tuple
 
 from ..base.stage import Stage
 from ..errors import ArgumentError
-from ..io.urls import local_path, registered_opener
+from ..io.urls import local_path, registered_opener, rewrite_url
 from ..shards.datasets import ResampledShards, SimpleShardList
 from ..shards.plan import PlannedShards
 from ..shards.specs import MultiShardSample
@@ -296,6 +296,14 @@ def _url_effect(url: Any) -> Optional[str]:
         url = os.fspath(url)
     if not isinstance(url, str):
         return f"the source yields {type(url).__name__} items, not shard URLs"
+    opened = rewrite_url(url)  # what is opened: GOPEN_REWRITE's rules applied, once
+    effect = _opened_effect(opened)
+    if effect is not None and opened != url:
+        effect += f" (GOPEN_REWRITE rewrote {url!r} to it)"
+    return effect
+
+
+def _opened_effect(url: str) -> Optional[str]:
     if url == "-":
         return "its shard '-' is standard input, which the first read uses up"
     if url.startswith("pipe:"):
