@@ -58,6 +58,19 @@ def estimate_stands(monkeypatch):
     monkeypatch.setattr(webds.loader, "contested", lambda choice: False)
 
 
+def choose_threads(monkeypatch):
+    """No workers, and threads whatever the measurement (a gain of 0 over one thread), on 2
+    CPUs."""
+    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
+    monkeypatch.setattr(autotune, "THREADS_GAIN", 0.0)
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+
+
+def burning(spec, seed):
+    """A shuffled pipeline of :func:`burn` items in lists of 3, seeded."""
+    return webds.WebDataset(spec, shardshuffle=True, seed=seed).shuffle(4).map(burn).listed(3)
+
+
 def stopped_after(loader, batches):
     """The keys of the first ``batches`` items, and the state saved there (through JSON)."""
     it = iter(loader)
@@ -364,15 +377,10 @@ def test_waiting_stages_run_in_threads_and_give_what_no_threads_give(spec, caplo
 
 def test_a_loaded_state_resumes_threads_and_its_workers_win_over_them(spec, monkeypatch):
     def make(**kw):
-        ds = webds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(4).map(burn).listed(3)
-        return webds.WebLoader(ds, batch_size=None, num_workers="auto", **kw)
+        return webds.WebLoader(burning(spec, 7), batch_size=None, num_workers="auto", **kw)
 
-    hand = webds.WebDataset(spec, shardshuffle=True, seed=7).shuffle(4).map(burn).listed(3)
-    expected = keys(webds.WebLoader(hand, batch_size=None, num_workers=0))
-    # Threads whatever the measurement (a gain of 0 over no workers).
-    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
-    monkeypatch.setattr(autotune, "THREADS_GAIN", 0.0)
-    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    expected = keys(webds.WebLoader(burning(spec, 7), batch_size=None, num_workers=0))
+    choose_threads(monkeypatch)
     first = make()
     assert first.choice.threads == 2 and first.loader.dataset.threads == 2
     before, state = stopped_after(first, 4)
@@ -404,14 +412,10 @@ def test_a_state_saved_with_threads_resumes_with_them_where_workers_were_measure
 ):
     # (A break attempt: it resumed with no workers and no threads, the slowest setting.)
     def make():
-        ds = webds.WebDataset(spec, shardshuffle=True, seed=8).shuffle(4).map(burn).listed(3)
-        return webds.WebLoader(ds, batch_size=None, num_workers="auto")
+        return webds.WebLoader(burning(spec, 8), batch_size=None, num_workers="auto")
 
-    hand = webds.WebDataset(spec, shardshuffle=True, seed=8).shuffle(4).map(burn).listed(3)
-    expected = keys(webds.WebLoader(hand, batch_size=None, num_workers=0))
-    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
-    monkeypatch.setattr(autotune, "THREADS_GAIN", 0.0)
-    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    expected = keys(webds.WebLoader(burning(spec, 8), batch_size=None, num_workers=0))
+    choose_threads(monkeypatch)
     first = make()
     assert (first.choice.num_workers, first.choice.threads) == (0, 2)
     before, state = stopped_after(first, 4)
@@ -431,11 +435,9 @@ def test_a_state_saved_without_threads_resumes_without_them_where_threads_were_m
 ):
     # (A break attempt: the same workers (none) took the new measurement's threads.)
     def make():
-        ds = webds.WebDataset(spec, shardshuffle=True, seed=8).shuffle(4).map(burn).listed(3)
-        return webds.WebLoader(ds, batch_size=None, num_workers="auto")
+        return webds.WebLoader(burning(spec, 8), batch_size=None, num_workers="auto")
 
-    monkeypatch.setattr(autotune, "WORTH_WORKERS", 10**9)
-    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    choose_threads(monkeypatch)
     monkeypatch.setattr(autotune, "THREADS_GAIN", 10.0**9)  # threads never gain: none
     first = make()
     assert (first.choice.num_workers, first.choice.threads) == (0, 0)
@@ -447,14 +449,13 @@ def test_a_state_saved_without_threads_resumes_without_them_where_threads_were_m
     second.load_state_dict(state)
     assert second.loader.dataset.threads == 0 and second.choice.threads == 0
     assert "the loaded state's" in str(second.choice)
-    hand = webds.WebDataset(spec, shardshuffle=True, seed=8).shuffle(4).map(burn).listed(3)
-    assert before + keys(second) == keys(webds.WebLoader(hand, batch_size=None, num_workers=0))
+    hand = webds.WebLoader(burning(spec, 8), batch_size=None, num_workers=0)
+    assert before + keys(second) == keys(hand)
 
 
 def test_threads_are_how_fast_not_what_a_state_must_match(spec):
     def make(threads):
-        ds = webds.WebDataset(spec, shardshuffle=True, seed=9).shuffle(4).map(burn).listed(3)
-        return webds.WebLoader(ds, batch_size=None, num_workers=0, threads=threads)
+        return webds.WebLoader(burning(spec, 9), batch_size=None, num_workers=0, threads=threads)
 
     expected = keys(make(2))
     before, state = stopped_after(make(2), 5)
