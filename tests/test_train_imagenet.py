@@ -5,7 +5,13 @@ validation tar of 25 JPEGs with a LOC_val_solution.csv (32x32 images made from t
 Fashion-MNIST images), converted to shards (shuffled, with shard indexes and classes.json) by
 webds.convert_imagenet, the function behind `webds imagenet`.
 The example runs in real subprocesses (and under real torchrun, gloo on the CPU) through
-tests/run_example.py, which makes this machine's CPU-only torchvision importable.
+tests/run_example.py, which makes this machine's CPU-only torchvision importable. The
+uninterrupted run is a new interpreter; the resume runs and torchrun's launcher are processes
+forked by tests/rank_forker.py from one that has imported torch, torchvision and webds once
+(each new interpreter spent some 5 s of CPU on those imports); torchrun's ranks are its own new
+interpreters. Every run is one torch thread (OMP_NUM_THREADS=1, as torchrun sets for its ranks):
+beside the DataLoader worker on 2 cores, two threads spun on each other's cores (ResNet-18's
+epoch took 3 s of CPU with one, 20 s with two, on this 2-core machine under load).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rank_forker import Forker
 
 import webds
 
@@ -72,10 +79,11 @@ def tar_bytes(members: list) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def imagenet(tmp_path_factory) -> Path:
+def imagenet(tmp_path_factory, forker) -> Path:
     """A miniature ImageNet as it is downloaded (a tar of class tars, a flat validation tar and
     Kaggle's LOC_val_solution.csv), converted with `webds imagenet`'s function into
-    root/train/train-00000{0..3}.tar (+ train.index.json, classes.json) and root/val/..."""
+    root/train/train-00000{0..3}.tar (+ train.index.json, classes.json) and root/val/...
+    (``forker``: started first, it makes its imports meanwhile)."""
     root = tmp_path_factory.mktemp("mini-imagenet")
     images = read_idx(FASHION / "t10k-images-idx3-ubyte.gz")
     labels = read_idx(FASHION / "t10k-labels-idx1-ubyte.gz")
@@ -110,24 +118,59 @@ def imagenet(tmp_path_factory) -> Path:
     return root
 
 
-def run_example(args: list, torchrun: bool = False) -> subprocess.CompletedProcess:
+def example_env() -> dict:
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WDS_SEED")
     }
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    launch = [sys.executable]
-    if torchrun:
-        launch += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*launch, str(RUNNER), str(EXAMPLE), *map(str, args)],
-        env=env,
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def forker(tmp_path_factory):
+    """One process (rank_forker.py) that imports torch, torchvision (run_example's way), torch's
+    launcher and webds while the data is made, then forks each resume run and torchrun's
+    launcher: each is a process of its own, without the imports' 5 s of CPU. Yields (it, a
+    folder for the runs' output)."""
+    forker = Forker(
+        example_env(),
+        ["run_example", "torchvision_cpu:import_torchvision", "torch.distributed.run"],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
+    forker.start()
+    yield forker, tmp_path_factory.mktemp("runs")
+    forker.close()
+
+
+def run_example(args: list, forker=None, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """The example with ``args``: in a new interpreter (``forker`` None), or forked by
+    ``forker`` (the fixture's) with its imports made (under torchrun: its launcher forked, the
+    ranks new interpreters started by it)."""
+    argv = [str(EXAMPLE), *map(str, args)]
+    if forker is None:
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), *argv],
+            env=example_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    else:
+        forker, folder = forker
+        job = "run_example"
+        if torchrun:
+            job = "torch.distributed.run"
+            argv = ["--standalone", "--nproc_per_node", "2", str(RUNNER), *argv]
+        run = len(list(folder.glob("*.out")))
+        out, err = folder / f"run{run}.out", folder / f"run{run}.err"
+        status = forker.run(job, [argv], [str(out)], timeout=300, errs=[str(err)])
+        if status is None:
+            pytest.fail(f"the example hung\n{out.read_text()}\n{err.read_text()[-12000:]}")
+        proc = subprocess.CompletedProcess(argv, status[0], out.read_text(), err.read_text())
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-12000:]}"
     return proc
 
@@ -187,7 +230,7 @@ def test_one_epoch_on_cpu_prints_train_loss_and_val_accuracy(full_run):
     assert state["model"]["fc.weight"].shape == (5, 512)
 
 
-def test_resume_mid_epoch_runs_exactly_the_remaining_batches(imagenet, full_run, tmp_path):
+def test_resume_mid_epoch_runs_exactly_the_remaining_batches(imagenet, full_run, forker, tmp_path):
     import torch
 
     _, full, _ = full_run
@@ -204,7 +247,8 @@ def test_resume_mid_epoch_runs_exactly_the_remaining_batches(imagenet, full_run,
             checkpoint,
             "--log-json",
             tmp_path / "head.json",
-        ]
+        ],
+        forker,
     )
     head = json.loads((tmp_path / "head.json").read_text())
     assert head["stopped"] == {"epoch": 0, "step": k}
@@ -220,7 +264,8 @@ def test_resume_mid_epoch_runs_exactly_the_remaining_batches(imagenet, full_run,
             checkpoint,
             "--log-json",
             tmp_path / "rest.json",
-        ]
+        ],
+        forker,
     )
     assert f"resumed from {checkpoint}: epoch 0, batch {k}, step {k}" in proc.stdout
     rest = json.loads((tmp_path / "rest.json").read_text())
@@ -235,7 +280,7 @@ def test_resume_mid_epoch_runs_exactly_the_remaining_batches(imagenet, full_run,
     assert rest["epochs"][0]["val"]["samples"] == 25
 
 
-def test_torchrun_two_ranks_read_equal_batches_and_count_val_once(imagenet, tmp_path):
+def test_torchrun_two_ranks_read_equal_batches_and_count_val_once(imagenet, forker, tmp_path):
     # Folders: each index is found in them (the only *.index.json); classes.json beside.
     proc = run_example(
         [
@@ -248,6 +293,7 @@ def test_torchrun_two_ranks_read_equal_batches_and_count_val_once(imagenet, tmp_
             "--log-json",
             tmp_path / "rank{rank}.json",
         ],
+        forker,
         torchrun=True,
     )
     logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
