@@ -71,11 +71,61 @@ def shard(path: Path, rng: random.Random, k: int) -> str:
         if rng.random() < 0.02:
             members.append((f"s{k}-README", b"no extension"))
     out = path / f"shard-{k}.tar"
-    if rng.random() < 0.3:
-        tarfile_shard(out, members, tarfile.PAX_FORMAT, rng)  # as webdataset writes them
-    else:
-        write_tar(out, members)
+    if rng.random() < 0.3:  # as webdataset writes them: tarfile_shard(out, members, PAX, rng)
+        out.write_bytes(tarfile_bytes(members, [1795639586 + rng.random() for _ in members]))
+    else:  # write_tar(out, members)
+        out.write_bytes(tarfile_bytes(members))
     return str(out)
+
+
+def _header(name: bytes, size: int, mtime: int, mode: int, kind: bytes) -> bytes:
+    """The ustar header Python's tarfile writes for a member (or a pax header: kind b"x")."""
+    head = b"".join([name.ljust(100, b"\0"), b"%07o\0" % mode, b"0000000\0" * 2,
+                     b"%011o\0" % size, b"%011o\0" % mtime, b" " * 8, kind, bytes(100),
+                     b"ustar\x0000", bytes(32 + 32 + 8 + 8 + 155 + 12)])  # fmt: skip
+    return head[:148] + b"%06o\0" % sum(head) + head[155:]
+
+
+def tarfile_bytes(members: List[Tuple[str, bytes]], pax_mtimes: Any = None) -> bytes:
+    """The bytes write_tar(path, members) writes (tarfile, ustar, mtime 1_600_000_000), or with
+    ``pax_mtimes``, tarfile_shard(path, members, PAX_FORMAT, rng) with those float mtimes (a pax
+    header before each member), five times faster than tarfile builds them (checked equal below:
+    the shards are tarfile's, byte for byte). Names of at most 100 ASCII bytes."""
+    out = []
+    for i, (name, data) in enumerate(members):
+        mtime = 1_600_000_000
+        if pax_mtimes is not None:
+            value = str(pax_mtimes[i]).encode()
+            n, p = 0, -1  # "NN mtime=" + value + "\n", NN its length (its own digits too)
+            while n != p:
+                n, p = len(value) + 8 + len(str(n)), n
+            record = b"%d mtime=%s\n" % (n, value)
+            assert len(record) == n
+            out += [_header(b"././@PaxHeader", n, 0, 0, b"x"), record, bytes(-n % 512)]
+            mtime = round(pax_mtimes[i])
+        raw = name.encode("ascii")
+        assert len(raw) <= 100
+        out += [_header(raw, len(data), mtime, 0o644, b"0"), data, bytes(-len(data) % 512)]
+    body = b"".join(out) + bytes(1024)
+    return body + bytes(-len(body) % tarfile.RECORDSIZE)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tarfile_bytes_are_tarfiles(tmp_path_factory: Any) -> None:
+    """tarfile_bytes writes what tarfile writes (sizes at the block edges, the names shard()
+    gives, the longest), or no test of this module runs."""
+    folder = tmp_path_factory.mktemp("writers")
+    rng = random.Random(3)
+    for size in (0, 1, 511, 512, 513, 40_000):
+        names = ["a.bin", "__meta__", "s1-README", "s0-0001.SEG.PNG", "x" * 96 + ".cls"]
+        members = [(n, rng.randbytes(size)) for n in names]
+        write_tar(folder / "w.tar", members)
+        assert tarfile_bytes(members) == (folder / "w.tar").read_bytes()
+        state = rng.getstate()
+        tarfile_shard(folder / "p.tar", members, tarfile.PAX_FORMAT, rng)
+        rng.setstate(state)
+        mtimes = [1795639586 + rng.random() for _ in members]
+        assert tarfile_bytes(members, mtimes) == (folder / "p.tar").read_bytes()
 
 
 def plain(x: Any) -> Any:
