@@ -6,11 +6,12 @@ enough that every shard crosses many of them."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import random
 import tarfile
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Set, Tuple
 
 import pytest
 from conftest import write_tar
@@ -358,8 +359,18 @@ def test_every_header_field_byte_changed_reads_alike(tmp_path, buffers, summed, 
             damaged[at + offset] = value
             if summed and not 148 <= offset < 156:
                 damaged[at : at + 512] = _resummed(damaged[at : at + 512])
+            seen = (buffers, hashlib.sha256(damaged).digest())
+            if seen in _READ_ALIKE:
+                continue  # this very shard, through these buffers, already read alike
             members_, bulked = both(bytes(damaged), 1 << 20)
             assert bulked == members_, (offset, value)
+            _READ_ALIKE.add(seen)
+
+
+#: (buffers, SHA-256 of a damaged shard) that the test above has read alike: a byte set to the
+#: value it had, and the checksum's own bytes (not remade with the sum right), give shards it
+#: has read already (15% of them), which are not read again.
+_READ_ALIKE: Set[Tuple[int, bytes]] = set()
 
 
 @pytest.mark.parametrize("writer", ["ustar", "pax-member"])
