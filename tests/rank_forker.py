@@ -202,6 +202,8 @@ def end_as_forked_workers_end() -> None:
     (``os._exit`` after the same ``_bootstrap``), not by tearing the interpreter down: that
     spent some 0.5 s of CPU per worker on torch's modules (12 workers a run in test_ddp.py's
     spawn case, one after another with the ranks waiting on each to end)."""
+    if os.environ.get("RANK_FORKER_TEARDOWN") == "1":  # to compare: tear down as before
+        return
     from multiprocessing import process
 
     bootstrap = process.BaseProcess._bootstrap
@@ -212,7 +214,7 @@ def end_as_forked_workers_end() -> None:
     process.BaseProcess._bootstrap = _bootstrap  # type: ignore[method-assign]
 
 
-if __name__ == "__mp_main__" and os.environ.get("RANK_FORKER_TEARDOWN") != "1":
+if __name__ == "__mp_main__":
     end_as_forked_workers_end()
 
 if __name__ == "__main__":
