@@ -9,8 +9,8 @@ IPYTHONDIR so that the notebooks themselves stay free of it; it runs when a note
 imports torchvision, so that the notebooks which never do start without it.
 
 Each notebook runs in a thread of the test process (nbclient talking to the notebook's kernel),
-started when the test of the notebook before it starts: while one test waits for its notebook,
-the next notebook runs too, two at a time. A notebook alone leaves much of a 2-core machine idle
+two notebooks at a time, in the order of their tests: the next one starts as soon as one ends,
+and each test waits for its own notebook. A notebook alone leaves much of a 2-core machine idle
 (one process importing torch, a training loop in one thread, waits on a server or the disk);
 two at a time keep both cores busy. They share nothing: each has a new kernel that nothing ran
 in before (killed once its notebook has run), its own temporary folder, servers on ports of their
@@ -109,11 +109,16 @@ def kernel_env(tmp_path_factory):
     return env
 
 
-class Run:
-    """One notebook executed in a new kernel, in a thread of its own."""
+#: Notebooks running at once: two keep both cores of a 2-core machine busy (see the module doc).
+AT_ONCE = 2
 
-    def __init__(self, path: Path, env: dict) -> None:
-        self.path, self.env = path, env
+
+class Run:
+    """One notebook executed in a new kernel, in a thread of its own; ``on_end()`` is called
+    (in that thread) when the run has ended, however it ended."""
+
+    def __init__(self, path: Path, env: dict, on_end=None) -> None:
+        self.path, self.env, self.on_end = path, env, on_end
         self.nb = nbformat.read(str(path), as_version=4)
         self.km = None
         self.failure = None  # the CellExecutionError, or any other exception of the run
@@ -142,6 +147,9 @@ class Run:
             self.elapsed = time.monotonic() - started
         except BaseException as exn:  # judged by the notebook's test, in the main thread
             self.failure = exn
+        finally:
+            if self.on_end is not None:
+                self.on_end()
 
     def result(self):
         """The executed notebook, once the run has ended; raises what the run raised."""
@@ -161,26 +169,48 @@ class Run:
 
 
 class Runs:
-    """The notebooks' runs, each started when the notebook before it is taken by its test:
-    while a test waits for its notebook, the next notebook runs too (two at a time)."""
+    """The runs of the notebooks this session tests, in the order of their tests, ``AT_ONCE`` at
+    a time: the next one starts as soon as one ends. A test waits for its own notebook only."""
 
     def __init__(self, env: dict, order: list) -> None:
-        self.env, self.order = env, order
-        self.started: dict = {}
+        self.env = env
+        self.waiting = list(order)
+        self.runs: dict = {}
+        self.running = 0
+        self.closed = False
+        self.lock = threading.Lock()
+        with self.lock:
+            self._fill()
+
+    def _start(self, path: Path) -> None:  # with the lock held
+        if path in self.waiting:
+            self.waiting.remove(path)
+        self.running += 1
+        self.runs[path] = Run(path, self.env, on_end=self._ended)
+
+    def _fill(self) -> None:  # with the lock held
+        while not self.closed and self.waiting and self.running < AT_ONCE:
+            self._start(self.waiting[0])
+
+    def _ended(self) -> None:
+        with self.lock:
+            self.running -= 1
+            self._fill()
 
     def take(self, path: Path) -> Run:
-        """``path``'s run, started if it was not (maybe still running)."""
-        if path not in self.started:
-            self.started[path] = Run(path, self.env)
-        run = self.started.pop(path)
-        later = self.order[self.order.index(path) + 1 :] if path in self.order else []
-        if later and later[0] not in self.started:
-            self.started[later[0]] = Run(later[0], self.env)
-        return run
+        """``path``'s run, started now if it was not (maybe still running); its test ends it."""
+        with self.lock:
+            if path not in self.runs:
+                self._start(path)
+            return self.runs.pop(path)
 
     def close(self) -> None:
-        while self.started:
-            _, run = self.started.popitem()
+        with self.lock:
+            self.closed = True
+            self.waiting.clear()
+            left = list(self.runs.values())
+            self.runs.clear()
+        for run in left:
             run.kill()
 
 
