@@ -517,6 +517,28 @@ def test_a_server_that_ignores_ranges_is_named_with_what_to_do(http_server, tmp_
         http_server.unsized = False
 
 
+def test_gopen_rewrite_applies_to_the_index_and_every_shard(http_server, tmp_path, monkeypatch):
+    # (A break attempt: the index's own URL was checked for existence before any rewrite, and
+    # local shards were opened, and remote ones requested, as written.)
+    urls = remote_shards(http_server, [6, 3])
+    (tmp_path / "data").mkdir()
+    local = tmp_path / "data" / "l0.tar"
+    write_tar(local, [(f"l{j}.cls", str(j).encode()) for j in range(4)])
+    virtual = [
+        str(tmp_path / "v" / "l0.tar"),
+        *(u.replace(http_server.endpoint, "/web") for u in urls),
+    ]
+    rules = f"{tmp_path}/v/={tmp_path}/data/;/web/={http_server.endpoint}/"
+    monkeypatch.setenv("GOPEN_REWRITE", rules)
+    index = ShardIndex.build(virtual)
+    index.save(str(tmp_path / "data" / "i.index.json"))
+    want = streamed(virtual)
+    assert len(want) == 13 and want[0]["__url__"] == virtual[0]
+    ds = webds.ShardListDataset(str(tmp_path / "v" / "i.index.json"))
+    assert [ds[i] for i in range(len(want))] == want
+    assert len(list(webds.WebDataset(str(tmp_path / "v" / "i.index.json")))) == 13
+
+
 def test_http_shards_through_the_cache(http_server, tmp_path):
     urls = remote_shards(http_server, [9, 4, 12])
     ds = webds.ShardListDataset(ShardIndex.build(urls), cache_dir=str(tmp_path / "cache"))

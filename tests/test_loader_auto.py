@@ -644,6 +644,19 @@ def wait_and_send_16_mib(sample):
     return torch.zeros(4 << 20)
 
 
+def test_a_timeout_of_yours_does_not_bound_the_contest(tmp_path, monkeypatch):
+    # (A break attempt: forkserver workers slower to start than timeout=1 failed the
+    # constructor.) A timeout no worker can meet: the contest still runs and chooses.
+    monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(autotune, "RUN_SECONDS", 0.3)
+    spec = shards(tmp_path, [60] * 4)
+    held = webds.WebDataset(spec, shardshuffle=False).map(wait_holding_the_gil)
+    loader = webds.WebLoader(held, batch_size=None, num_workers="auto", timeout=1e-6)
+    assert [r.setting for r in loader.choice.ran] == ["num_workers=2", "threads=2"]
+    assert loader.loader.timeout == 1e-6 or loader.choice.num_workers == 0
+    loader.close()
+
+
 def test_the_contest_is_settled_by_running_both(tmp_path, monkeypatch):
     # Waiting, not computing: the outcome holds whatever else the machine's cores are doing.
     monkeypatch.setattr(webds.loader, "usable_cpus", lambda: 2)

@@ -203,7 +203,9 @@ def _auto(args: tuple, kwargs: Dict[str, Any], measure_threads: bool) -> LoaderC
     if contested(choice):
         # The workers' speed above is an estimate, the threads' a measurement: run both.
         def run(workers: int, threads: Optional[int]) -> "WebLoader":
-            kw = _with_workers({**kwargs, "persistent_workers": False}, workers)
+            # No timeout= of yours: measure_loader bounds the run, and a worker slower to start
+            # than your timeout loses the contest instead of failing the constructor.
+            kw = _with_workers({**kwargs, "persistent_workers": False, "timeout": 0}, workers)
             kw.pop("dataset", None)
             return WebLoader(copy.deepcopy(dataset), *args[1:], threads=threads, **kw)
 

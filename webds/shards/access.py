@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 from ..errors import ArgumentError, NotFoundError, OpenError, ShardReadError
 from ..io.cache import ShardCache
 from ..io.remote import read_range
-from ..io.urls import check_secure, local_path, open_url
+from ..io.urls import check_secure, local_path, open_url, rewrite_url
 from ..tar.cached import complete_tar
 from ..tar.offsets import read_sample, sample_offsets
 from ..tar.windows import stale_index
@@ -75,10 +75,13 @@ class ShardListDataset:
         self.urls = self.index.urls
         for url in self.urls:
             check_secure(url)  # local shards are opened here directly, not by open_url
+        # What each shard's URL opens: GOPEN_REWRITE's rules applied, as open_url applies them.
+        self._opened = [rewrite_url(url) for url in self.urls]
         #: Each shard's local path; None for a remote shard not (yet) in the cache.
-        self.paths: List[Optional[str]] = [local_path(url) for url in self.urls]
-        #: Each shard's ``__local_path__`` (local shards only; paths also gets cached copies).
-        self.local_paths = list(self.paths)
+        self.paths: List[Optional[str]] = [local_path(url) for url in self._opened]
+        #: Each shard's ``__local_path__`` as the stream gives it (local shards only, the URL
+        #: as given; paths also gets cached copies).
+        self.local_paths = [local_path(url) for url in self.urls]
         self.cache: Optional[ShardCache] = None
         if cache_dir is not None and cache_size != 0:
             self.cache = ShardCache(os.fspath(cache_dir), cache_size, check=complete_tar)
@@ -128,7 +131,7 @@ class ShardListDataset:
                     pass  # dropped by another thread meanwhile: this read still holds it
             sample = shard.sample(start, end, self.urls[k], self.local_paths[k])
         else:
-            data = read_range(self.urls[k], start, end, self.storage_options)
+            data = read_range(self._opened[k], start, end, self.storage_options)
             if len(data) > end - start:
                 raise OpenError(
                     f"asked for bytes {start}-{end - 1} of the shard, the server sent "

@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 from ..base.redact import redact
 from ..errors import ArgumentError, OpenError, SecureModeError, ShardReadError, WebdsError
 from ..io.streams import discard_stream, read_document
-from ..io.urls import check_secure, local_path, open_url, url_scheme
+from ..io.urls import check_secure, local_path, open_url, rewrite_url, url_scheme
 from ..tar.compression import compression_of
 from ..tar.samples import tarfile_samples
 from .shardlists import expand_urls
@@ -146,7 +146,7 @@ class ShardIndex:
         url = os.fspath(url)
         hint = _CREATE_HINT.format(name=posixpath.basename(url) or "index.json")
         check_secure(url)  # before a local path's existence is told
-        path = local_path(url)
+        path = local_path(rewrite_url(url))  # the file open_url opens (GOPEN_REWRITE)
         if path is not None and not os.path.exists(path):
             raise OpenError(f"no shard index at {path!r}; {hint}")
         try:
