@@ -78,10 +78,9 @@ def read_sample(data: bytes, url: str, local: Optional[str] = None, at: int = 0)
 def read_sample_in(
     buf: Any, start: int, end: int, url: str, local: Optional[str] = None, at: int = 0
 ) -> Dict[str, Any]:
-    """:func:`read_sample` of the bytes ``buf[start:end]``, where ``buf`` slices to bytes (a
-    ``bytes``, or a shard file's ``mmap``): each field is cut out of ``buf`` once, without a
-    copy of the whole range first. ``at``: where ``buf[start]`` lies in the shard, for the
-    byte offsets errors name."""
+    """:func:`read_sample` of the bytes ``buf[start:end]``, where ``buf`` is anything that
+    slices to bytes: each field is cut out of ``buf`` once, without a copy of the whole range
+    first. ``at``: where ``buf[start]`` lies in the shard, for the byte offsets errors name."""
     sample = _plain_sample(buf, start, end, url, local)
     if sample is not None:
         return sample
